@@ -1,0 +1,55 @@
+"""accel_train: one readable training loop on Hugging Face Accelerate.
+
+    from accel_train import TrainConfig, build_accelerator, train
+
+    config = TrainConfig(output_dir="runs/demo", num_train_epochs=2, learning_rate=1e-3)
+    accelerator = build_accelerator(config)
+    result = train(model, train_loader, config=config, eval_loader=eval_loader,
+                   loss_fn=my_loss, metrics_fn=my_metrics, accelerator=accelerator)
+    print(result.metrics)
+
+`__all__` is the public API.
+"""
+
+from .checkpoint import export_model, list_checkpoints, resolve_checkpoint
+from .config import TrainConfig, parse_config, save_config
+from .errors import CheckpointError, ConfigError, DataError, LaunchError, ModelError, UserError, run_cli
+from .hooks import EarlyStopping, Hook
+from .loop import TrainResult, TrainState, default_loss, train
+from .metrics import evaluate_model, load_metric, shipped_metrics
+from .optim import StepPlan, build_optimizer, build_scheduler, make_plan, no_decay_param_groups
+from .runtime import build_accelerator, precision_in_effect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TrainConfig",
+    "parse_config",
+    "save_config",
+    "build_accelerator",
+    "precision_in_effect",
+    "train",
+    "TrainResult",
+    "TrainState",
+    "default_loss",
+    "evaluate_model",
+    "load_metric",
+    "shipped_metrics",
+    "build_optimizer",
+    "build_scheduler",
+    "no_decay_param_groups",
+    "make_plan",
+    "StepPlan",
+    "Hook",
+    "EarlyStopping",
+    "export_model",
+    "list_checkpoints",
+    "resolve_checkpoint",
+    "UserError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "LaunchError",
+    "ModelError",
+    "run_cli",
+]

@@ -1,0 +1,322 @@
+"""TrainConfig and config parsing: dataclass defaults < recipe defaults < a YAML file < CLI flags.
+
+Flag names follow `transformers.TrainingArguments` wherever the concept is the same, so habits carry
+over. Parsing goes through `transformers.HfArgumentParser`; a YAML file is turned into flags in front
+of the command line, so YAML values get exactly the same type checks as flags, and an unknown key or a
+wrong type is an error that names the key and the file. A parsed config is frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import yaml
+from transformers import HfArgumentParser
+
+from .errors import ConfigError
+
+TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "reduce_on_plateau")
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd")
+
+
+def _transformers_schedulers() -> tuple[str, ...]:
+    from transformers import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the loop needs. Field names are `TrainingArguments`' where the concept is the same."""
+
+    # --- where the run lives
+    output_dir: str = field(default="outputs/run", metadata={"help": "Run directory: config, checkpoints, logs, model."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Delete a previous run's files in output_dir instead of refusing to start."}
+    )
+    resume_from_checkpoint: Optional[str] = field(
+        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir) or a checkpoint path."}
+    )
+    run_name: Optional[str] = field(default=None, metadata={"help": "Name shown by trackers."})
+
+    # --- how long
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs (may be fractional)."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; overrides num_train_epochs when > 0."})
+
+    # --- batches
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch size on each process."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size on each process."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin host memory when on an accelerator."})
+    dataloader_persistent_workers: bool = field(default=False, metadata={"help": "Keep workers between epochs."})
+    dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete training batch."})
+
+    # --- optimisation
+    optim: str = field(default="adamw", metadata={"help": f"One of {OPTIMIZERS}."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    sgd_momentum: float = field(default=0.9, metadata={"help": "Momentum for optim=sgd."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm; <= 0 turns it off."})
+    label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing for cross-entropy."})
+
+    # --- learning-rate schedule (counted in optimizer steps)
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={"help": "A transformers.get_scheduler name, or torch's: " + ", ".join(TORCH_SCHEDULERS)},
+    )
+    lr_scheduler_kwargs: Optional[str] = field(
+        default=None, metadata={"help": 'JSON of scheduler arguments, e.g. \'{"step_size": 100, "gamma": 0.5}\'.'}
+    )
+    warmup_steps: float = field(
+        default=0, metadata={"help": "Warmup: an int number of steps, or a float in [0, 1) read as a ratio."}
+    )
+    warmup_ratio: Optional[float] = field(
+        default=None, metadata={"help": "transformers 4.x name for a warmup ratio; same as --warmup_steps 0.x."}
+    )
+
+    # --- precision and reproducibility
+    mixed_precision: Optional[Literal["no", "fp16", "bf16"]] = field(
+        default=None, metadata={"help": "no / fp16 / bf16; default: what `accelerate launch`/`accelerate config` set."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for model init, dropout and data order."})
+    data_seed: Optional[int] = field(default=None, metadata={"help": "Seed for data order only (default: seed)."})
+    expected_world_size: Optional[int] = field(
+        default=None, metadata={"help": "Fail at start unless exactly this many processes are running."}
+    )
+
+    # --- intervals
+    logging_strategy: Literal["no", "steps", "epoch"] = "steps"
+    logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (default: logging_steps)."})
+    save_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    save_steps: int = field(default=500, metadata={"help": "Checkpoint every N optimizer steps."})
+    save_total_limit: Optional[int] = field(
+        default=None, metadata={"help": "Keep the newest N checkpoints (the best one is always kept)."}
+    )
+
+    # --- best model and early stopping
+    metric_for_best_model: Optional[str] = field(
+        default=None, metadata={"help": "e.g. eval_accuracy; default eval_loss when best/early stopping is used."}
+    )
+    greater_is_better: Optional[bool] = field(
+        default=None, metadata={"help": "Direction of metric_for_best_model (default: False for *loss, else True)."}
+    )
+    load_best_model_at_end: bool = field(default=False, metadata={"help": "Restore the best checkpoint at the end."})
+    early_stopping_patience: Optional[int] = field(
+        default=None, metadata={"help": "Stop after N evaluations without improvement."}
+    )
+    early_stopping_threshold: float = field(default=0.0, metadata={"help": "Minimum improvement that counts."})
+
+    # --- observability
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={"help": "Trackers: tensorboard (default), wandb, mlflow, trackio, aim, ... or none."},
+    )
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ----- derived values (the config itself is never mutated)
+    @property
+    def scheduler_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.lr_scheduler_kwargs) if self.lr_scheduler_kwargs else {}
+
+    @property
+    def best_metric_name(self) -> Optional[str]:
+        if self.metric_for_best_model:
+            name = self.metric_for_best_model
+            return name if name.startswith("eval_") else f"eval_{name}"
+        if self.load_best_model_at_end or self.early_stopping_patience is not None:
+            return "eval_loss"
+        return None
+
+    @property
+    def best_is_greater(self) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not (self.best_metric_name or "").endswith("loss")
+
+    @property
+    def trackers(self) -> list[str]:
+        return [] if [t.lower() for t in self.report_to] in (["none"], []) else list(self.report_to)
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup in optimizer steps: a ratio (< 1) of total_steps, or an absolute count."""
+        value = self.warmup_ratio if self.warmup_ratio is not None else self.warmup_steps
+        return math.ceil(value * total_steps) if value < 1 else int(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _validate(cfg: TrainConfig) -> None:
+    def bad(name: str, value: Any, what: str) -> ConfigError:
+        return ConfigError(f"--{name}={value!r}: {what}")
+
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 1:
+            raise bad(name, getattr(cfg, name), "must be an integer >= 1.")
+    for name in ("logging_steps", "save_steps"):
+        if getattr(cfg, name) < 1:
+            raise bad(name, getattr(cfg, name), "must be >= 1.")
+    if cfg.eval_steps is not None and cfg.eval_steps < 1:
+        raise bad("eval_steps", cfg.eval_steps, "must be >= 1.")
+    if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
+        raise bad("num_train_epochs", cfg.num_train_epochs, "must be > 0 (or set --max_steps).")
+    if cfg.learning_rate < 0:
+        raise bad("learning_rate", cfg.learning_rate, "must be >= 0.")
+    if cfg.optim not in OPTIMIZERS:
+        raise bad("optim", cfg.optim, f"unknown optimizer; choose one of {', '.join(OPTIMIZERS)}.")
+    schedulers = _transformers_schedulers() + TORCH_SCHEDULERS
+    if cfg.lr_scheduler_type not in schedulers:
+        raise bad("lr_scheduler_type", cfg.lr_scheduler_type, f"unknown scheduler; choose one of {', '.join(schedulers)}.")
+    if cfg.lr_scheduler_kwargs:
+        try:
+            kwargs = json.loads(cfg.lr_scheduler_kwargs)
+        except json.JSONDecodeError as err:
+            raise bad("lr_scheduler_kwargs", cfg.lr_scheduler_kwargs, f"is not valid JSON ({err}).") from None
+        if not isinstance(kwargs, dict):
+            raise bad("lr_scheduler_kwargs", cfg.lr_scheduler_kwargs, "must be a JSON object.")
+    if cfg.warmup_ratio is not None:
+        if cfg.warmup_steps:
+            raise ConfigError("Give either --warmup_steps or --warmup_ratio, not both.")
+        if not 0 <= cfg.warmup_ratio < 1:
+            raise bad("warmup_ratio", cfg.warmup_ratio, "must be in [0, 1).")
+    if cfg.warmup_steps < 0 or (cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps)):
+        raise bad("warmup_steps", cfg.warmup_steps, "must be an integer >= 0 or a ratio in [0, 1).")
+    if not 0 <= cfg.label_smoothing_factor < 1:
+        raise bad("label_smoothing_factor", cfg.label_smoothing_factor, "must be in [0, 1).")
+    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
+        raise bad("save_total_limit", cfg.save_total_limit, "must be >= 1 (or unset to keep all).")
+    if cfg.early_stopping_patience is not None:
+        if cfg.early_stopping_patience < 1:
+            raise bad("early_stopping_patience", cfg.early_stopping_patience, "must be >= 1.")
+        if cfg.eval_strategy == "no":
+            raise ConfigError("--early_stopping_patience needs evaluations: set --eval_strategy steps or epoch.")
+    if cfg.load_best_model_at_end and (cfg.eval_strategy == "no" or cfg.save_strategy == "no"):
+        raise ConfigError("--load_best_model_at_end needs --eval_strategy and --save_strategy other than 'no'.")
+    if cfg.expected_world_size is not None and cfg.expected_world_size < 1:
+        raise bad("expected_world_size", cfg.expected_world_size, "must be >= 1.")
+    if cfg.dataloader_persistent_workers and cfg.dataloader_num_workers == 0:
+        raise ConfigError("--dataloader_persistent_workers needs --dataloader_num_workers > 0.")
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+class _Parser(HfArgumentParser):
+    """HfArgumentParser that raises ConfigError instead of printing usage and calling sys.exit."""
+
+    source = "command line"
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ConfigError(f"{self.source}: {message}. Run with --help to list the flags.")
+
+
+def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
+    """Turn a YAML mapping into flags; return (argv, keys set to null)."""
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values at the top level.")
+    known = {a.dest for a in parser._actions}
+    argv: list[str] = []
+    nulls: list[str] = []
+    for key, value in data.items():
+        if key not in known or key in ("help", "config"):
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{path}: unknown key '{key}'.{hint}")
+        if value is None:
+            nulls.append(key)
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [f"--{key}", json.dumps(value)]
+        else:
+            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv, nulls
+
+
+def parse_config(
+    dataclass_types: Sequence[type] = (TrainConfig,),
+    argv: Optional[Sequence[str]] = None,
+    defaults: Optional[dict[str, Any]] = None,
+) -> tuple:
+    """Parse `argv` (default: sys.argv[1:]) into one instance of each dataclass type.
+
+    Precedence, lowest first: dataclass defaults, `defaults` (a recipe's own), `--config FILE.yaml`, flags.
+    Unknown keys, unknown flags and wrong types raise `ConfigError` naming the key or flag.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(list(dataclass_types))
+    parser.add_argument("--config", default=None, help="YAML file of flag values (flags given here override it).")
+    if defaults:
+        unknown = set(defaults) - {a.dest for a in parser._actions}
+        if unknown:
+            raise ConfigError(f"recipe defaults name unknown fields: {sorted(unknown)}")
+        parser.set_defaults(**defaults)
+
+    config_path, rest = _pop_config_flag(argv)
+    yaml_argv: list[str] = []
+    nulls: list[str] = []
+    if config_path:
+        yaml_argv, nulls = _yaml_to_argv(Path(config_path), parser)
+        parser.source = str(config_path)  # errors from the YAML part name the file
+        parser.parse_args(yaml_argv)
+        parser.source = "command line"
+    namespace = parser.parse_args(yaml_argv + rest)
+    given_on_cli = {a.lstrip("-").split("=")[0].replace("-", "_") for a in rest if a.startswith("--")}
+    for key in nulls:
+        if key not in given_on_cli:
+            setattr(namespace, key, None)
+    values = vars(namespace)
+    values.pop("config", None)
+    outputs = []
+    for dtype in dataclass_types:
+        names = {f.name for f in dataclasses.fields(dtype) if f.init}
+        outputs.append(dtype(**{k: v for k, v in values.items() if k in names}))
+    return tuple(outputs)
+
+
+def _pop_config_flag(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    rest, path = [], None
+    it = iter(range(len(argv)))
+    for i in it:
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a YAML file path.")
+            path = argv[i + 1]
+            next(it)
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return path, rest
+
+
+def save_config(configs: Sequence[Any], path: Path) -> None:
+    """Write the resolved config(s) as one flat YAML mapping that `--config` reads back."""
+    merged: dict[str, Any] = {}
+    for cfg in configs:
+        merged.update(dataclasses.asdict(cfg))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(merged, sort_keys=False))

@@ -1,0 +1,58 @@
+"""User-facing errors: what was wrong, where, and what to do.
+
+Every error a user can fix by changing a flag, a file or a path is a `UserError`. Entry points wrap
+`main()` with `run_cli`, which prints the message (no stack trace) and exits with status 2, so a bad
+flag never looks like a crash in a library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+
+class UserError(Exception):
+    """An error the user can fix; the message says what was wrong, where, and what to do."""
+
+    kind = "error"
+
+
+class ConfigError(UserError):
+    kind = "config error"
+
+
+class DataError(UserError):
+    kind = "data error"
+
+
+class CheckpointError(UserError):
+    kind = "checkpoint error"
+
+
+class LaunchError(UserError):
+    kind = "launch error"
+
+
+class ModelError(UserError):
+    kind = "model error"
+
+
+EXIT_USER_ERROR = 2
+
+
+def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> None:
+    """Run a recipe's `main(argv)`; turn a `UserError` into a one-paragraph message and exit code 2.
+
+    Set `ACCEL_TRAIN_TRACEBACK=1` to see the full stack trace as well.
+    """
+    try:
+        main(argv)
+    except UserError as err:
+        if os.environ.get("ACCEL_TRAIN_TRACEBACK"):
+            raise
+        rank = os.environ.get("RANK", "0")
+        # Every rank usually hits the same error; say it once.
+        if rank == "0":
+            print(f"\naccel_train {err.kind}: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)

@@ -1,0 +1,121 @@
+"""What a run writes as it goes: the metrics history (JSONL), trackers, the progress bar, and the meters
+that feed them. Side effects happen on the main process only; reductions run on every rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+HISTORY = "metrics.jsonl"
+
+
+class RunLog:
+    """Appends records to `metrics.jsonl`, sends them to the trackers and drives the progress bar."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path, total_steps: int, initial_step: int,
+                 tracker_config: dict[str, Any], project_name: str, disable_bar: bool = False):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / HISTORY
+        self.main = accelerator.is_main_process
+        if self.main:
+            _truncate_history(self.path, initial_step)
+        if accelerator.log_with:
+            accelerator.init_trackers(project_name, config=_flat_hparams(tracker_config))
+        self.bar = tqdm(total=total_steps, initial=initial_step, disable=not self.main or disable_bar,
+                        dynamic_ncols=True, desc="train")
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        record = {"step": step, **record}
+        if self.main:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if "loss" in record:
+            self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
+                                 samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def write(self, message: str) -> None:
+        if self.main:
+            self.bar.write(message)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.accelerator.end_training()
+
+
+def _truncate_history(path: Path, step: int) -> None:
+    """On resume, drop records the interrupted run wrote after the checkpoint it resumes from."""
+    if not path.exists() or step == 0:
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _flat_hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """Trackers (TensorBoard's hparams in particular) accept only scalars and strings."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, (int, float, str, bool)):
+            out[key] = value
+        elif value is not None:
+            out[key] = str(value)
+    return out
+
+
+class StepMeter:
+    """Training loss, throughput and data-wait time between two log events.
+
+    Losses are summed on the device and reduced across processes only when a record is made, so the
+    loop does not synchronise with the device at every step.
+    """
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.micro_batches = 0
+        self.samples = 0
+        self.tokens = 0
+        self.data_wait = 0.0
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add_micro_batch(self, loss: torch.Tensor, samples: int, tokens: int, waited: float) -> None:
+        loss = loss.detach().float()
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.micro_batches += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.data_wait += waited
+
+    def record(self) -> dict[str, float]:
+        """Reduce across processes and return the interval's numbers (collective)."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        acc = self.accelerator
+        local = torch.tensor(
+            [0.0 if self.loss_sum is None else self.loss_sum.item(), self.micro_batches, self.samples, self.tokens],
+            dtype=torch.float64, device=acc.device,
+        )
+        total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
+        loss_sum, micro, samples, tokens = total.tolist()
+        record = {
+            "loss": loss_sum / micro if micro else math.nan,
+            "samples_per_second": samples / elapsed,
+            "data_wait_fraction": self.data_wait / elapsed,
+        }
+        if tokens:
+            record["tokens_per_second"] = tokens / elapsed
+        self.reset()
+        return record

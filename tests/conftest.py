@@ -1,0 +1,78 @@
+"""Shared test helpers: offline environment, fresh Accelerate state, and real multi-process launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate keeps process-wide singletons; each test starts from a clean slate."""
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def launch(script: str | Path, args: list[str], num_processes: int = 1, check: bool = True, timeout: int = 600,
+           launcher_args: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `script` through the real `accelerate launch` (N gloo processes on CPU when N > 1)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if num_processes > 1:
+        cmd += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", str(free_port())]
+    else:
+        cmd += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [*(launcher_args or []), str(script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(ACCELERATE_USE_CPU="1"), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def toy_records(output_dir: Path) -> dict[int, list[dict]]:
+    """{rank: [record of each toy_train run, oldest first]} written by tests/toy_train.py."""
+    out: dict[int, list[dict]] = {}
+    for path in sorted(output_dir.glob("toy_rank*_*.json"), key=lambda p: p.stat().st_mtime_ns):
+        rank = int(path.name.split("_")[1].removeprefix("rank"))
+        out.setdefault(rank, []).append(json.loads(path.read_text()))
+    return out

@@ -182,8 +182,8 @@ def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path:
             try:
                 verify_checkpoint(path)
                 return path
-            except CheckpointError:
-                continue
+            except CheckpointError as err:
+                print(f"skipping checkpoint {path.name}: {err}", flush=True)
         raise CheckpointError(f"no checkpoint in {checkpoints_dir(output_dir)} verifies against its manifest.")
     path = Path(spec)
     if not path.is_dir():

@@ -144,10 +144,15 @@ class TrainConfig:
         return None
 
     @property
+    def monitored_metric(self) -> str:
+        """The metric that best-model tracking, early stopping and reduce_on_plateau watch."""
+        return self.best_metric_name or "eval_loss"
+
+    @property
     def best_is_greater(self) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        return not (self.best_metric_name or "").endswith("loss")
+        return not self.monitored_metric.endswith("loss")
 
     @property
     def trackers(self) -> list[str]:

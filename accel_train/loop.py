@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,7 @@ def train(
     `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named floats.
     """
     accelerator = accelerator or build_accelerator(config)
-    prepare_output_dir(accelerator, config, extra_configs)
+    existing = check_output_dir(config, accelerator.process_index)
     loss_fn = loss_fn or default_loss(config.label_smoothing_factor)
     raw_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else build_optimizer(model, config, optimizer)
     shapes = ckpt.parameter_shapes(model)
@@ -121,6 +122,7 @@ def train(
     state = TrainState(world_size=accelerator.num_processes, global_batch_size=plan.global_batch_size)
     if config.resume_from_checkpoint:
         state = resume(accelerator, config, plan, shapes, hooks)
+    start_run_dir(accelerator, config, existing, extra_configs)  # only now, with every check passed, write
     run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, eval_loader, hooks, shapes)
     run.last_save = run.last_log_step = state.step
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,
@@ -224,7 +226,7 @@ class Run:
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
         if steps_on_evaluation(self.scheduler):
-            self.scheduler.step(metrics[name or "eval_loss"])
+            self.scheduler.step(metrics[self.config.monitored_metric])
         if name is None:
             return metrics, False
         if name not in metrics:
@@ -336,8 +338,9 @@ def _builtin_hooks(config: TrainConfig) -> list:
                           config.early_stopping_patience, config.early_stopping_threshold)]
 
 
-def prepare_output_dir(accelerator: Accelerator, config: TrainConfig, extra_configs: Sequence[Any] = ()) -> None:
-    """Refuse to mix two runs in one directory; write the resolved config. Checked on every rank."""
+def check_output_dir(config: TrainConfig, rank: int) -> list[str]:
+    """Refuse to mix two runs in one directory, or a directory that cannot be written. Writes nothing
+    that could be mistaken for a run, so a refused start leaves the directory as it was. Every rank checks."""
     out = Path(config.output_dir)
     existing = [name for name in RUN_FILES if (out / name).exists()]
     if existing and not config.resume_from_checkpoint and not config.overwrite_output_dir:
@@ -345,18 +348,21 @@ def prepare_output_dir(accelerator: Accelerator, config: TrainConfig, extra_conf
             f"--output_dir {out} already holds a run ({', '.join(existing)}). Continue it with "
             "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or choose another --output_dir."
         )
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            probe = out / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"--output_dir {out} is not writable ({err.strerror}). Choose another directory.") from None
-        if existing and config.overwrite_output_dir and not config.resume_from_checkpoint:
-            import shutil
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{rank}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--output_dir {out} is not writable ({err.strerror}). Choose another directory.") from None
+    return existing
 
+
+def start_run_dir(accelerator: Accelerator, config: TrainConfig, existing: list[str], extra_configs=()) -> None:
+    """Clear a replaced run (--overwrite_output_dir) and write the resolved config."""
+    out = Path(config.output_dir)
+    if accelerator.is_main_process:
+        if existing and config.overwrite_output_dir and not config.resume_from_checkpoint:
             for name in existing:
                 target = out / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink()

@@ -104,6 +104,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan:
     cosine_annealing) get a linear warmup in front through SequentialLR.
     """
     name, kwargs = config.lr_scheduler_type, config.scheduler_kwargs
+    if name == "constant" and plan.warmup_steps:
+        name = "constant_with_warmup"  # transformers' "constant" silently ignores the warmup asked for
+    if name == "reduce_lr_on_plateau":
+        name = "reduce_on_plateau"  # one implementation, stepped on evaluations by the loop
     if name not in TORCH_SCHEDULERS:
         from transformers import get_scheduler
 

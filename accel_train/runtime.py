@@ -37,7 +37,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             data_seed=config.data_seed if config.data_seed is not None else config.seed,
             non_blocking=config.dataloader_pin_memory,
         ),
-        log_with=_trackers(config),
+        log_with=_trackers(config) or None,
         project_config=ProjectConfiguration(
             project_dir=config.output_dir, logging_dir=str(Path(config.output_dir) / "runs")
         ),
@@ -87,14 +87,18 @@ def _num_processes_from_parent() -> Optional[int]:
     except OSError:
         return None
     args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-    if not any(a.endswith("accelerate") for a in args[:2]) or "launch" not in args:
+    launcher = any(a.endswith("accelerate") for a in args[:2]) and "launch" in args[:3]
+    if not (launcher or "accelerate.commands.launch" in args[:3]):
         return None
-    for i, arg in enumerate(args):
+    found = None  # the launcher's own flags end at the script; the last occurrence wins, as in argparse
+    for i, arg in enumerate(args[1:], start=1):
+        if arg.endswith(".py") and not args[i - 1].startswith("--config"):
+            break
         if arg in ("--num_processes", "--num-processes") and i + 1 < len(args) and args[i + 1].isdigit():
-            return int(args[i + 1])
-        if arg.startswith(("--num_processes=", "--num-processes=")):
-            return int(arg.split("=", 1)[1])
-    return None
+            found = int(args[i + 1])
+        elif arg.startswith(("--num_processes=", "--num-processes=")):
+            found = int(arg.split("=", 1)[1])
+    return found
 
 
 def check_world_size(accelerator: Accelerator, explicit: Optional[int] = None) -> None:

@@ -22,6 +22,7 @@ class ToyArgs:
     num_samples: int = 96
     eval_samples: int = 37  # not a multiple of the batch: gathering must drop the padded duplicates
     dropout: float = 0.0
+    hidden: int = 32  # change it to make an incompatible architecture
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
 
 
@@ -50,7 +51,7 @@ def main(argv=None):
     config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults={"report_to": ["none"], "disable_tqdm": True})
     accelerator = build_accelerator(config)
     model = torch.nn.Sequential(
-        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Dropout(toy.dropout), torch.nn.Linear(32, 2)
+        torch.nn.Linear(6, toy.hidden), torch.nn.Tanh(), torch.nn.Dropout(toy.dropout), torch.nn.Linear(toy.hidden, 2)
     )
     seen: list[list[int]] = []
 

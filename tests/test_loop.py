@@ -1,0 +1,133 @@
+"""The loop in one process: accumulation equivalence (5a), bf16 on CPU (5e), schedules, run-directory contents."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import toy_train
+from accel_train import ConfigError, TrainConfig, build_accelerator, build_scheduler, make_plan, train
+from accel_train.loop import _window_scale
+from conftest import read_jsonl, reset_accelerate
+
+QUIET = ["--report_to", "none", "--disable_tqdm"]
+
+
+def run_toy(out, *args):
+    reset_accelerate()
+    toy_train.main(["--output_dir", str(out), *QUIET, *args])
+    return load_file(out / "model.safetensors")
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("num_samples", [48, 40])  # 40: the last accumulation window of each epoch is short
+def test_accumulation_equals_one_big_batch(tmp_path, num_samples):
+    # SGD, not Adam: Adam normalises the gradient scale and would hide a loss divided twice.
+    common = ["--num_samples", str(num_samples), "--optim", "sgd", "--sgd_momentum", "0", "--learning_rate", "0.5",
+              "--num_train_epochs", "3", "--max_grad_norm", "0", "--save_strategy", "no", "--eval_strategy", "no"]
+    small = run_toy(tmp_path / "acc", *common, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3")
+    big = run_toy(tmp_path / "big", *common, "--per_device_train_batch_size", "12", "--gradient_accumulation_steps", "1")
+    initial = torch.nn.Linear(6, 32)  # sanity: training moved the weights
+    assert max_diff(small, big) < 1e-5
+    assert small["0.weight"].shape == initial.weight.shape
+    steps = [r for r in read_jsonl(tmp_path / "acc" / "metrics.jsonl") if "loss" in r]
+    assert steps[-1]["step"] == 3 * -(-num_samples // 12)
+
+
+def test_window_scale_rescales_only_the_short_last_window():
+    # 10 micro-batches, accumulation 4: windows of 4, 4, 2
+    assert [_window_scale(i, 10, 4) for i in range(10)] == [1.0] * 8 + [2.0, 2.0]
+    assert [_window_scale(i, 6, 1) for i in range(6)] == [1.0] * 6
+
+
+def test_bf16_on_cpu_really_runs_in_bf16(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    y = (x[:, 0] > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    dtypes = set()
+    model[0].register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+    config = TrainConfig(output_dir=str(tmp_path), mixed_precision="bf16", num_train_epochs=8, learning_rate=0.02,
+                         per_device_train_batch_size=16, report_to=["none"], disable_tqdm=True, logging_steps=1,
+                         eval_strategy="no", save_strategy="no")
+    result = train(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True),
+                   loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), config=config)
+    assert dtypes == {torch.bfloat16}
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < 0.7 * losses[0]
+    assert result.accelerator.mixed_precision == "bf16"
+
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="fp16 was requested on a CPU.*bf16"):
+        build_accelerator(TrainConfig(output_dir=str(tmp_path), mixed_precision="fp16", report_to=["none"]))
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("linear", None), ("cosine", None), ("cosine_with_restarts", None), ("polynomial", None), ("constant", None),
+    ("constant_with_warmup", None), ("inverse_sqrt", None), ("reduce_lr_on_plateau", None), ("cosine_with_min_lr", '{"min_lr_rate": 0.1}'),
+    ("warmup_stable_decay", '{"num_decay_steps": 10}'), ("step", '{"step_size": 10, "gamma": 0.5}'),
+    ("multistep", '{"milestones": [20, 30]}'), ("exponential", '{"gamma": 0.9}'), ("cosine_annealing", None),
+])
+def test_every_scheduler_warms_up_in_optimizer_steps(name, kwargs):
+    config = TrainConfig(learning_rate=1.0, lr_scheduler_type=name, lr_scheduler_kwargs=kwargs, warmup_steps=4,
+                         max_steps=40, report_to=["none"])
+    plan = make_plan(config, batches_per_epoch=10, num_processes=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if name == "reduce_lr_on_plateau":  # steps on evaluations, takes no warmup: refused with a message
+        with pytest.raises(ConfigError, match="takes no warmup"):
+            build_scheduler(optimizer, config, plan)
+        return
+    scheduler = build_scheduler(optimizer, config, plan)
+    lrs = []
+    for _ in range(plan.total_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    if name in ("linear", "cosine", "polynomial", "cosine_annealing", "step", "multistep", "exponential"):
+        assert lrs[-1] < 0.9
+
+
+def test_reduce_on_plateau_steps_on_evaluations(tmp_path):
+    run_toy(tmp_path / "p", "--lr_scheduler_type", "reduce_on_plateau", "--lr_scheduler_kwargs",
+            '{"patience": 0, "factor": 0.5, "threshold": 0.01}', "--learning_rate", "1e-5", "--eval_strategy", "steps", "--eval_steps", "2",
+            "--logging_steps", "2", "--max_steps", "8", "--save_strategy", "no")
+    # lr ~0: the eval loss never improves, so every evaluation after the first halves the lr (and nothing else does)
+    history = read_jsonl(tmp_path / "p" / "metrics.jsonl")
+    assert [r["step"] for r in history if "eval_loss" in r] == [2, 4, 6, 8]
+    assert [r["learning_rate"] for r in history if "loss" in r] == pytest.approx([1e-5, 1e-5, 5e-6, 2.5e-6])
+
+
+def test_warmup_longer_than_training_is_refused():
+    config = TrainConfig(warmup_steps=50, max_steps=10, report_to=["none"])
+    with pytest.raises(ConfigError, match="warmup .50 steps. is longer than training .10"):
+        make_plan(config, batches_per_epoch=5, num_processes=1)
+
+
+def test_run_directory_holds_everything(tmp_path):
+    out = tmp_path / "run"
+    run_toy(out, "--num_train_epochs", "2", "--save_total_limit", "1", "--report_to", "tensorboard",
+            "--metric_for_best_model", "accuracy", "--eval_strategy", "epoch")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "all_results.json", "checkpoints", "runs", "model.safetensors"} <= names
+    results = json.loads((out / "all_results.json").read_text())
+    assert {"eval_loss", "eval_accuracy", "train_loss", "train_runtime", "epoch"} <= set(results)
+    assert results["eval_samples"] == 37
+    ckpts = sorted((out / "checkpoints").iterdir())
+    state = json.loads((ckpts[-1] / "train_state.json").read_text())
+    assert (ckpts[-1] / "model.safetensors").is_file() and (ckpts[-1] / "manifest.json").is_file()
+    # keep-last-1 never deletes the best checkpoint
+    assert {p.name for p in ckpts} == {"step-00000024", state["best_checkpoint"]}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert "loss" in events.Tags()["scalars"] and "eval_accuracy" in events.Tags()["scalars"]
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no wrapper prefixes leak

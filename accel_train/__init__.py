@@ -13,6 +13,7 @@
 
 from .checkpoint import export_model, list_checkpoints, resolve_checkpoint
 from .config import TrainConfig, parse_config, save_config
+from .data import LengthGroupedSampler, make_loader, seed_worker
 from .errors import CheckpointError, ConfigError, DataError, LaunchError, ModelError, UserError, run_cli
 from .hooks import EarlyStopping, Hook
 from .loop import TrainResult, TrainState, default_loss, train
@@ -40,6 +41,9 @@ __all__ = [
     "no_decay_param_groups",
     "make_plan",
     "StepPlan",
+    "make_loader",
+    "LengthGroupedSampler",
+    "seed_worker",
     "Hook",
     "EarlyStopping",
     "export_model",

@@ -1,0 +1,104 @@
+"""`accel-train`: the command-line companion of the package.
+
+    accel-train launch [accelerate launch flags] SCRIPT [script flags]
+
+`launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
+joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
+processes were requested so that a run that comes up with fewer fails at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+from .errors import LaunchError, UserError
+
+_ENGINE_FLAGS = ("--multi_gpu", "--use_fsdp", "--use_deepspeed", "--use_megatron_lm", "--tpu")
+
+
+def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(launcher flags, [script, script flags]): the script is the first argument ending in .py."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py") and not (i and argv[i - 1] in ("--config_file", "--config-file")):
+            return argv[:i], argv[i:]
+        if arg in ("-m", "--module") and i + 1 < len(argv):
+            return argv[: i + 1], argv[i + 1:]
+    raise LaunchError("accel-train launch: no script given (e.g. accel-train launch --cpu recipes/nlp_finetune.py).")
+
+
+def _flag_value(args: list[str], *names: str) -> Optional[str]:
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def plan_launch(argv: Sequence[str], has_gpu: bool) -> tuple[list[str], dict[str, str]]:
+    """The `accelerate launch` argv and the extra environment for an `accel-train launch` argv."""
+    launcher, script = split_launch_args(argv)
+    config_file = _flag_value(launcher, "--config_file", "--config-file")
+    file_cfg: dict = {}
+    if config_file:
+        if not Path(config_file).is_file():
+            raise LaunchError(f"--config_file {config_file}: no such file (presets live in accelerate_configs/).")
+        file_cfg = yaml.safe_load(Path(config_file).read_text()) or {}
+    num = _flag_value(launcher, "--num_processes", "--num-processes")
+    num_processes = int(num) if num else int(file_cfg.get("num_processes", 1))
+    wants_cpu = "--cpu" in launcher or bool(file_cfg.get("use_cpu")) or not has_gpu
+    env = {"ACCEL_TRAIN_EXPECTED_WORLD_SIZE": str(num_processes)}
+    if wants_cpu and num_processes > 1:
+        if file_cfg.get("use_cpu"):
+            raise LaunchError(
+                f"{config_file} sets use_cpu: true, with which `accelerate launch` starts a single process. "
+                "Use accelerate_configs/cpu_multiprocess.yaml (distributed_type: MULTI_GPU, use_cpu: false)."
+            )
+        launcher = [a for a in launcher if a != "--cpu"]
+        if not any(flag in launcher for flag in _ENGINE_FLAGS) and file_cfg.get("distributed_type") in (None, "NO"):
+            launcher.insert(0, "--multi_gpu")
+        env["ACCELERATE_USE_CPU"] = "1"  # the processes join a gloo group instead of running unconnected
+    return ["launch", *launcher, *script], env
+
+
+def _launch(argv: Sequence[str]) -> int:
+    import torch
+    from accelerate.commands.accelerate_cli import main as accelerate_main
+
+    args, env = plan_launch(argv, has_gpu=torch.cuda.is_available())
+    os.environ.update(env)
+    print(f"accel-train: accelerate {' '.join(args)}  ({', '.join(f'{k}={v}' for k, v in env.items())})",
+          file=sys.stderr, flush=True)
+    sys.argv = ["accelerate", *args]
+    accelerate_main()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="accel-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["launch"], help="what to do")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    parser.parse_args([command])
+    try:
+        return _launch(rest)
+    except UserError as err:
+        print(f"accel-train {err.kind}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,8 +17,8 @@ from .data import LengthGroupedSampler, make_loader, seed_worker
 from .errors import CheckpointError, ConfigError, DataError, LaunchError, ModelError, UserError, run_cli
 from .hooks import EarlyStopping, Hook
 from .loop import TrainResult, TrainState, default_loss, train
-from .metrics import evaluate_model, load_metric, shipped_metrics
-from .optim import StepPlan, build_optimizer, build_scheduler, make_plan, no_decay_param_groups
+from .metrics import evaluate_model, gather_outputs, load_metric, shipped_metrics
+from .optim import StepPlan, build_optimizer, layerwise_lr_decay_groups, build_scheduler, make_plan, no_decay_param_groups
 from .runtime import build_accelerator, precision_in_effect
 
 __version__ = "0.1.0"
@@ -34,11 +34,13 @@ __all__ = [
     "TrainState",
     "default_loss",
     "evaluate_model",
+    "gather_outputs",
     "load_metric",
     "shipped_metrics",
     "build_optimizer",
     "build_scheduler",
     "no_decay_param_groups",
+    "layerwise_lr_decay_groups",
     "make_plan",
     "StepPlan",
     "make_loader",

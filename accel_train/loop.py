@@ -190,7 +190,7 @@ class Run:
         if self.due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):
             stop |= self.log_train(state, meter)
             acted = True
-        improved = False
+        improved, started = False, time.perf_counter()
         if self.eval_loader is not None and self.due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps,
                                                      state.step, epoch_end):
             metrics, improved = self.evaluate(state)
@@ -199,6 +199,7 @@ class Run:
         if cfg.save_strategy != "no" and (improved or self.due(cfg.save_strategy, cfg.save_steps, state.step, epoch_end)):
             stop |= self.save(state, best=improved)
             acted = True
+        meter.pause(time.perf_counter() - started)
         if not acted:
             return False
         if stop:  # agreed across ranks, so that every process stops at the same step

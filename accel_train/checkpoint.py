@@ -87,14 +87,18 @@ def save_checkpoint(
         tmp.mkdir()
     accelerator.wait_for_everyone()
     error: Optional[BaseException] = None
-    try:
+    try:  # every rank writes its part (RNG state; FSDP / DeepSpeed shards)
         accelerator.save_state(str(tmp), safe_serialization=True)
-        if accelerator.is_main_process:
-            (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
-            _write_manifest(tmp, step, shapes, accelerator.num_processes)
     except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
         error = err
-    failed = _any_rank(accelerator, error is not None)
+    failed = _any_rank(accelerator, error is not None)  # also the barrier before the manifest
+    if not failed and accelerator.is_main_process:
+        try:
+            (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
+            _write_manifest(tmp, step, shapes, accelerator.num_processes)
+        except OSError as err:
+            error = err
+    failed = _any_rank(accelerator, error is not None) or failed
     if failed:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -120,10 +124,10 @@ def _any_rank(accelerator: Accelerator, flag: bool) -> bool:
 
 
 def _write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None:
-    files = {}
-    for f in sorted(path.iterdir()):
+    files = {}  # recursive: FSDP and DeepSpeed write sharded state in sub-directories
+    for f in sorted(path.rglob("*")):
         if f.is_file() and f.name != MANIFEST:
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "shapes": shapes}
     tmp = path / f"{MANIFEST}.tmp"
     with open(tmp, "w") as fh:

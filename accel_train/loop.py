@@ -24,7 +24,8 @@ from .config import TrainConfig, save_config
 from .errors import CheckpointError, ConfigError
 from .hooks import EarlyStopping, call_hooks, hook_key
 from .metrics import MetricsFn, as_loss_output, batch_size_of, evaluate_model
-from .optim import StepPlan, build_optimizer, build_scheduler, current_lr, make_plan, steps_on_evaluation
+from .optim import (StepPlan, batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan,
+                    steps_on_evaluation)
 from .runtime import build_accelerator, startup_report
 from .tracking import RunLog, StepMeter
 
@@ -111,13 +112,18 @@ def train(
     """
     accelerator = accelerator or build_accelerator(config)
     existing = check_output_dir(config, accelerator.process_index)
+    accelerator.wait_for_everyone()  # every rank has looked before the main process writes anything
     loss_fn = loss_fn or default_loss(config.label_smoothing_factor)
-    raw_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else build_optimizer(model, config, optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = build_optimizer(model, config, optimizer, accelerator)
     shapes = ckpt.parameter_shapes(model)
-    model, optimizer, train_loader = accelerator.prepare(model, raw_optimizer, train_loader)
+    plan = make_plan(config, batches_per_process(train_loader, accelerator.num_processes), accelerator.num_processes)
+    scheduler = scheduler or build_scheduler(optimizer, config, plan, accelerator)
+    # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
-    plan = make_plan(config, len(train_loader), accelerator.num_processes)
-    scheduler = accelerator.prepare(scheduler or build_scheduler(raw_optimizer, config, plan))
+    if len(train_loader) != plan.batches_per_epoch:
+        raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has {len(train_loader)}")
     hooks = list(hooks) + _builtin_hooks(config)
     state = TrainState(world_size=accelerator.num_processes, global_batch_size=plan.global_batch_size)
     if config.resume_from_checkpoint:

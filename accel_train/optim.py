@@ -102,13 +102,38 @@ def layerwise_lr_decay_groups(
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
+def batches_per_process(loader, num_processes: int) -> int:
+    """Micro-batches each process gets from `loader` once prepared: Accelerate deals whole batches round-robin
+    and evens them out (drop_last: the incomplete round is dropped)."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        raise ConfigError("the training loader has no length (an iterable dataset): give it a length or "
+                          "use --max_steps with a map-style dataset.") from None
+    if num_processes == 1:
+        return batches
+    return batches // num_processes if loader.drop_last else math.ceil(batches / num_processes)
+
+
+def deepspeed_config(accelerator) -> dict:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None) if accelerator is not None else None
+    return plugin.deepspeed_config if plugin is not None else {}
+
+
 def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, params: Optional[ParamGroups] = None
+    model: torch.nn.Module, config: TrainConfig, params: Optional[ParamGroups] = None, accelerator=None
 ) -> torch.optim.Optimizer:
-    """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`)."""
+    """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`).
+
+    Under DeepSpeed with an optimizer in its JSON, DeepSpeed's own optimizer is used (Accelerate's DummyOptim
+    stands in for it until `prepare`)."""
     groups = list(params) if params is not None else no_decay_param_groups(model, config.weight_decay)
     if not groups:
         raise ConfigError("the optimizer has no parameters: every parameter of the model is frozen.")
+    if "optimizer" in deepspeed_config(accelerator):
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(groups, lr=config.learning_rate, weight_decay=config.weight_decay)
     name = config.optim
     if name in ("adamw", "adamw_torch", "adamw_torch_fused", "adam"):
         kwargs: dict[str, Any] = dict(
@@ -125,12 +150,17 @@ def build_optimizer(
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan: StepPlan):
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan: StepPlan, accelerator=None):
     """A schedule over `plan.total_steps` optimizer steps with `plan.warmup_steps` of linear warmup.
 
     transformers' schedulers take the warmup themselves; torch's (step, multistep, exponential,
-    cosine_annealing) get a linear warmup in front through SequentialLR.
+    cosine_annealing) get a linear warmup in front through SequentialLR. Under DeepSpeed with a scheduler in
+    its JSON, DeepSpeed's is used, told the same total and warmup steps.
     """
+    if "scheduler" in deepspeed_config(accelerator):
+        from accelerate.utils import DummyScheduler
+
+        return DummyScheduler(optimizer, total_num_steps=plan.total_steps, warmup_num_steps=plan.warmup_steps)
     name, kwargs = config.lr_scheduler_type, config.scheduler_kwargs
     if name == "constant" and plan.warmup_steps:
         name = "constant_with_warmup"  # transformers' "constant" silently ignores the warmup asked for

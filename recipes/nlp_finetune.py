@@ -28,7 +28,7 @@ from accel_train.text import (Labels, encode_labels, load_embedded_tweets, load_
                               padding_ratio, pick_columns, split_off_validation, tokenize)
 
 DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_device_train_batch_size=32,
-                per_device_eval_batch_size=64, learning_rate=1e-4, weight_decay=0.01, warmup_steps=0.1,
+                per_device_eval_batch_size=64, learning_rate=2e-4, weight_decay=0.01, warmup_steps=0.1,
                 logging_steps=10, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
                 load_best_model_at_end=True, metric_for_best_model="accuracy")
 

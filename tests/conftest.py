@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -76,3 +77,51 @@ def toy_records(output_dir: Path) -> dict[int, list[dict]]:
         rank = int(path.name.split("_")[1].removeprefix("rank"))
         out.setdefault(rank, []).append(json.loads(path.read_text()))
     return out
+
+
+# ------------------------------------------------------------------ a tiny text classification world
+
+POSITIVE = "good great fine lovely superb nice brilliant moving".split()
+NEGATIVE = "bad awful poor dull boring weak terrible bland".split()
+FILLER = "the movie film plot was a an and it is really quite story acting".split()
+
+
+def sentence(rng, positive: bool) -> str:
+    words = rng.sample(FILLER, 4) + rng.sample(POSITIVE if positive else NEGATIVE, 2)
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def make_rows(n: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    return [(i % 2, sentence(rng, i % 2 == 1)) for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    """A 2-layer BERT with a word-level vocabulary, built from a config: no download."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(POSITIVE + NEGATIVE + FILLER))]
+    BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=48, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    BertForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def sst_like(tmp_path):
+    """'<label> <text>' files like ../shared/data/sentence-classification."""
+    files = {}
+    for split, n, seed in (("train", 96, 0), ("dev", 40, 1), ("test", 24, 2)):
+        files[split] = tmp_path / f"toy.{split}"
+        files[split].write_text("".join(f"{y} {t}\n" for y, t in make_rows(n, seed)))
+    return files
+
+

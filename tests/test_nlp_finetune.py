@@ -10,57 +10,15 @@ import torch
 
 from accel_train import layerwise_lr_decay_groups, run_cli
 from accel_train.text import load_embedded_tweets
-from conftest import ROOT, SHARED_DATA, launch, reset_accelerate
+from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import nlp_finetune  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "nlp_finetune.py"
-POSITIVE = "good great fine lovely superb nice brilliant moving".split()
-NEGATIVE = "bad awful poor dull boring weak terrible bland".split()
-FILLER = "the movie film plot was a an and it is really quite story acting".split()
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "3", "--learning_rate", "3e-3",
         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--warmup_steps", "0",
         "--max_seq_length", "32"]
-
-
-def sentence(rng, positive: bool) -> str:
-    words = rng.sample(FILLER, 4) + rng.sample(POSITIVE if positive else NEGATIVE, 2)
-    rng.shuffle(words)
-    return " ".join(words)
-
-
-def make_rows(n: int, seed: int):
-    import random
-
-    rng = random.Random(seed)
-    return [(i % 2, sentence(rng, i % 2 == 1)) for i in range(n)]
-
-
-@pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory):
-    """A 2-layer BERT with a word-level vocabulary, built from a config: no download."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
-
-    path = tmp_path_factory.mktemp("tiny_bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(POSITIVE + NEGATIVE + FILLER))]
-    BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(path)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    BertForSequenceClassification(config).save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def sst_like(tmp_path):
-    """'<label> <text>' files like ../shared/data/sentence-classification."""
-    files = {}
-    for split, n, seed in (("train", 96, 0), ("dev", 40, 1), ("test", 24, 2)):
-        files[split] = tmp_path / f"toy.{split}"
-        files[split].write_text("".join(f"{y} {t}\n" for y, t in make_rows(n, seed)))
-    return files
 
 
 def run(argv):
@@ -198,7 +156,7 @@ def test_bad_labels_files_and_models(tiny_bert, sst_like, tmp_path, capsys):
     fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--model_name_or_path", str(tmp_path / "nope")],
           "--model_name_or_path")
     fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--max_seq_length", "512"],
-          "--max_seq_length 512 exceeds the 64 positions")
+          "--max_seq_length 512 exceeds the 128 positions")
 
 
 @pytest.mark.slow

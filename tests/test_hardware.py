@@ -1,0 +1,152 @@
+"""accelerate_configs/ and distributed runs on CPU: presets parse and run through the real launcher, two
+"nodes" on one machine equal one process, and checkpoints move between world sizes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from accel_train.cli import plan_launch
+from conftest import ROOT, free_port, launch, subprocess_env, toy_records
+
+PRESETS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+TOY = ROOT / "tests" / "toy_train.py"
+QUIET = ["--report_to", "none", "--disable_tqdm"]
+
+
+def test_there_is_a_preset_for_every_target():
+    names = {p.stem for p in PRESETS}
+    assert names == {"cpu", "cpu_multiprocess", "single_gpu_bf16", "single_gpu_fp16", "multi_gpu", "multi_node",
+                     "fsdp", "deepspeed_zero2", "deepspeed_zero3"}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_parses_with_accelerate_and_says_when_and_how(preset):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(preset))
+    header = [line for line in preset.read_text().splitlines() if line.startswith("#")]
+    text = "\n".join(header)
+    assert header[0].startswith("# When:"), preset
+    assert f"--config_file accelerate_configs/{preset.name}" in text and "Launch" in text
+    assert config.num_processes >= 1
+    ds = (config.deepspeed_config or {}).get("deepspeed_config_file")
+    if ds:
+        assert "optimizer" in json.loads((ROOT / ds).read_text())
+
+
+def test_fsdp_preset_is_fsdp2_full_shard_with_layer_wrap_and_sharded_state():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    fsdp = load_config_from_file(str(ROOT / "accelerate_configs" / "fsdp.yaml")).fsdp_config
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+
+
+def test_accel_train_launch_turns_cpu_multiprocess_into_a_gloo_group():
+    args, env = plan_launch(["--cpu", "--num_processes", "2", "train.py", "--lr", "1"], has_gpu=False)
+    assert args == ["launch", "--multi_gpu", "--num_processes", "2", "train.py", "--lr", "1"]
+    assert env == {"ACCEL_TRAIN_EXPECTED_WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "1"}
+    preset = str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")
+    args, env = plan_launch(["--cpu", "--config_file", preset, "train.py"], has_gpu=True)
+    assert args == ["launch", "--config_file", preset, "train.py"] and env["ACCELERATE_USE_CPU"] == "1"
+    args, env = plan_launch(["--num_processes", "1", "train.py"], has_gpu=True)
+    assert env == {"ACCEL_TRAIN_EXPECTED_WORLD_SIZE": "1"}
+
+
+@pytest.mark.slow
+def test_cpu_presets_run_the_nlp_recipe(tmp_path, request):
+    tiny_bert = request.getfixturevalue("tiny_bert")
+    sst_like = request.getfixturevalue("sst_like")
+    recipe = ["recipes/nlp_finetune.py", "--model_name_or_path", str(tiny_bert), "--train_file",
+              str(sst_like["train"]), "--validation_file", str(sst_like["dev"]), "--max_steps", "4",
+              "--per_device_train_batch_size", "4", *QUIET]
+    env = subprocess_env()
+    single = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             "accelerate_configs/cpu.yaml", *recipe, "--output_dir", str(tmp_path / "cpu")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "1 process(es), NO, device cpu" in single.stdout
+    multi = subprocess.run([sys.executable, "-m", "accel_train.cli", "launch", "--cpu", "--config_file",
+                            "accelerate_configs/cpu_multiprocess.yaml", "--main_process_port", str(free_port()),
+                            *recipe, "--output_dir", str(tmp_path / "multi")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    assert "2 process(es), MULTI_CPU" in multi.stdout
+    for name in ("cpu", "multi"):
+        assert json.loads((tmp_path / name / "all_results.json").read_text())["train_steps"] == 4
+
+
+def launch_two_nodes(args, tmp_path):
+    """Two `accelerate launch` commands, machine rank 0 and 1, one process each, rendezvous on 127.0.0.1."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+               "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", port, str(TOY), *args]
+        log = open(tmp_path / f"node{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(ACCELERATE_USE_CPU="1"), stdout=log,
+                                      stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=600) for p in procs]
+    assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_process_with_the_same_global_batch(tmp_path):
+    common = ["--num_train_epochs", "2", "--learning_rate", "0.05", "--logging_steps", "1", "--eval_strategy",
+              "epoch", "--save_strategy", "no", *QUIET]
+    launch_two_nodes([*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "nodes")],
+                     tmp_path)
+    launch(TOY, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")], 1)
+    nodes, one = tmp_path / "nodes", tmp_path / "one"
+    assert "2 process(es), MULTI_CPU" in (tmp_path / "node0.log").read_text()
+    diff = max_diff(load_file(one / "model.safetensors"), load_file(nodes / "model.safetensors"))
+    assert diff < 1e-6
+    a = json.loads((one / "all_results.json").read_text())
+    b = json.loads((nodes / "all_results.json").read_text())
+    assert a["eval_samples"] == b["eval_samples"] == 37 and a["eval_accuracy"] == b["eval_accuracy"]
+    assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-6)
+    assert len(toy_records(nodes)) == 2  # both machine ranks trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_checkpoint_moves_between_world_sizes(tmp_path, before, after):
+    """Same global batch (8 = 4 x 2 = 8 x 1): the data position is re-derived from the samples consumed."""
+    common = ["--num_train_epochs", "3", "--gradient_accumulation_steps", "2", "--learning_rate", "0.05",
+              "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "5", "--eval_strategy", "no", *QUIET]
+    bs = {1: "8", 2: "4"}
+    launch(TOY, [*common, "--per_device_train_batch_size", bs[after], "--output_dir", str(tmp_path / "full")], after)
+    cut = ["--output_dir", str(tmp_path / "cut")]
+    launch(TOY, [*common, *cut, "--per_device_train_batch_size", bs[before], "--stop_at_step", "7"], before)
+    proc = launch(TOY, [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint",
+                        "latest"], after)
+    assert f"written by {before} process(es), resuming on {after}" in proc.stdout
+    diff = max_diff(load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors"))
+    assert diff < 1e-6
+    # the samples seen after the resume are exactly those the uninterrupted run saw after step 7
+    # (7 steps x 2 accumulation = 14 micro-batches per process before the cut)
+    full_runs, cut_runs = toy_records(tmp_path / "full"), toy_records(tmp_path / "cut")
+    full = sorted(i for rank in range(after) for b in full_runs[rank][0]["indices"][14:] for i in b)
+    resumed = sorted(i for rank in range(after) for b in cut_runs[rank][-1]["indices"] for i in b)
+    assert full == resumed
+
+
+@pytest.mark.slow
+def test_resume_with_another_global_batch_is_refused(tmp_path):
+    common = ["--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
+              *QUIET, "--output_dir", str(tmp_path)]
+    launch(TOY, [*common, "--per_device_train_batch_size", "4"], 2)
+    proc = launch(TOY, [*common, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest"], 1,
+                  check=False)
+    assert proc.returncode != 0
+    assert "global batch of 8 samples per step, this run has 4" in proc.stderr

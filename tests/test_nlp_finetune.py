@@ -33,7 +33,8 @@ def results(out):
 def test_end_to_end_on_line_format_with_test_predictions(tiny_bert, sst_like, tmp_path):
     out = tmp_path / "run"
     run(["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
-         str(sst_like["dev"]), "--test_file", str(sst_like["test"]), "--output_dir", str(out), *FAST])
+         str(sst_like["dev"]), "--test_file", str(sst_like["test"]), "--output_dir", str(out), *FAST,
+         "--num_train_epochs", "5"])
     res = results(out)
     assert res["eval_samples"] == 40
     assert res["eval_accuracy"] >= 0.9 and res["test_accuracy"] >= 0.9  # the words decide the label

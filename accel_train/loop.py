@@ -27,7 +27,7 @@ from .metrics import MetricsFn, as_loss_output, batch_size_of, evaluate_model
 from .optim import (StepPlan, batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan,
                     steps_on_evaluation)
 from .runtime import build_accelerator, startup_report
-from .tracking import RunLog, StepMeter
+from .tracking import RunLog, StepMeter, peak_memory
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "all_results.json", "checkpoints", "runs")
 
@@ -131,6 +131,7 @@ def train(
     start_run_dir(accelerator, config, existing, extra_configs)  # only now, with every check passed, write
     run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, eval_loader, hooks, shapes)
     run.last_save = run.last_log_step = state.step
+    run.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,
                      {**_merged(extra_configs), **config.to_dict()}, config.run_name or "accel_train",
                      disable_bar=config.disable_tqdm)
@@ -185,7 +186,7 @@ class Run:
         self.hooks, self.shapes = hooks, shapes
         self.log: RunLog
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
-        self.last_save = self.last_log_step = 0
+        self.last_save = self.last_log_step = self.start_samples = 0
 
     def due(self, strategy: str, every: int, step: int, epoch_end: bool) -> bool:
         return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
@@ -278,9 +279,10 @@ class Run:
                 metrics = evaluate_model(acc, self.model, self.eval_loader, self.loss_fn, self.metrics_fn)
         metrics.update(
             train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
-            train_samples_per_second=round(state.samples_seen / runtime, 3) if runtime else 0.0,
+            train_samples_per_second=round((state.samples_seen - self.start_samples) / runtime, 3) if runtime else 0.0,
             epoch=self.epoch_float(state),
         )
+        metrics.update({f"train_{k}": v for k, v in peak_memory(acc.device).items()})
         if state.skipped_steps:
             metrics["train_skipped_steps"] = state.skipped_steps
         call_hooks(self.hooks, "on_train_end", state, metrics)

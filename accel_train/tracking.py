@@ -120,5 +120,15 @@ class StepMeter:
         }
         if tokens:
             record["tokens_per_second"] = tokens / elapsed
+        record.update(peak_memory(acc.device))
         self.reset()
         return record
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: allocated on the GPU, or the process's peak resident set on a CPU."""
+    if device.type == "cuda":
+        return {"gpu_peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+    import resource
+
+    return {"cpu_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}

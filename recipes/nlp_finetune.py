@@ -88,8 +88,10 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
+        # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code)
+            path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code,
+            dtype=torch.float32)
     except OSError as err:
         raise ModelError(f"--model_name_or_path {path}: cannot load it ({err}). Give a local directory with "
                          "config.json and weights, or a hub name when online.") from None

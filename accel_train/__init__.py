@@ -14,7 +14,8 @@
 from .checkpoint import export_model, list_checkpoints, resolve_checkpoint
 from .config import TrainConfig, parse_config, save_config
 from .data import LengthGroupedSampler, make_loader, seed_worker
-from .errors import CheckpointError, ConfigError, DataError, LaunchError, ModelError, UserError, run_cli
+from .errors import (CheckpointError, ConfigError, DataError, LaunchError, ModelError, Preempted, TrainingDiverged,
+                     UserError, run_cli)
 from .hooks import EarlyStopping, Hook
 from .loop import TrainResult, TrainState, default_loss, train
 from .metrics import evaluate_model, gather_outputs, load_metric, shipped_metrics
@@ -57,5 +58,7 @@ __all__ = [
     "CheckpointError",
     "LaunchError",
     "ModelError",
+    "TrainingDiverged",
+    "Preempted",
     "run_cli",
 ]

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 
+from .diagnostics import fault_point
 from .errors import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -92,6 +93,7 @@ def save_checkpoint(
     except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
         error = err
     failed = _any_rank(accelerator, error is not None)  # also the barrier before the manifest
+    fault_point("kill_during_save", step, accelerator.is_main_process)
     if not failed and accelerator.is_main_process:
         try:
             (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))

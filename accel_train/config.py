@@ -95,6 +95,13 @@ class TrainConfig:
         default=None, metadata={"help": "Fail at start unless exactly this many processes are running."}
     )
 
+    # --- reliability
+    on_nonfinite: Literal["stop", "skip"] = field(
+        default="stop",
+        metadata={"help": "A NaN/inf loss or gradient: stop with a report (default) or skip the step."},
+    )
+    max_nonfinite_skips: int = field(default=10, metadata={"help": "With on_nonfinite=skip: stop after N skips."})
+
     # --- intervals
     logging_strategy: Literal["no", "steps", "epoch"] = "steps"
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})

@@ -38,6 +38,16 @@ class ModelError(UserError):
     kind = "model error"
 
 
+class TrainingDiverged(UserError):
+    """A non-finite loss or gradient under --on_nonfinite stop (or too many skipped steps)."""
+
+    kind = "training stopped"
+
+
+class Preempted(Exception):
+    """SIGTERM received: a checkpoint was saved at the step boundary and the run stopped on purpose."""
+
+
 EXIT_USER_ERROR = 2
 
 
@@ -48,6 +58,10 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
     """
     try:
         main(argv)
+    except Preempted as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\naccel_train: {stop}", file=sys.stderr, flush=True)
+        sys.exit(0)
     except UserError as err:
         if os.environ.get("ACCEL_TRAIN_TRACEBACK"):
             raise

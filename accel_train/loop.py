@@ -21,12 +21,13 @@ from accelerate import Accelerator
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, save_config
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from .hooks import EarlyStopping, call_hooks, hook_key
 from .metrics import MetricsFn, as_loss_output, batch_size_of, evaluate_model
 from .optim import (StepPlan, batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan,
                     steps_on_evaluation)
 from .runtime import build_accelerator, startup_report
+from .diagnostics import StepGuard, fault_point, fetch_batch, locate_nonfinite, micro_batch_indices, write_report
 from .tracking import RunLog, StepMeter, peak_memory
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "all_results.json", "checkpoints", "runs")
@@ -44,6 +45,7 @@ class TrainState:
     loss_sum: float = 0.0  # sum over logged intervals of (mean loss x steps), for the run's train_loss
     loss_steps: int = 0
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
+    nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
     best_metric: Optional[float] = None
     best_checkpoint: Optional[str] = None
     world_size: int = 1
@@ -110,10 +112,62 @@ def train(
     must return the mean over the micro-batch, *not* divided by the accumulation count.
     `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named floats.
     """
+    run, state = _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler,
+                        hooks, accelerator, extra_configs)
+    accelerator, model, optimizer, scheduler, train_loader = (run.accelerator, run.model, run.optimizer,
+                                                             run.scheduler, run.train_loader)
+    plan, gas, meter = run.plan, config.gradient_accumulation_steps, StepMeter(accelerator)
+    stop, started = call_hooks(run.hooks, "on_train_start", state), time.perf_counter()
+    model.train()
+    with StepGuard(accelerator, check_gradients=accelerator.scaler is None) as guard:
+        while state.step < plan.total_steps and not stop:
+            _seed_epoch(train_loader, config, state.epoch)
+            batches = accelerator.skip_first_batches(train_loader, state.batch_in_epoch) if state.batch_in_epoch else train_loader
+            for batch, waited in _timed(batches):
+                with accelerator.accumulate(model):
+                    loss = as_loss_output(run.loss_fn(model, batch))["loss"]
+                    # accelerator.backward divides by gas; the epoch's last window may be shorter: rescale it
+                    # so every step's gradient is the mean over the micro-batches it really had.
+                    accelerator.backward(loss * _window_scale(state.batch_in_epoch, plan.batches_per_epoch, gas))
+                guard.watch(loss)
+                n = batch_size_of(batch)
+                meter.add_micro_batch(loss, n, _real_tokens(batch), waited)
+                state.batch_in_epoch += 1
+                state.samples_in_epoch += n * accelerator.num_processes
+                state.samples_seen += n * accelerator.num_processes
+                if not accelerator.sync_gradients:
+                    continue
+                # Clip (or, with max_grad_norm <= 0, only measure): the norm also reveals non-finite gradients.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm if config.max_grad_norm > 0 else math.inf)
+                verdict = guard.verdict(grad_norm)  # agreed by every rank: non-finite values, SIGTERM
+                if verdict.nonfinite:
+                    run.on_nonfinite(state, verdict)  # stop: report and raise; skip: count it
+                else:
+                    optimizer.step()
+                if accelerator.optimizer_step_was_skipped:
+                    state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
+                elif not steps_on_evaluation(scheduler):
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                fault_point("kill_after_step", state.step, accelerator.is_main_process)
+                epoch_end = state.batch_in_epoch == plan.batches_per_epoch
+                if epoch_end:
+                    state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                stop = run.after_step(state, meter, epoch_end, grad_norm)
+                if verdict.preempt:
+                    run.preempt(state)
+                if stop or state.step >= plan.total_steps:
+                    break
+    return run.finish(state, meter, time.perf_counter() - started, processing_class)
+
+
+def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler, hooks, accelerator,
+           extra_configs) -> tuple["Run", TrainState]:
+    """Check, prepare, plan, resume; write the run directory only once every check has passed."""
     accelerator = accelerator or build_accelerator(config)
     existing = check_output_dir(config, accelerator.process_index)
     accelerator.wait_for_everyone()  # every rank has looked before the main process writes anything
-    loss_fn = loss_fn or default_loss(config.label_smoothing_factor)
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = build_optimizer(model, config, optimizer, accelerator)
     shapes = ckpt.parameter_shapes(model)
@@ -128,61 +182,27 @@ def train(
     state = TrainState(world_size=accelerator.num_processes, global_batch_size=plan.global_batch_size)
     if config.resume_from_checkpoint:
         state = resume(accelerator, config, plan, shapes, hooks)
-    start_run_dir(accelerator, config, existing, extra_configs)  # only now, with every check passed, write
-    run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, eval_loader, hooks, shapes)
+    start_run_dir(accelerator, config, existing, extra_configs)
+    run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn or default_loss(config.label_smoothing_factor),
+              metrics_fn, train_loader, eval_loader, hooks, shapes)
     run.last_save = run.last_log_step = state.step
     run.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,
                      {**_merged(extra_configs), **config.to_dict()}, config.run_name or "accel_train",
                      disable_bar=config.disable_tqdm)
     run.log.write(startup_report(accelerator, config, plan, _num_samples(train_loader)))
-    stop = call_hooks(hooks, "on_train_start", state)
-    meter = StepMeter(accelerator)
-    gas = config.gradient_accumulation_steps
-    started = time.perf_counter()
-    model.train()
-    while state.step < plan.total_steps and not stop:
-        _seed_epoch(train_loader, config, state.epoch)
-        batches = accelerator.skip_first_batches(train_loader, state.batch_in_epoch) if state.batch_in_epoch else train_loader
-        for batch, waited in _timed(batches):
-            with accelerator.accumulate(model):
-                loss = as_loss_output(loss_fn(model, batch))["loss"]
-                # accelerator.backward divides by gas; the epoch's last window may be shorter: rescale it
-                # so every step's gradient is the mean over the micro-batches it really had.
-                accelerator.backward(loss * _window_scale(state.batch_in_epoch, plan.batches_per_epoch, gas))
-            n = batch_size_of(batch)
-            meter.add_micro_batch(loss, n, _real_tokens(batch), waited)
-            state.batch_in_epoch += 1
-            state.samples_in_epoch += n * accelerator.num_processes
-            state.samples_seen += n * accelerator.num_processes
-            if not accelerator.sync_gradients:
-                continue
-            if config.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            optimizer.step()
-            if accelerator.optimizer_step_was_skipped:
-                state.skipped_steps += 1
-            elif not steps_on_evaluation(scheduler):
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            epoch_end = state.batch_in_epoch == plan.batches_per_epoch
-            if epoch_end:
-                state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
-            stop = run.after_step(state, meter, epoch_end)
-            if stop or state.step >= plan.total_steps:
-                break
-    return run.finish(state, meter, time.perf_counter() - started, processing_class)
+    return run, state
 
 
 class Run:
     """What happens between optimizer steps: logging, evaluation, checkpoints, hooks, and the end."""
 
-    def __init__(self, accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, eval_loader,
-                 hooks, shapes):
+    def __init__(self, accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, train_loader,
+                 eval_loader, hooks, shapes):
         self.accelerator, self.config, self.plan = accelerator, config, plan
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.loss_fn, self.metrics_fn, self.eval_loader = loss_fn, metrics_fn, eval_loader
+        self.loss_fn, self.metrics_fn = loss_fn, metrics_fn
+        self.train_loader, self.eval_loader = train_loader, eval_loader
         self.hooks, self.shapes = hooks, shapes
         self.log: RunLog
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
@@ -191,11 +211,11 @@ class Run:
     def due(self, strategy: str, every: int, step: int, epoch_end: bool) -> bool:
         return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
 
-    def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool) -> bool:
+    def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:
         cfg, stop, acted = self.config, False, False
         self.log.advance()
         if self.due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):
-            stop |= self.log_train(state, meter)
+            stop |= self.log_train(state, meter, grad_norm)
             acted = True
         improved, started = False, time.perf_counter()
         if self.eval_loader is not None and self.due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps,
@@ -213,8 +233,10 @@ class Run:
             self.accelerator.set_trigger()
         return self.accelerator.check_trigger()
 
-    def log_train(self, state: TrainState, meter: StepMeter) -> bool:
+    def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
         record = meter.record()
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
         steps, self.last_log_step = state.step - self.last_log_step, state.step
         if steps and not math.isnan(record["loss"]):  # the run's train_loss weights intervals by their steps
             state.loss_sum += record["loss"] * steps
@@ -222,6 +244,8 @@ class Run:
         record.update(learning_rate=current_lr(self.optimizer), epoch=self.epoch_float(state))
         if state.skipped_steps:
             record["skipped_steps"] = state.skipped_steps
+        if state.nonfinite_skips:
+            record["nonfinite_skips"] = state.nonfinite_skips
         self.log.log(record, state.step)
         return call_hooks(self.hooks, "on_log", state, record)
 
@@ -244,6 +268,58 @@ class Run:
         if improved:
             state.best_metric = value
         return metrics, improved
+
+    def on_nonfinite(self, state: TrainState, verdict) -> None:
+        """--on_nonfinite skip: count and log the step (its gradients are dropped); stop after the limit.
+        --on_nonfinite stop, or the limit reached: write a report that locates the first non-finite module,
+        keep the last good checkpoint, and raise TrainingDiverged."""
+        step, cfg = state.step + 1, self.config
+        what = "loss" if verdict.nonfinite_loss else "gradient"
+        if cfg.on_nonfinite == "skip" and state.nonfinite_skips < cfg.max_nonfinite_skips:
+            state.nonfinite_skips += 1
+            self.log.log({"nonfinite_skipped_step": step, "nonfinite": what, "nonfinite_skips": state.nonfinite_skips}, step)
+            self.log.write(f"step {step}: non-finite {what}, step skipped ({state.nonfinite_skips}/{cfg.max_nonfinite_skips})")
+            return
+        report = self.diagnose_nonfinite(state, verdict)
+        latest = ckpt.list_checkpoints(cfg.output_dir)
+        raise TrainingDiverged(
+            f"non-finite {what} at step {step} (epoch {state.epoch}); first non-finite output: "
+            f"{report.get('first_nonfinite_output')}, gradient: {report.get('first_nonfinite_gradient')}. "
+            f"Report: {report['path']}. The last good checkpoint is "
+            f"{latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Lower --learning_rate, check the "
+            "data at the reported sample indices, or use --on_nonfinite skip."
+            + (f" ({state.nonfinite_skips} steps were skipped before)" if state.nonfinite_skips else "")
+        )
+
+    def diagnose_nonfinite(self, state: TrainState, verdict) -> dict:
+        acc, gas = self.accelerator, self.config.gradient_accumulation_steps
+        last = state.batch_in_epoch - 1  # the window's micro-batches: last - (len-1) .. last
+        window = list(range(last - (last % gas), last + 1))
+        positions = verdict.bad_micro_batches or [len(window) - 1]
+        report: dict[str, Any] = {"step": state.step + 1, "epoch": state.epoch, "rank": acc.process_index,
+                                  "nonfinite_loss": verdict.nonfinite_loss, "nonfinite_gradient": verdict.nonfinite_grad,
+                                  "micro_batches": []}
+        for pos in positions:
+            indices = micro_batch_indices(self.train_loader, window[min(pos, len(window) - 1)])
+            entry: dict[str, Any] = {"sample_indices": indices}
+            if indices is not None and acc.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU"):
+                entry.update(locate_nonfinite(acc, self.model, fetch_batch(self.train_loader, indices), self.loss_fn))
+            report["micro_batches"].append(entry)
+        first = report["micro_batches"][0] if report["micro_batches"] else {}
+        report["first_nonfinite_output"] = first.get("first_nonfinite_output")
+        report["first_nonfinite_gradient"] = first.get("first_nonfinite_gradient")
+        path = Path(self.config.output_dir) / f"nonfinite_step{state.step + 1}_rank{acc.process_index}.json"
+        write_report(path, report)
+        report["path"] = str(path)
+        return report
+
+    def preempt(self, state: TrainState) -> None:
+        """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
+        path = ckpt.checkpoints_dir(self.config.output_dir) / ckpt.checkpoint_name(state.step)
+        self.save(state)
+        self.log.close()
+        raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
+                        "Resume with --resume_from_checkpoint latest.")
 
     def save(self, state: TrainState, best: bool = False) -> bool:
         if self.last_save == state.step:
@@ -285,6 +361,8 @@ class Run:
         metrics.update({f"train_{k}": v for k, v in peak_memory(acc.device).items()})
         if state.skipped_steps:
             metrics["train_skipped_steps"] = state.skipped_steps
+        if state.nonfinite_skips:
+            metrics["train_nonfinite_skips"] = state.nonfinite_skips
         call_hooks(self.hooks, "on_train_end", state, metrics)
         ckpt.export_model(acc, self.model, cfg.output_dir, processing_class)
         if acc.is_main_process:

@@ -24,13 +24,16 @@ class ToyArgs:
     dropout: float = 0.0
     hidden: int = 32  # change it to make an incompatible architecture
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
+    poison_index: int = -1  # this training sample's features are NaN
 
 
 class Points(Dataset):
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, poison: int = -1):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 6, generator=g)
         self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
+        if poison >= 0:
+            self.x[poison] = float("nan")
 
     def __len__(self):
         return len(self.x)
@@ -68,7 +71,7 @@ def main(argv=None):
     bs = config.per_device_train_batch_size
     result = train(
         model,
-        DataLoader(Points(toy.num_samples, 0), batch_size=bs, shuffle=True, drop_last=config.dataloader_drop_last),
+        DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=bs, shuffle=True, drop_last=config.dataloader_drop_last),
         eval_loader=DataLoader(Points(toy.eval_samples, 1), batch_size=config.per_device_eval_batch_size),
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,

@@ -71,6 +71,9 @@ def load_data(args: DataArguments, seed: int):
     for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
         if limit is not None and len(ds[split]) > limit:
             ds[split] = ds[split].select(range(limit))
+        if len(ds[split]) == 0:
+            raise DataError(f"the {split} split is empty after loading and filtering (--max_train_samples / "
+                            "--max_eval_samples); give it examples.")
     has_labels = {split: label in part.column_names for split, part in ds.items()}
     ds, labels = encode_labels(ds, label, has_labels)
     return ds, texts, labels

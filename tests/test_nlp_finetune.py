@@ -1,5 +1,5 @@
-"""recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; bad input; 1 vs 2 processes;
-and one real test on all-MiniLM-L6-v2 with SST-2 (slow)."""
+"""recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; 1 vs 2 processes; and one
+real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/test_bad_input_matrix.py."""
 
 import json
 import sys
@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from accel_train import layerwise_lr_decay_groups, run_cli
+from accel_train import layerwise_lr_decay_groups
 from accel_train.text import load_embedded_tweets
 from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
 
@@ -114,50 +114,6 @@ def test_embedded_tweets_split_is_seeded_and_stratified():
     shares = pd.Series(a["train"]["label"]).value_counts(normalize=True)
     assert set(shares.index) == {"negative", "neutral", "positive"}
     assert abs(shares["positive"] - 6954 / 38158) < 0.02  # class proportions kept
-
-
-BAD = [
-    ("missing_text", "label,words\n1,good\n0,bad\n", [], "no text column found in ['label', 'words']"),
-    ("missing_label", "text,verdict\ngood,1\nbad,0\n", [], "no label column found in ['text', 'verdict']"),
-    ("text_not_text", "text,label,n\ngood,1,3\nbad,0,4\n", ["--text_column_names", "n"], "text column 'n' holds int"),
-]
-
-
-@pytest.mark.parametrize("name, content, flags, message", BAD)
-def test_bad_columns(tiny_bert, tmp_path, capsys, name, content, flags, message):
-    path = tmp_path / f"{name}.csv"
-    header, rows = content.split("\n", 1)
-    path.write_text(header + "\n" + rows * 5)
-    fails(capsys, ["--model_name_or_path", str(tiny_bert), "--train_file", str(path), "--output_dir",
-                   str(tmp_path / "out"), *FAST, *flags], message)
-
-
-def fails(capsys, argv, message):
-    reset_accelerate()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(nlp_finetune.main, argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and message in err, err
-
-
-def test_bad_labels_files_and_models(tiny_bert, sst_like, tmp_path, capsys):
-    base = ["--model_name_or_path", str(tiny_bert), "--output_dir", str(tmp_path / "out"), *FAST]
-    (tmp_path / "dev_bad.txt").write_text("1 good film\n7 bad film\n")
-    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--validation_file", str(tmp_path / "dev_bad.txt")],
-          "validation split: label(s) [7] outside 0..1")
-    pd.DataFrame({"text": ["good", "bad"] * 4, "label": ["pos", "neg"] * 4}).to_csv(tmp_path / "s.csv", index=False)
-    pd.DataFrame({"text": ["good", "meh"], "label": ["pos", "meh"]}).to_csv(tmp_path / "s_dev.csv", index=False)
-    fails(capsys, [*base, "--train_file", str(tmp_path / "s.csv"), "--validation_file", str(tmp_path / "s_dev.csv")],
-          "validation split: label(s) ['meh'] do not occur in train")
-    (tmp_path / "empty.csv").write_text("")
-    fails(capsys, [*base, "--train_file", str(tmp_path / "empty.csv")], "empty.csv: the file is empty")
-    fails(capsys, [*base, "--train_file", str(tmp_path / "missing.csv")], "missing.csv: no such file")
-    (tmp_path / "garbled.txt").write_text("positive good film\n")
-    fails(capsys, [*base, "--train_file", str(tmp_path / "garbled.txt")], "garbled.txt:1: expected '<int label> <text>'")
-    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--model_name_or_path", str(tmp_path / "nope")],
-          "--model_name_or_path")
-    fails(capsys, [*base, "--train_file", str(sst_like["train"]), "--max_seq_length", "512"],
-          "--max_seq_length 512 exceeds the 128 positions")
 
 
 @pytest.mark.slow

@@ -141,7 +141,7 @@ def test_real_minilm_learns_sst2(tmp_path):
     out = tmp_path / "minilm"
     run(["--train_file", str(sst / "stsa.binary.train"), "--validation_file", str(sst / "stsa.binary.dev"),
          "--max_train_samples", "800", "--max_eval_samples", "300", "--num_train_epochs", "1",
-         "--learning_rate", "1e-4", "--output_dir", str(out), "--report_to", "none", "--disable_tqdm",
+         "--learning_rate", "3e-4", "--output_dir", str(out), "--report_to", "none", "--disable_tqdm",
          "--save_strategy", "no", "--load_best_model_at_end", "false"])
     res = results(out)
     assert res["eval_samples"] == 300

@@ -1,0 +1,29 @@
+"""Every shipped recipe config parses with its recipe's own dataclasses (torchtune's habit: one test loads all)."""
+
+import importlib
+import sys
+
+import pytest
+
+from accel_train import TrainConfig, parse_config
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "recipes"))
+CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+
+
+def recipe_for(config_path):
+    name = config_path.stem
+    for recipe in sorted((ROOT / "recipes").glob("*.py")):
+        if name.startswith(recipe.stem) or name.startswith(recipe.stem.split("_")[0]):
+            return importlib.import_module(recipe.stem)
+    raise AssertionError(f"no recipe matches config {config_path.name}")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_parses(path):
+    module = recipe_for(path)
+    types = [TrainConfig] + [t for t in vars(module).values()
+                             if isinstance(t, type) and t.__module__ == module.__name__ and hasattr(t, "__dataclass_fields__")]
+    configs = parse_config(types, ["--config", str(path)], defaults=getattr(module, "DEFAULTS", None))
+    assert configs[0].output_dir.startswith("outputs/")

@@ -399,9 +399,10 @@ def _timed(loader):
         yield batch, time.perf_counter() - t0
 
 
-def _real_tokens(batch: Any) -> int:
+def _real_tokens(batch: Any):
+    """Non-pad tokens in the batch, left on the device (no sync) until the meter reports."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    return int(mask.sum()) if isinstance(mask, torch.Tensor) else 0
+    return mask.sum() if isinstance(mask, torch.Tensor) else 0
 
 
 def _num_samples(loader) -> Optional[int]:

@@ -95,7 +95,7 @@ class StepMeter:
     def pause(self, seconds: float) -> None:
         self.paused += seconds
 
-    def add_micro_batch(self, loss: torch.Tensor, samples: int, tokens: int, waited: float) -> None:
+    def add_micro_batch(self, loss: torch.Tensor, samples: int, tokens, waited: float) -> None:
         loss = loss.detach().float()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.micro_batches += 1
@@ -108,8 +108,8 @@ class StepMeter:
         elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
         acc = self.accelerator
         local = torch.tensor(
-            [0.0 if self.loss_sum is None else self.loss_sum.item(), self.micro_batches, self.samples, self.tokens],
-            dtype=torch.float64, device=acc.device,
+            [0.0 if self.loss_sum is None else self.loss_sum.item(), self.micro_batches, self.samples,
+             float(self.tokens)], dtype=torch.float64, device=acc.device,
         )
         total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
         loss_sum, micro, samples, tokens = total.tolist()

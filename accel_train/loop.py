@@ -103,6 +103,7 @@ def train(
     accelerator: Optional[Accelerator] = None,
     processing_class: Any = None,
     extra_configs: Sequence[Any] = (),
+    end_training: bool = True,
 ) -> TrainResult:
     """Train `model` on `train_loader` as `config` says; return the final state and metrics.
 
@@ -111,6 +112,8 @@ def train(
     batch)` returns a scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics); it
     must return the mean over the micro-batch, *not* divided by the accumulation count.
     `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named floats.
+    `end_training=False` keeps the process group alive for collective work after training (predictions on a
+    test set); call `result.accelerator.end_training()` when done.
     """
     run, state = _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler,
                         hooks, accelerator, extra_configs)
@@ -159,7 +162,7 @@ def train(
                     run.preempt(state)
                 if stop or state.step >= plan.total_steps:
                     break
-    return run.finish(state, meter, time.perf_counter() - started, processing_class)
+    return run.finish(state, meter, time.perf_counter() - started, processing_class, end_training)
 
 
 def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler, hooks, accelerator,
@@ -337,7 +340,8 @@ class Run:
         self.accelerator.wait_for_everyone()
         return call_hooks(self.hooks, "on_save", state, path)
 
-    def finish(self, state: TrainState, meter: StepMeter, runtime: float, processing_class) -> TrainResult:
+    def finish(self, state: TrainState, meter: StepMeter, runtime: float, processing_class,
+               end_training: bool = True) -> TrainResult:
         acc, cfg = self.accelerator, self.config
         if meter.micro_batches and cfg.logging_strategy != "no":
             self.log_train(state, meter)
@@ -368,7 +372,7 @@ class Run:
         if acc.is_main_process:
             (Path(cfg.output_dir) / "all_results.json").write_text(json.dumps(metrics, indent=2))
             self.log.write("final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-        self.log.close()
+        self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 
 

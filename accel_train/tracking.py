@@ -48,9 +48,14 @@ class RunLog:
         if self.main:
             self.bar.write(message)
 
-    def close(self) -> None:
+    def close(self, end_training: bool = True) -> None:
+        """Close the bar; `end_training` also finishes the trackers and destroys the process group."""
         self.bar.close()
-        self.accelerator.end_training()
+        if end_training:
+            self.accelerator.end_training()
+        elif self.main:
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def _truncate_history(path: Path, step: int) -> None:

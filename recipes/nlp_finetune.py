@@ -169,7 +169,8 @@ def main(argv=None):
     result = train(model, train_loader, config=cfg, optimizer=groups,
                    eval_loader=make_loader(data["validation"], cfg, train=False, collate_fn=collator),
                    loss_fn=default_loss(cfg.label_smoothing_factor), metrics_fn=metrics_fn,
-                   accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs])
+                   accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs],
+                   end_training="test" not in data)  # test predictions below still need the process group
     out = Path(cfg.output_dir)
     extra = {"train_padding_ratio": round(pad, 4)}
     if "test" in data:
@@ -179,6 +180,8 @@ def main(argv=None):
         (out / "all_results.json").write_text(json.dumps(results, indent=2))
         shown = ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1") if not labels.is_regression else ("eval_mse", "eval_pearson")
         print("\n" + "  ".join(f"{k} {results[k]:.4f}" for k in shown if k in results) + f"   -> {out}")
+    if "test" in data:
+        accelerator.end_training()
     return result
 
 

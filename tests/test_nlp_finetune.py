@@ -119,16 +119,18 @@ def test_embedded_tweets_split_is_seeded_and_stratified():
 @pytest.mark.slow
 def test_two_processes_give_the_same_metrics(tiny_bert, sst_like, tmp_path):
     common = ["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
-              str(sst_like["dev"]), *FAST, "--num_train_epochs", "2", "--save_strategy", "no",
-              "--load_best_model_at_end", "false"]
+              str(sst_like["dev"]), "--test_file", str(sst_like["test"]), *FAST, "--num_train_epochs", "2",
+              "--save_strategy", "no", "--load_best_model_at_end", "false"]
     common[common.index("--per_device_train_batch_size") + 1] = "4"
     launch(RECIPE, [*common, "--output_dir", str(tmp_path / "two")], 2)
     common[common.index("--per_device_train_batch_size") + 1] = "8"
     launch(RECIPE, [*common, "--output_dir", str(tmp_path / "one")], 1)
     one, two = results(tmp_path / "one"), results(tmp_path / "two")
     assert one["eval_samples"] == two["eval_samples"] == 40
-    for key in ("eval_accuracy", "eval_f1", "eval_matthews_correlation"):
+    for key in ("eval_accuracy", "eval_f1", "eval_matthews_correlation", "test_accuracy"):
         assert one[key] == two[key], key
+    predictions = [(tmp_path / name / "predict_results.jsonl").read_text() for name in ("one", "two")]
+    assert predictions[0] == predictions[1] and len(predictions[0].splitlines()) == 24  # every test row, in order
     assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-4)
 
 

@@ -100,6 +100,7 @@ def train(
     accelerator: Optional[Accelerator] = None,
     processing_class: Any = None,
     extra_configs: Sequence[Any] = (),
+    final_eval_loaders: Optional[Mapping[str, torch.utils.data.DataLoader]] = None,
 ) -> TrainResult:
     """Train `model` on `train_loader` as `config` says; return the final state and metrics.
 
@@ -108,6 +109,8 @@ def train(
     batch)` returns a scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics); it
     must return the mean over the micro-batch, *not* divided by the accumulation count.
     `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named floats.
+    `final_eval_loaders` ({"test": loader}) are evaluated once, after training, with their name as the metric
+    prefix (test_loss, test_accuracy, ...); they run inside train() since the process group closes at its end.
     """
     accelerator = accelerator or build_accelerator(config)
     existing = check_output_dir(config, accelerator.process_index)
@@ -125,6 +128,7 @@ def train(
     start_run_dir(accelerator, config, existing, extra_configs)  # only now, with every check passed, write
     run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, eval_loader, hooks, shapes)
     run.last_save = run.last_log_step = state.step
+    run.final_eval_loaders = {name: accelerator.prepare(dl) for name, dl in (final_eval_loaders or {}).items()}
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,
                      {**_merged(extra_configs), **config.to_dict()}, config.run_name or "accel_train",
                      disable_bar=config.disable_tqdm)
@@ -180,6 +184,7 @@ class Run:
         self.log: RunLog
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = 0
+        self.final_eval_loaders: dict[str, Any] = {}
 
     def due(self, strategy: str, every: int, step: int, epoch_end: bool) -> bool:
         return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
@@ -269,6 +274,8 @@ class Run:
             step, metrics = self.last_eval
             if step != state.step:
                 metrics = evaluate_model(acc, self.model, self.eval_loader, self.loss_fn, self.metrics_fn)
+        for name, loader in self.final_eval_loaders.items():
+            metrics.update(evaluate_model(acc, self.model, loader, self.loss_fn, self.metrics_fn, prefix=name))
         metrics.update(
             train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
             train_samples_per_second=round(state.samples_seen / runtime, 3) if runtime else 0.0,

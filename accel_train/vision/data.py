@@ -107,7 +107,8 @@ class ImageData:
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """Item i: ``{"pixel_values": uint8 [3, S, S], **fields[i]}``, decoded in the loader's workers."""
+    """Item i: ``{"pixel_values": uint8 [3, S, S], **fields[i]}``, decoded when the loader asks for it (in its
+    workers, if it has any)."""
 
     def __init__(self, split: ImageSplit, image_size: int):
         self.split, self.image_size = split, image_size
@@ -122,6 +123,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
 
 def open_image(item: Any) -> Image.Image:
+    """A PIL image from a path, a PIL image, a uint8 array, or an undecoded `datasets` Image cell."""
     if isinstance(item, Image.Image):
         return item
     if isinstance(item, np.ndarray):

@@ -55,7 +55,7 @@ class TrainAugmentation(torch.nn.Module):
     device), then standardisation. Draws from torch's global generator, so a seed reproduces it."""
 
     def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float],
-                 crop_scale: tuple[float, float] = (0.5, 1.0), horizontal_flip: bool = True,
+                 crop_scale: tuple[float, float] = (0.8, 1.0), horizontal_flip: bool = True,
                  color_jitter: float = 0.0):
         super().__init__()
         import kornia.augmentation as K

@@ -23,8 +23,8 @@ from accelerate.utils import set_seed
 from accel_train import (ConfigError, ModelError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli,
                          train)
 from accel_train.vision import (ClassificationMetrics, EvalTransform, ImageDataArguments, ImageDataset, MixupCutmix,
-                                SmallResNet, TrainAugmentation, channel_mean_std, load_image_data,
-                                save_confusion_matrix)
+                                SmallResNet, TrainAugmentation, channel_mean_std, image_processor, load_image_data,
+                                processor_size, save_confusion_matrix)
 
 # Small from-scratch shapes for CPU-sized runs; --config_overrides changes any of them.
 MODEL_PRESETS = {
@@ -151,11 +151,11 @@ def main(argv=None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_image_data(data_args, seed=config.seed)
     model, processor = build_model(model_args, data.class_names, data.image_size)
-    size = _processor_size(processor) or data.image_size
+    size = processor_size(processor) or data.image_size
     image_sets = {name: ImageDataset(split, size) for name, split in data.splits.items()}
     mean, std = (processor.image_mean, processor.image_std) if processor else channel_mean_std(image_sets["train"])
     if processor is None:
-        processor = _image_processor(size, mean, std)
+        processor = image_processor(size, mean, std)  # saved with the model: how to preprocess
     for note in data.notes:
         accelerator.print(f"data: {note}")
     accelerator.print(f"data: {', '.join(f'{k} {len(v)}' for k, v in image_sets.items())} images of {size}x{size}, "
@@ -197,26 +197,6 @@ def report(result, eval_split, has_test, metrics_fn, class_names, output_dir) ->
         print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
               f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {out / 'confusion_matrix.png'}", flush=True)
     return metrics
-
-
-def _processor_size(processor) -> Optional[int]:
-    """The square side a pretrained model's image processor produces (its crop size, else its size)."""
-    for attr in ("crop_size", "size"):
-        size = getattr(processor, attr, None)
-        if isinstance(size, int):
-            return size
-        if size is not None:
-            get = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
-            if get("height") or get("shortest_edge"):
-                return int(get("height") or get("shortest_edge"))
-    return None
-
-
-def _image_processor(size: int, mean, std):
-    """Saved next to the exported model so `pipeline("image-classification", out_dir)` preprocesses as here."""
-    from transformers import ViTImageProcessorPil  # the PIL one: the default needs torchvision
-
-    return ViTImageProcessorPil(size={"height": size, "width": size}, image_mean=list(mean), image_std=list(std))
 
 
 def _fmt(values) -> str:

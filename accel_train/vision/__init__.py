@@ -24,7 +24,8 @@ from .data import (
     to_rgb,
 )
 from .models import SmallResNet
-from .transforms import EvalTransform, MixupCutmix, TrainAugmentation, channel_mean_std, normalize
+from .transforms import (EvalTransform, MixupCutmix, TrainAugmentation, channel_mean_std, image_processor, normalize,
+                         processor_size)
 
 __all__ = [
     "ImageDataArguments",
@@ -42,6 +43,8 @@ __all__ = [
     "fit_square",
     "channel_mean_std",
     "normalize",
+    "image_processor",
+    "processor_size",
     "EvalTransform",
     "TrainAugmentation",
     "MixupCutmix",

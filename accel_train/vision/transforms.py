@@ -1,5 +1,6 @@
 """Batched image transforms that run on the training device: dataset statistics, standardisation, the
-deterministic evaluation transform, training augmentation (kornia) and mixup / cutmix.
+deterministic evaluation transform, training augmentation (kornia) and mixup / cutmix; and the two helpers
+that tie them to transformers image processors (the size a pretrained one expects, one to save).
 
 They take whole uint8 batches [B, 3, H, W] as `ImageDataset` yields them and return float batches, so a
 recipe calls them in its loss function on the batch Accelerate already moved to the device; whether the
@@ -9,7 +10,7 @@ model is training says which one applies.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -114,3 +115,27 @@ def _paste_box(images: torch.Tensor, partner: torch.Tensor, lam: float) -> tuple
     mixed = images.clone()
     mixed[..., y0:y1, x0:x1] = partner[..., y0:y1, x0:x1]
     return mixed, 1 - (y1 - y0) * (x1 - x0) / (h * w)
+
+
+# ----------------------------------------------------------------------- transformers image processors
+
+
+def processor_size(processor) -> Optional[int]:
+    """The square side a pretrained model's image processor produces (its crop size, else its size)."""
+    for attr in ("crop_size", "size"):
+        size = getattr(processor, attr, None)
+        if isinstance(size, int):
+            return size
+        if size is not None:
+            get = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+            if get("height") or get("shortest_edge"):
+                return int(get("height") or get("shortest_edge"))
+    return None
+
+
+def image_processor(size: int, mean: Sequence[float], std: Sequence[float]):
+    """A transformers image processor that resizes to `size` and standardises with `mean` / `std`: saved with
+    an exported model, it lets `pipeline("image-classification", out_dir)` preprocess as training did."""
+    from transformers import ViTImageProcessorPil  # the PIL one: the default needs torchvision
+
+    return ViTImageProcessorPil(size={"height": size, "width": size}, image_mean=list(mean), image_std=list(std))

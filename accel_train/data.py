@@ -7,6 +7,7 @@ epoch can be replayed exactly on resume.
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Callable, Optional, Sequence
 
@@ -18,11 +19,16 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 from .config import TrainConfig
 
 
-def seed_worker(worker_id: int) -> None:
-    """torch seeds each worker (base seed + worker id); make numpy and `random` follow it, so augmentations
-    in workers differ between workers and are reproducible."""
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
+def seed_worker(worker_id: int, rank: int = 0) -> None:
+    """Give each worker of each process its own reproducible seed, for torch, numpy and `random`.
+
+    torch seeds a worker with (base seed + worker id), the base seed drawn from the loader's generator. The
+    loop seeds that generator from (seed, epoch) alike on every process, so that data order replays on
+    resume; without the process rank mixed in, worker k of every process would draw the same augmentations.
+    """
+    seed = int(np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(1, dtype=np.uint64)[0])
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
     random.seed(seed)
 
 
@@ -57,10 +63,12 @@ def make_loader(
     collate_fn: Optional[Callable] = None,
     lengths: Optional[Sequence[int]] = None,
     num_processes: int = 1,
+    process_index: Optional[int] = None,
 ) -> DataLoader:
     """A DataLoader set up as the config says: batch size, shuffling (train), workers, pinned memory.
 
-    Pass `lengths` (one per sample) to group similar lengths into batches.
+    Pass `lengths` (one per sample) to group similar lengths into batches. Workers are seeded per process
+    (`process_index`, default: Accelerate's for this process).
     """
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
@@ -78,5 +86,13 @@ def make_loader(
         num_workers=workers,
         pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
         persistent_workers=config.dataloader_persistent_workers and workers > 0,
-        worker_init_fn=seed_worker if workers > 0 else None,
+        worker_init_fn=functools.partial(seed_worker, rank=_rank(process_index)) if workers > 0 else None,
     )
+
+
+def _rank(process_index: Optional[int]) -> int:
+    if process_index is not None:
+        return process_index
+    from accelerate import PartialState
+
+    return PartialState().process_index

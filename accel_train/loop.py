@@ -103,6 +103,7 @@ def train(
     accelerator: Optional[Accelerator] = None,
     processing_class: Any = None,
     extra_configs: Sequence[Any] = (),
+    final_eval_loaders: Optional[Mapping[str, torch.utils.data.DataLoader]] = None,
     end_training: bool = True,
 ) -> TrainResult:
     """Train `model` on `train_loader` as `config` says; return the final state and metrics.
@@ -112,11 +113,12 @@ def train(
     batch)` returns a scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics); it
     must return the mean over the micro-batch, *not* divided by the accumulation count.
     `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named floats.
-    `end_training=False` keeps the process group alive for collective work after training (predictions on a
-    test set); call `result.accelerator.end_training()` when done.
+    `final_eval_loaders` ({"test": loader}) are evaluated once, after training, with their name as the metric
+    prefix (test_loss, test_accuracy, ...). `end_training=False` keeps the process group alive for other
+    collective work after training (e.g. writing predictions); call `result.accelerator.end_training()` then.
     """
     run, state = _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler,
-                        hooks, accelerator, extra_configs)
+                        hooks, accelerator, extra_configs, final_eval_loaders)
     accelerator, model, optimizer, scheduler, train_loader = (run.accelerator, run.model, run.optimizer,
                                                              run.scheduler, run.train_loader)
     plan, gas, meter = run.plan, config.gradient_accumulation_steps, StepMeter(accelerator)
@@ -166,7 +168,7 @@ def train(
 
 
 def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler, hooks, accelerator,
-           extra_configs) -> tuple["Run", TrainState]:
+           extra_configs, final_eval_loaders) -> tuple["Run", TrainState]:
     """Check, prepare, plan, resume; write the run directory only once every check has passed."""
     accelerator = accelerator or build_accelerator(config)
     existing = check_output_dir(config, accelerator.process_index)
@@ -190,6 +192,7 @@ def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimi
               metrics_fn, train_loader, eval_loader, hooks, shapes)
     run.last_save = run.last_log_step = state.step
     run.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
+    run.final_eval_loaders = {name: accelerator.prepare(dl) for name, dl in (final_eval_loaders or {}).items()}
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,
                      {**_merged(extra_configs), **config.to_dict()}, config.run_name or "accel_train",
                      disable_bar=config.disable_tqdm)
@@ -210,6 +213,7 @@ class Run:
         self.log: RunLog
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
+        self.final_eval_loaders: dict[str, Any] = {}
 
     def due(self, strategy: str, every: int, step: int, epoch_end: bool) -> bool:
         return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
@@ -357,6 +361,8 @@ class Run:
             step, metrics = self.last_eval
             if step != state.step:
                 metrics = evaluate_model(acc, self.model, self.eval_loader, self.loss_fn, self.metrics_fn)
+        for name, loader in self.final_eval_loaders.items():
+            metrics.update(evaluate_model(acc, self.model, loader, self.loss_fn, self.metrics_fn, prefix=name))
         metrics.update(
             train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
             train_samples_per_second=round((state.samples_seen - self.start_samples) / runtime, 3) if runtime else 0.0,

@@ -146,8 +146,11 @@ def predict_test(result, data, collator, cfg, labels, metrics_fn, out: Path) -> 
     return {f"test_{k}": float(v) for k, v in metrics_fn(outputs).items()}
 
 
+CONFIG_TYPES = (TrainConfig, ModelArguments, DataArguments)
+
+
 def main(argv=None):
-    cfg, margs, dargs = parse_config((TrainConfig, ModelArguments, DataArguments), argv, defaults=DEFAULTS)
+    cfg, margs, dargs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(cfg)
     raw, text_columns, labels = load_data(dargs, cfg.seed)
     tokenizer, model = load_model(margs, labels, dargs.max_seq_length)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from accel_train import TrainConfig, parse_config
+from accel_train import parse_config
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -23,7 +23,5 @@ def recipe_for(config_path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_parses(path):
     module = recipe_for(path)
-    types = [TrainConfig] + [t for t in vars(module).values()
-                             if isinstance(t, type) and t.__module__ == module.__name__ and hasattr(t, "__dataclass_fields__")]
-    configs = parse_config(types, ["--config", str(path)], defaults=getattr(module, "DEFAULTS", None))
+    configs = parse_config(module.CONFIG_TYPES, ["--config", str(path)], defaults=getattr(module, "DEFAULTS", None))
     assert configs[0].output_dir.startswith("outputs/")

@@ -1,0 +1,209 @@
+"""Image classification: from scratch or from pretrained weights, on any image folder or `datasets` name.
+
+    accelerate launch recipes/image_classification.py                      # embedded MNIST digits, ~2-3 min on CPU
+    accelerate launch recipes/image_classification.py --config recipes/configs/image_classification_cifar10.yaml
+    accelerate launch recipes/image_classification.py --data_dir my_images --model_type vit --num_train_epochs 30
+
+Training augmentation (random resized crop, flip, colour jitter, optional mixup / cutmix) runs batched on
+the training device inside the loss function; evaluation standardises only. The end of the run writes
+top-1 / top-5 / per-class accuracy to all_results.json (test_* too when a test split exists) and a
+confusion matrix PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate.utils import set_seed
+
+from accel_train import (ConfigError, ModelError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli,
+                         train)
+from accel_train.vision import (ClassificationMetrics, EvalTransform, ImageDataArguments, ImageDataset, MixupCutmix,
+                                SmallResNet, TrainAugmentation, channel_mean_std, image_processor, load_image_data,
+                                processor_size, save_confusion_matrix)
+
+# Small from-scratch shapes for CPU-sized runs; --config_overrides changes any of them.
+MODEL_PRESETS = {
+    "small_resnet": {"widths": [16, 32, 64], "blocks_per_stage": 3},
+    "vit": {"patch_size": 4, "hidden_size": 192, "num_hidden_layers": 6, "num_attention_heads": 3,
+            "intermediate_size": 384},
+    "convnext": {"patch_size": 2, "hidden_sizes": [48, 96, 192, 384], "depths": [2, 2, 2, 2]},
+}
+# Loader workers decode images beside a GPU; on a CPU they compete with the training threads for the same
+# cores (3x slower on 2 cores, benchmarks/image_classification.md), so none there.
+_GPU = torch.cuda.is_available()
+DEFAULTS = {
+    "output_dir": "outputs/image_classification", "num_train_epochs": 8, "per_device_train_batch_size": 64,
+    "per_device_eval_batch_size": 256, "optim": "adamw", "learning_rate": 3e-3, "weight_decay": 0.05,
+    "lr_scheduler_type": "cosine", "warmup_steps": 0.1, "label_smoothing_factor": 0.1, "logging_steps": 20,
+    "dataloader_num_workers": 4 if _GPU else 0, "dataloader_persistent_workers": _GPU,
+}
+
+
+@dataclass(frozen=True)
+class ModelArguments:
+    """Which network: a from-scratch architecture, or pretrained transformers weights."""
+
+    model_type: str = field(default="small_resnet", metadata={
+        "help": "small_resnet (ResNet-20 for small images) or a transformers model type, e.g. vit, convnext."})
+    model_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "Pretrained transformers weights (hub name or local path); the classifier head is re-initialised."})
+    config_overrides: Optional[str] = field(default=None, metadata={
+        "help": 'Model config changes, JSON (\'{"hidden_size": 64}\') or key=value,key=value.'})
+    channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (faster convs)."})
+
+
+@dataclass(frozen=True)
+class AugmentationArguments:
+    """Training augmentation, applied on the device to whole batches."""
+
+    crop_scale_min: float = field(default=0.8, metadata={
+        "help": "Random resized crop keeps this much area or more (mild for short runs; long runs: lower)."})
+    horizontal_flip: Optional[bool] = field(default=None, metadata={
+        "help": "Random horizontal flips (default: on, off for the embedded digits, which are not mirror images)."})
+    color_jitter: float = field(default=0.1, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
+    mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(a, a); 0 = off."})
+    cutmix_alpha: float = field(default=0.0, metadata={"help": "CutMix Beta(a, a); 0 = off (both set: 50/50)."})
+
+    def __post_init__(self):
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
+        for name in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be >= 0 (0 turns it off).")
+
+
+def build_model(args: ModelArguments, class_names: list[str], image_size: int):
+    """(model, image processor or None); the processor's mean/std/size win for pretrained weights."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
+
+    labels = {"num_labels": len(class_names), "id2label": dict(enumerate(class_names)),
+              "label2id": {c: i for i, c in enumerate(class_names)}}
+    if args.model_name_or_path:
+        try:
+            model = AutoModelForImageClassification.from_pretrained(
+                args.model_name_or_path, ignore_mismatched_sizes=True, **labels)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"--model_name_or_path {args.model_name_or_path}: cannot load it ({err}). Offline, "
+                             "give a local directory holding config.json and the weights.") from None
+        try:
+            return model, AutoImageProcessor.from_pretrained(args.model_name_or_path)
+        except (OSError, ValueError):
+            return model, None
+    overrides = {**MODEL_PRESETS.get(args.model_type, {}), **_parse_overrides(args.config_overrides)}
+    if args.model_type == "small_resnet":
+        return SmallResNet(len(class_names), **overrides), None
+    try:
+        config = AutoConfig.for_model(args.model_type, image_size=image_size, **labels)
+    except ValueError:
+        raise ModelError(f"--model_type {args.model_type}: unknown; use small_resnet or a transformers image "
+                         "model type such as vit or convnext.") from None
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ConfigError(f"--config_overrides: {type(config).__name__} has no field '{key}'.")
+        setattr(config, key, value)
+    return AutoModelForImageClassification.from_config(config), None
+
+
+def _parse_overrides(text: Optional[str]) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            value = {k.strip(): json.loads(v) for k, v in (pair.split("=", 1) for pair in text.split(","))}
+        except (ValueError, json.JSONDecodeError):
+            raise ConfigError(f"--config_overrides {text!r}: give JSON or key=value pairs with JSON values.") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--config_overrides {text!r}: must be a mapping of config fields to values.")
+    return value
+
+
+def make_loss_fn(augment, eval_transform, mixing: MixupCutmix, label_smoothing: float, channels_last: bool):
+    """Augment + mix while training, standardise only in evaluation; per-sample cross-entropy."""
+
+    def loss_fn(model, batch):
+        images, targets = batch["pixel_values"], batch["labels"]
+        if model.training:
+            images, targets = mixing(augment(images), targets)
+        else:
+            images = eval_transform(images)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        out = model(pixel_values=images)
+        logits = getattr(out, "logits", out)
+        losses = torch.nn.functional.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing,
+                                                   reduction="none")
+        return {"loss": losses.mean(), "per_sample_loss": losses, "logits": logits}
+
+    return loss_fn
+
+
+CONFIG_TYPES = (TrainConfig, ImageDataArguments, AugmentationArguments, ModelArguments)
+
+
+def main(argv=None) -> dict[str, float]:
+    config, data_args, aug_args, model_args = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
+    accelerator = build_accelerator(config)
+    with accelerator.main_process_first():
+        data = load_image_data(data_args, seed=config.seed)
+    model, processor = build_model(model_args, data.class_names, data.image_size)
+    size = processor_size(processor) or data.image_size
+    image_sets = {name: ImageDataset(split, size) for name, split in data.splits.items()}
+    mean, std = (processor.image_mean, processor.image_std) if processor else channel_mean_std(image_sets["train"])
+    if processor is None:
+        processor = image_processor(size, mean, std)  # saved with the model: how to preprocess
+    for note in data.notes:
+        accelerator.print(f"data: {note}")
+    accelerator.print(f"data: {', '.join(f'{k} {len(v)}' for k, v in image_sets.items())} images of {size}x{size}, "
+                      f"{len(data.class_names)} classes; mean {_fmt(mean)}, std {_fmt(std)}")
+    if model_args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    embedded_digits = not (data_args.data_dir or data_args.dataset_name)  # digits are not mirror images
+    flip = not embedded_digits if aug_args.horizontal_flip is None else aug_args.horizontal_flip
+    augment = TrainAugmentation(size, mean, std, (aug_args.crop_scale_min, 1.0), flip, aug_args.color_jitter)
+    mixing = MixupCutmix(len(data.class_names), aug_args.mixup_alpha, aug_args.cutmix_alpha)
+    loss_fn = make_loss_fn(augment, EvalTransform(mean, std), mixing, config.label_smoothing_factor,
+                           model_args.channels_last)
+    metrics_fn = ClassificationMetrics(data.class_names)
+    set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
+    loaders = {name: make_loader(ds, config, train=name == "train", num_processes=accelerator.num_processes,
+                                 process_index=accelerator.process_index) for name, ds in image_sets.items()}
+    eval_split = data.eval_split  # validation, else test; a test split besides validation is evaluated at the end
+    final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
+    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn,
+                   eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
+                   processing_class=processor, extra_configs=[data_args, aug_args, model_args])
+    return report(result, eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
+
+
+def report(result, eval_split, has_test, metrics_fn, class_names, output_dir) -> dict[str, float]:
+    """On the main process: test_* entries in all_results.json when test was the evaluation split, the
+    confusion matrix PNG of the last evaluation (test if there is one) and a per-class accuracy table."""
+    metrics = dict(result.metrics)
+    if has_test and eval_split == "test":
+        metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
+    prefix = "test" if has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
+    if result.accelerator.is_main_process and metrics_fn.last_confusion is not None:
+        out = Path(output_dir)
+        (out / "all_results.json").write_text(json.dumps(metrics, indent=2))
+        save_confusion_matrix(metrics_fn.last_confusion, class_names, out / "confusion_matrix.png",
+                              title="test" if prefix == "test" else eval_split)
+        rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}" for name, key in zip(class_names, metrics_fn.keys)]
+        print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
+        print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
+              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {out / 'confusion_matrix.png'}", flush=True)
+    return metrics
+
+
+def _fmt(values) -> str:
+    return "(" + ", ".join(f"{v:.3f}" for v in values) + ")"
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -95,6 +95,23 @@ class TrainConfig:
         default=None, metadata={"help": "Fail at start unless exactly this many processes are running."}
     )
 
+    # --- speed
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile the model (Accelerate's dynamo plugin)."})
+    torch_compile_mode: Optional[str] = field(
+        default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune."}
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30% more compute."}
+    )
+    tf32: Optional[bool] = field(
+        default=None, metadata={"help": "TF32 matmuls on Ampere+ GPUs (default: on where supported)."}
+    )
+    auto_find_batch_size: bool = field(
+        default=False,
+        metadata={"help": "Before step 0, halve the micro-batch (doubling accumulation) until it fits in memory "
+                          "on every process; the global batch and the schedule stay the same."},
+    )
+
     # --- reliability
     on_nonfinite: Literal["stop", "skip"] = field(
         default="stop",
@@ -222,6 +239,9 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError("--load_best_model_at_end needs --eval_strategy and --save_strategy other than 'no'.")
     if cfg.expected_world_size is not None and cfg.expected_world_size < 1:
         raise bad("expected_world_size", cfg.expected_world_size, "must be >= 1.")
+    if cfg.torch_compile_mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        raise bad("torch_compile_mode", cfg.torch_compile_mode,
+                  "choose default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs.")
     if cfg.dataloader_persistent_workers and cfg.dataloader_num_workers == 0:
         raise ConfigError("--dataloader_persistent_workers needs --dataloader_num_workers > 0.")
 

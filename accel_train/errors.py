@@ -52,21 +52,34 @@ EXIT_USER_ERROR = 2
 
 
 def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> None:
-    """Run a recipe's `main(argv)`; turn a `UserError` into a one-paragraph message and exit code 2.
+    """Run a recipe's `main(argv)`; turn a `UserError` (or running out of memory) into a one-paragraph
+    message and exit code 2. A SIGTERM checkpoint (`Preempted`) exits 0.
 
     Set `ACCEL_TRAIN_TRACEBACK=1` to see the full stack trace as well.
     """
+    import torch
+
     try:
         main(argv)
     except Preempted as stop:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"\naccel_train: {stop}", file=sys.stderr, flush=True)
+        _say(f"accel_train: {stop}")
         sys.exit(0)
-    except UserError as err:
+    except Exception as err:  # noqa: BLE001 - anything else keeps its traceback (re-raised below)
+        if isinstance(err, UserError):
+            message = f"accel_train {err.kind}: {err}"
+        elif isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
+            message = (f"accel_train out of memory: {err}. Lower --per_device_train_batch_size and raise "
+                       "--gradient_accumulation_steps (same global batch), or use --auto_find_batch_size, "
+                       "--gradient_checkpointing or --mixed_precision bf16. Saved checkpoints are intact.")
+        else:
+            raise
         if os.environ.get("ACCEL_TRAIN_TRACEBACK"):
             raise
-        rank = os.environ.get("RANK", "0")
-        # Every rank usually hits the same error; say it once.
-        if rank == "0":
-            print(f"\naccel_train {err.kind}: {err}", file=sys.stderr, flush=True)
+        _say(message)
         sys.exit(EXIT_USER_ERROR)
+
+
+def _say(message: str) -> None:
+    """Every rank usually hits the same error: say it once."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"\n{message}", file=sys.stderr, flush=True)

@@ -18,8 +18,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import GradientState
+from accelerate.utils import GradientAccumulationPlugin
 
 from . import checkpoint as ckpt
+from .batch_size import find_micro_batch, with_micro_batch
 from .config import TrainConfig, save_config
 from .errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from .hooks import EarlyStopping, call_hooks, hook_key
@@ -121,6 +124,7 @@ def train(
                         hooks, accelerator, extra_configs, final_eval_loaders)
     accelerator, model, optimizer, scheduler, train_loader = (run.accelerator, run.model, run.optimizer,
                                                              run.scheduler, run.train_loader)
+    config = run.config  # with --auto_find_batch_size: the micro-batch and accumulation actually used
     plan, gas, meter = run.plan, config.gradient_accumulation_steps, StepMeter(accelerator)
     stop, started = call_hooks(run.hooks, "on_train_start", state), time.perf_counter()
     model.train()
@@ -175,6 +179,15 @@ def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimi
     accelerator.wait_for_everyone()  # every rank has looked before the main process writes anything
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = build_optimizer(model, config, optimizer, accelerator)
+    loss_fn = loss_fn or default_loss(config.label_smoothing_factor)
+    _enable_gradient_checkpointing(model, config)
+    if config.auto_find_batch_size:
+        micro = find_micro_batch(accelerator, model, train_loader, loss_fn, config, optimizer)
+        if micro != config.per_device_train_batch_size:
+            accelerator.print(f"auto batch size: micro-batch {config.per_device_train_batch_size} -> {micro}, "
+                              "accumulation raised to keep the global batch and schedule")
+            config, train_loader = with_micro_batch(config, train_loader, micro)
+            GradientState(GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps))
     shapes = ckpt.parameter_shapes(model)
     plan = make_plan(config, batches_per_process(train_loader, accelerator.num_processes), accelerator.num_processes)
     scheduler = scheduler or build_scheduler(optimizer, config, plan, accelerator)
@@ -188,8 +201,8 @@ def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimi
     if config.resume_from_checkpoint:
         state = resume(accelerator, config, plan, shapes, hooks)
     start_run_dir(accelerator, config, existing, extra_configs)
-    run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn or default_loss(config.label_smoothing_factor),
-              metrics_fn, train_loader, eval_loader, hooks, shapes)
+    run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, train_loader, eval_loader,
+              hooks, shapes)
     run.last_save = run.last_log_step = state.step
     run.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
     run.final_eval_loaders = {name: accelerator.prepare(dl) for name, dl in (final_eval_loaders or {}).items()}
@@ -380,6 +393,16 @@ class Run:
             self.log.write("final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
+
+
+def _enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) -> None:
+    if not config.gradient_checkpointing:
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError("--gradient_checkpointing: this model has no gradient_checkpointing_enable() (transformers "
+                          "models do); wrap its blocks with torch.utils.checkpoint.checkpoint instead.")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _seed_epoch(loader, config: TrainConfig, epoch: int) -> None:

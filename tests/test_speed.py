@@ -1,0 +1,104 @@
+"""Speed features keep the run the same: automatic batch size, gradient checkpointing, torch.compile, TF32."""
+
+import json
+import os
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import toy_train
+from accel_train import ConfigError, run_cli
+from accel_train.checkpoint import list_checkpoints
+from conftest import ROOT, launch, read_jsonl, reset_accelerate
+
+QUIET = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--logging_steps", "1",
+         "--eval_strategy", "no", "--save_strategy", "no", "--dropout", "0.2", "--learning_rate", "0.05"]
+
+
+def run_toy(out, *args):
+    reset_accelerate()
+    toy_train.main(["--output_dir", str(out), *QUIET, *args])
+    return load_file(out / "model.safetensors")
+
+
+def test_auto_batch_size_keeps_the_global_batch_and_schedule(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "oom_above:2")
+    auto = run_toy(tmp_path / "auto", "--per_device_train_batch_size", "8", "--auto_find_batch_size")
+    assert "auto batch size: micro-batch 8 -> 2" in capsys.readouterr().out
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    explicit = run_toy(tmp_path / "explicit", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
+    big = run_toy(tmp_path / "big", "--per_device_train_batch_size", "8")
+    assert all((auto[k] == explicit[k]).all() for k in auto)  # the same run as asking for 2 x 4 directly
+    lr = {name: [(r["step"], r["learning_rate"]) for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+          for name in ("auto", "big")}
+    assert lr["auto"] == lr["big"] and len(lr["auto"]) == 24  # same steps, same schedule as batch 8
+
+
+def test_auto_batch_size_gives_up_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "oom_above:0")
+    reset_accelerate()
+    with pytest.raises(SystemExit):
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path), *QUIET, "--auto_find_batch_size"])
+    assert "even the smallest micro-batch" in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_changes_memory_not_results(tiny_bert, sst_like, tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import nlp_finetune
+
+    results = {}
+    for value in ("true", "false"):
+        out = tmp_path / value
+        reset_accelerate()
+        nlp_finetune.main(["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]),
+                           "--output_dir", str(out), "--report_to", "none", "--disable_tqdm", "--max_steps", "6",
+                           "--max_seq_length", "32", "--eval_strategy", "no", "--save_strategy", "no",
+                           "--load_best_model_at_end", "false", "--gradient_checkpointing", value])
+        results[value] = json.loads((out / "all_results.json").read_text())
+        assert f"gradient checkpointing {'on' if value == 'true' else 'off'}" in capsys.readouterr().out
+    assert results["true"]["train_loss"] == pytest.approx(results["false"]["train_loss"], abs=1e-5)
+
+
+def test_gradient_checkpointing_needs_a_model_that_supports_it(tmp_path):
+    reset_accelerate()
+    with pytest.raises(ConfigError, match="no gradient_checkpointing_enable"):
+        toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--gradient_checkpointing"])
+
+
+def test_tf32_needs_an_ampere_gpu(tmp_path):
+    reset_accelerate()
+    with pytest.raises(ConfigError, match="--tf32 true needs an Ampere"):
+        toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--tf32", "true"])
+
+
+@pytest.mark.slow
+def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
+    common = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--save_strategy", "steps",
+              "--save_steps", "5", "--eval_strategy", "no", "--torch_compile"]
+    toy = ROOT / "tests" / "toy_train.py"
+    launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "7"], 1)
+    launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"], 1)
+    for path in [*(p / "model.safetensors" for p in list_checkpoints(tmp_path / "c")), tmp_path / "c" / "model.safetensors"]:
+        keys = list(safe_open(str(path), "pt").keys())
+        assert keys and not any("_orig_mod" in k or k.startswith("module.") for k in keys), (path, keys)
+    launch(toy, [*common[:-1], "--output_dir", str(tmp_path / "eager")], 1)
+    a, b = load_file(tmp_path / "c" / "model.safetensors"), load_file(tmp_path / "eager" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # compiled kernels round differently
+
+
+@pytest.mark.slow
+def test_auto_batch_size_agrees_across_processes(tmp_path):
+    """Only rank 1 runs out of memory above 2: both ranks must use 2, with accumulation 4."""
+    toy = ROOT / "tests" / "toy_train.py"
+    args = [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "8", "--auto_find_batch_size"]
+    from conftest import subprocess_env
+
+    launch(toy, [*args, "--output_dir", str(tmp_path / "auto")], 2,
+           env=subprocess_env(ACCELERATE_USE_CPU="1", ACCEL_TRAIN_FAULT="oom_above:2@1"))
+    launch(toy, [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                 "--output_dir", str(tmp_path / "explicit")], 2)
+    a, b = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "explicit" / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)

@@ -133,7 +133,7 @@ def train(
             _seed_epoch(train_loader, config, state.epoch)
             batches = accelerator.skip_first_batches(train_loader, state.batch_in_epoch) if state.batch_in_epoch else train_loader
             for batch, waited in _timed(batches):
-                with accelerator.accumulate(model):
+                with accelerator.accumulate(model), meter.flops.measure(batch_size_of(batch)):  # MFU: GPU, once
                     loss = as_loss_output(run.loss_fn(model, batch))["loss"]
                     # accelerator.backward divides by gas; the epoch's last window may be shorter: rescale it
                     # so every step's gradient is the mean over the micro-batches it really had.

@@ -3,6 +3,7 @@ that feed them. Side effects happen on the main process only; reductions run on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -86,6 +87,7 @@ class StepMeter:
 
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
+        self.flops = FlopCount(accelerator)
         self.reset()
 
     def reset(self) -> None:
@@ -125,9 +127,68 @@ class StepMeter:
         }
         if tokens:
             record["tokens_per_second"] = tokens / elapsed
+        mfu = self.flops.mfu(samples / elapsed / max(acc.num_processes, 1))  # per device
+        if mfu is not None:
+            record["mfu"] = mfu
         record.update(peak_memory(acc.device))
         self.reset()
         return record
+
+
+# Dense peak TFLOP/s by GPU and math precision (vendor datasheets, SXM parts). MFU = achieved / peak.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def peak_flops(accelerator: Accelerator) -> Optional[float]:
+    """The device's dense peak for the precision the matmuls run in, or None when unknown (CPUs included)."""
+    if accelerator.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(accelerator.device)
+    table = next((v for k, v in PEAK_TFLOPS.items() if k in name.replace("-", " ").split() or k in name), None)
+    if table is None:
+        return None
+    precision = accelerator.mixed_precision if accelerator.mixed_precision in ("bf16", "fp16") else (
+        "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    tflops = table.get(precision)
+    return tflops * 1e12 if tflops else None
+
+
+class FlopCount:
+    """Counts the model FLOPs of one training micro-batch (forward + backward) with torch's FlopCounterMode,
+    once, on GPU runs: the MFU in the log is those FLOPs per sample x samples/s over the device's peak."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.peak = peak_flops(accelerator)
+        self.per_sample: Optional[float] = None
+        self._pending = self.peak is not None
+        self._mode = None
+        self._samples = 0
+
+    def measure(self, batch_samples: int):
+        """A context for the next micro-batch; it counts only the first time."""
+        if not self._pending:
+            return contextlib.nullcontext()
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._pending, self._samples = False, batch_samples
+        self._mode = FlopCounterMode(display=False)
+        return self._mode
+
+    def mfu(self, samples_per_second: float) -> Optional[float]:
+        if self._mode is not None and self.per_sample is None and self._samples:
+            self.per_sample = self._mode.get_total_flops() / self._samples
+        if not self.per_sample or not self.peak:
+            return None
+        return self.per_sample * samples_per_second / self.peak
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

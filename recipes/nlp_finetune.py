@@ -39,6 +39,7 @@ class ModelArguments:
     tokenizer_name: Optional[str] = None
     trust_remote_code: bool = False  # run code shipped with a hub model only when asked
     layerwise_lr_decay: float = 1.0  # < 1: lower layers learn slower (e.g. 0.9)
+    attn_implementation: str = "sdpa"  # torch's fused scaled-dot-product attention; "eager" for the reference
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,12 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code,
-            dtype=torch.float32)
+            dtype=torch.float32, attn_implementation=args.attn_implementation)
     except OSError as err:
         raise ModelError(f"--model_name_or_path {path}: cannot load it ({err}). Give a local directory with "
                          "config.json and weights, or a hub name when online.") from None
+    except ValueError as err:  # e.g. an attention implementation the architecture does not support
+        raise ModelError(f"{path}: {err}") from None
     positions = getattr(config, "max_position_embeddings", None)
     if positions and max_seq_length > positions:
         raise DataError(f"--max_seq_length {max_seq_length} exceeds the {positions} positions of {path}.")

@@ -102,3 +102,21 @@ def test_auto_batch_size_agrees_across_processes(tmp_path):
                  "--output_dir", str(tmp_path / "explicit")], 2)
     a, b = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "explicit" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_mfu_counts_forward_and_backward_flops(tmp_path):
+    """6 x in x out FLOPs per sample for a Linear layer (2 forward, 4 backward); MFU = that x samples/s / peak."""
+    import torch
+    from accelerate import Accelerator
+
+    from accel_train.tracking import FlopCount
+
+    flops = FlopCount(Accelerator(cpu=True))
+    assert flops.peak is None  # no MFU on a CPU
+    flops.peak, flops._pending = 1e9, True  # pretend a device with a 1 GFLOP/s peak
+    layer = torch.nn.Linear(16, 8, bias=False)
+    with flops.measure(batch_samples=4):
+        layer(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    with flops.measure(batch_samples=4):  # counts only once
+        layer(torch.randn(4, 16)).sum().backward()
+    assert flops.mfu(samples_per_second=1000) == pytest.approx(6 * 16 * 8 * 1000 / 1e9)

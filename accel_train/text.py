@@ -226,13 +226,14 @@ def _encode_split(part, split, column, names, mapping):
 
 
 def tokenize(ds: datasets.DatasetDict, tokenizer, text_columns: Sequence[str], max_seq_length: int,
-             keep: Sequence[str] = ()) -> datasets.DatasetDict:
+             keep: Sequence[str] = (), pad_to_max_length: bool = False) -> datasets.DatasetDict:
     """Tokenize with `datasets.map` (batched, cached); drop every column but the model's inputs, the label and
     `keep`. Call under `accelerator.main_process_first()` so one process fills the cache."""
 
     def encode(batch):
         texts = [[t if t is not None else "" for t in batch[c]] for c in text_columns]
-        return tokenizer(*texts, truncation=True, max_length=max_seq_length)
+        return tokenizer(*texts, truncation=True, max_length=max_seq_length,
+                         padding="max_length" if pad_to_max_length else False)
 
     out = {}
     for split, part in ds.items():

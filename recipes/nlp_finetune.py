@@ -56,6 +56,7 @@ class DataArguments:
     max_eval_samples: Optional[int] = None
     validation_split_percentage: int = 10  # held out from train when there is no validation split
     group_by_length: bool = True  # batches of similar lengths: less padding
+    pad_to_max_length: bool = False  # pad every example to --max_seq_length (static shapes) instead of per batch
     full_embedded_dataset: bool = False
 
 
@@ -158,16 +159,17 @@ def main(argv=None):
     raw, text_columns, labels = load_data(dargs, cfg.seed)
     tokenizer, model = load_model(margs, labels, dargs.max_seq_length)
     with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
-        data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length)
+        data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length, pad_to_max_length=dargs.pad_to_max_length)
     # Tensor cores want multiples of 8 under mixed precision.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cfg.mixed_precision in ("fp16", "bf16") else None)
-    lengths = [len(ids) for ids in data["train"]["input_ids"]]
+    lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
                                lengths=lengths if dargs.group_by_length else None,
                                num_processes=accelerator.num_processes)
     order = (list(train_loader.sampler) if dargs.group_by_length  # epoch 0's order, from its own seeded generator
              else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist())
-    pad = padding_ratio(lengths, order, cfg.per_device_train_batch_size)
+    pad = (1 - sum(lengths) / (len(lengths) * dargs.max_seq_length) if dargs.pad_to_max_length
+           else padding_ratio(lengths, order, cfg.per_device_train_batch_size))
     accelerator.print(f"train padding ratio {pad:.1%} ({'length-grouped' if dargs.group_by_length else 'random'} batches)")
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
               if margs.layerwise_lr_decay < 1 else None)

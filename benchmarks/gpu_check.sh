@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU check: every GPU preset that fits one GPU runs the NLP recipe for a few dozen steps, then prints
-# samples/s, peak GPU memory, the precision actually in effect and the fp16 loss-scaler's skipped steps.
+# GPU check: the presets that fit one GPU run the NLP recipe for a few dozen steps; prints samples/s, MFU, peak GPU
+# memory, the precision actually in effect, fp16 loss-scaler skipped steps, and each precision's speed-up over fp32.
 # FSDP runs with one process, saves a sharded checkpoint, resumes from it and exports the gathered model.
 #
 #   bash benchmarks/gpu_check.sh [--model_name_or_path DIR] [any recipe flag ...]
 #
-# Environment: STEPS (default 60), OUT (default /tmp/accel_train_gpu_check).
+# Environment: STEPS (default 60), OUT (default /tmp/accel_train_gpu_check), COMPILE=1 adds torch.compile runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-60}
@@ -14,40 +14,59 @@ HALF=$((STEPS / 2))
 COMMON=(--max_steps "$STEPS" --per_device_train_batch_size 32 --eval_strategy no --load_best_model_at_end false
         --save_strategy steps --save_steps "$HALF" --logging_steps 10 --report_to none --disable_tqdm
         --overwrite_output_dir "$@")
+RUNS=()
 status=0
-run() {  # name, launcher flags..., -- recipe flags...
+run() {  # name, launcher and recipe flags...
   local name=$1; shift
+  RUNS+=("$name")
   echo "=== $name"
-  if ! accelerate launch "$@" > "$OUT/$name.log" 2>&1; then
+  if ! timeout 420 accelerate launch "$@" --output_dir "$OUT/$name" > "$OUT/$name.log" 2>&1; then
     echo "FAILED: $name (last lines of $OUT/$name.log):"; tail -25 "$OUT/$name.log"; status=1
   fi
 }
 mkdir -p "$OUT"
-run single_gpu_bf16 --config_file accelerate_configs/single_gpu_bf16.yaml recipes/nlp_finetune.py \
-    "${COMMON[@]}" --output_dir "$OUT/single_gpu_bf16"
-run single_gpu_fp16 --config_file accelerate_configs/single_gpu_fp16.yaml recipes/nlp_finetune.py \
-    "${COMMON[@]}" --output_dir "$OUT/single_gpu_fp16"
-run fsdp_1gpu --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/nlp_finetune.py \
-    "${COMMON[@]}" --output_dir "$OUT/fsdp_1gpu"
+BF16=(--config_file accelerate_configs/single_gpu_bf16.yaml recipes/nlp_finetune.py "${COMMON[@]}")
+run fp32_tf32_off "${BF16[@]}" --mixed_precision no --tf32 false
+run fp32 "${BF16[@]}" --mixed_precision no
+run single_gpu_bf16 "${BF16[@]}"
+run single_gpu_fp16 --config_file accelerate_configs/single_gpu_fp16.yaml recipes/nlp_finetune.py "${COMMON[@]}"
+run fsdp_1gpu --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/nlp_finetune.py "${COMMON[@]}"
 run fsdp_1gpu_resume --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/nlp_finetune.py \
-    "${COMMON[@]}" --output_dir "$OUT/fsdp_1gpu_resume" \
-    --resume_from_checkpoint "$OUT/fsdp_1gpu/checkpoints/step-$(printf %08d "$HALF")"
-python3 - "$OUT" <<'PY'
-import json, re, sys
+    "${COMMON[@]}" --resume_from_checkpoint "$OUT/fsdp_1gpu/checkpoints/step-$(printf %08d "$HALF")"
+if [ "${COMPILE:-0}" = 1 ]; then  # static shapes (max-length padding) so the graph compiles once
+  run bf16_static "${BF16[@]}" --pad_to_max_length --max_seq_length 64 --no_group_by_length
+  run bf16_static_compile "${BF16[@]}" --pad_to_max_length --max_seq_length 64 --no_group_by_length --torch_compile
+fi
+python3 - "$OUT" "${RUNS[@]}" <<'PY'
+import json, re, statistics, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-print(f"\n{'run':<18} {'precision in effect':<44} {'samples/s':>10} {'peak GPU MB':>12} {'skipped':>8} {'steps':>6}")
-for name in ("single_gpu_bf16", "single_gpu_fp16", "fsdp_1gpu", "fsdp_1gpu_resume"):
-    log = (out / f"{name}.log").read_text() if (out / f"{name}.log").exists() else ""
+out, names = Path(sys.argv[1]), sys.argv[2:]
+rows, base = [], None
+for name in names:
+    log = (out / f"{name}.log").read_text(errors="replace") if (out / f"{name}.log").exists() else ""
     precision = re.search(r"precision\s+(.+)", log)
+    speed = re.search(r"speed\s+(.+)", log)
     if not (out / name / "all_results.json").exists():
-        print(f"{name:<18} (no results)")
+        rows.append(f"| {name} | (failed) | | | | | | |")
         continue
     res = json.loads((out / name / "all_results.json").read_text())
-    resumed = " (resumed)" if "resumed from" in log else ""
-    print(f"{name:<18} {(precision.group(1) if precision else '?') + resumed:<44} "
-          f"{res.get('train_samples_per_second', 0):>10.1f} {res.get('train_gpu_peak_memory_mb', 0):>12.0f} "
-          f"{res.get('train_skipped_steps', 0):>8} {res.get('train_steps', 0):>6}")
+    logs = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    sps = statistics.median(r["samples_per_second"] for r in logs[1:] or logs)  # steady state: skip the first interval
+    mfu = [r["mfu"] for r in logs[1:] if "mfu" in r]
+    if name == "fp32":
+        base = sps
+    rows.append((name, precision.group(1) if precision else "?", speed.group(1) if speed else "?", sps,
+                 statistics.median(mfu) if mfu else None, res.get("train_gpu_peak_memory_mb", 0),
+                 res.get("train_skipped_steps", 0), res.get("train_steps", 0), "resumed from" in log))
+print("\n| run | precision in effect | speed settings | samples/s | vs fp32 | MFU | peak GPU MB | fp16 skipped steps | steps |")
+print("|---|---|---|---|---|---|---|---|---|")
+for row in rows:
+    if isinstance(row, str):
+        print(row); continue
+    name, prec, speed, sps, mfu, mem, skipped, steps, resumed = row
+    ratio = f"{sps / base:.2f}x" if base else "-"
+    print(f"| {name}{' (resumed)' if resumed else ''} | {prec} | {speed} | {sps:.0f} | {ratio} | "
+          f"{f'{mfu:.1%}' if mfu is not None else '-'} | {mem:.0f} | {skipped} | {steps} |")
 exported = out / "fsdp_1gpu" / "model.safetensors"
 print(f"\nFSDP export gathered to a full state dict: {exported.exists()} ({exported})")
 PY

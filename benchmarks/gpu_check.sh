@@ -20,7 +20,7 @@ run() {  # name, launcher and recipe flags...
   local name=$1; shift
   RUNS+=("$name")
   echo "=== $name"
-  if ! timeout 420 accelerate launch "$@" --output_dir "$OUT/$name" > "$OUT/$name.log" 2>&1; then
+  if ! timeout 420 python3 -m accelerate.commands.launch "$@" --output_dir "$OUT/$name" > "$OUT/$name.log" 2>&1; then
     echo "FAILED: $name (last lines of $OUT/$name.log):"; tail -25 "$OUT/$name.log"; status=1
   fi
 }

@@ -17,7 +17,8 @@ from .data import LengthGroupedSampler, make_loader, seed_worker
 from .errors import (CheckpointError, ConfigError, DataError, LaunchError, ModelError, Preempted, TrainingDiverged,
                      UserError, run_cli)
 from .hooks import EarlyStopping, Hook
-from .loop import TrainResult, TrainState, default_loss, train
+from .loop import default_loss, train
+from .state import TrainResult, TrainState
 from .metrics import evaluate_model, gather_outputs, load_metric, shipped_metrics
 from .optim import StepPlan, build_optimizer, layerwise_lr_decay_groups, build_scheduler, make_plan, no_decay_param_groups
 from .runtime import build_accelerator, precision_in_effect

@@ -123,9 +123,7 @@ def accel_loop(make_model, loader, loss_fn, steps: int, log_every: int) -> tuple
                              mixed_precision="no")
         accelerator = build_accelerator(config)  # seeds like set_seed above
         model = make_model()
-        start = time.perf_counter()
         result = train(model, loader(), config=config, loss_fn=loss_fn, accelerator=accelerator)
-        elapsed = time.perf_counter() - start
         history = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in history if "loss" in r]
     # train()'s time includes preparing and exporting the model: time the training itself from its own result

@@ -173,8 +173,6 @@ def section_compile(repeats: int) -> list[str]:
     """torch.compile on the CNN (static shapes): steady-state samples/s after the compile, compile time apart."""
     from overhead import cnn_workload
 
-    import torch
-
     from accel_train import TrainConfig, build_accelerator, train
 
     make_model, loader, loss_fn = cnn_workload(120)

@@ -2,7 +2,6 @@
 "nodes" on one machine equal one process, and checkpoints move between world sizes."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -6,7 +6,6 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
 
 from accel_train import layerwise_lr_decay_groups
 from accel_train.text import load_embedded_tweets

@@ -1,7 +1,6 @@
 """Speed features keep the run the same: automatic batch size, gradient checkpointing, torch.compile, TF32."""
 
 import json
-import os
 
 import pytest
 from safetensors import safe_open
@@ -28,7 +27,7 @@ def test_auto_batch_size_keeps_the_global_batch_and_schedule(tmp_path, monkeypat
     assert "auto batch size: micro-batch 8 -> 2" in capsys.readouterr().out
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
     explicit = run_toy(tmp_path / "explicit", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
-    big = run_toy(tmp_path / "big", "--per_device_train_batch_size", "8")
+    run_toy(tmp_path / "big", "--per_device_train_batch_size", "8")
     assert all((auto[k] == explicit[k]).all() for k in auto)  # the same run as asking for 2 x 4 directly
     lr = {name: [(r["step"], r["learning_rate"]) for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
           for name in ("auto", "big")}

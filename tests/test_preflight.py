@@ -13,7 +13,8 @@ from transformers import get_linear_schedule_with_warmup
 
 import toy_train
 from accel_train import ConfigError, TrainConfig, build_scheduler, make_plan, train
-from accel_train.preflight import Flight, check_schedule
+from accel_train.preflight import Flight
+from accel_train.preflight_model import check_schedule
 from conftest import read_jsonl, reset_accelerate
 
 
@@ -182,6 +183,11 @@ def test_low_precision_master_weights(tmp_path):
 
 def bf16_batch(rows):
     return {"x": torch.stack([r["x"] for r in rows]).bfloat16(), "labels": torch.stack([r["labels"] for r in rows])}
+
+
+def test_learning_rate_zero_is_only_a_warning(tmp_path):  # a legitimate evaluation-only run
+    findings = fly(tmp_path / "run", learning_rate=0.0)
+    assert "0 at every step: nothing trains" in warned(findings, "schedule")[0]["message"]
 
 
 def test_intervals_longer_than_the_run(tmp_path):

@@ -25,10 +25,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .diagnostics import LOCAL_GRADIENTS, ActivationStats, _profiler_schedule, flag_layers, layer_grad_norms, memory_breakdown
+from .diagnostics import (LOCAL_GRADIENTS, ActivationStats, _profiler_schedule, flag_layers, layer_grad_norms,
+                          memory_breakdown)
 from .overfit import OverfitCheck
 from .preflight import PreflightResult, run_preflight
 from .runtime import precision_in_effect
+from .tracking import _truncate_history
 
 REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR = "report", "diagnostics", "profiler"
 MAX_CONFUSION_CLASSES = 100
@@ -217,7 +219,10 @@ class Diagnostics:
                     or config.memory_snapshot_step or config.detect_anomaly)
 
     def __enter__(self) -> "Diagnostics":
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Folders are made when first written to: the main process may still be clearing an older run's.
+        if self.main and self.initial_step:  # resumed: drop what the interrupted run recorded after its checkpoint
+            for name in ("grad_flow.jsonl", "activations.jsonl"):
+                _truncate_history(self.dir / name, self.initial_step)
         if self.config.detect_anomaly:
             self.anomaly = torch.is_anomaly_enabled()
             torch.autograd.set_detect_anomaly(True)
@@ -275,6 +280,7 @@ class Diagnostics:
         self._arm(step + 1)
 
     def _append(self, name: str, record: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / name, "a") as fh:
             fh.write(json.dumps(record, default=lambda v: None) + "\n")
 
@@ -304,6 +310,7 @@ class Diagnostics:
                        record_shapes=True, profile_memory=True)
 
     def _snapshot(self, step: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"memory_step{step}_rank{self.rank}"
         record = {"step": step, "rank": self.rank, "device": str(self.acc.device),
                   **memory_breakdown(self.model, self.optimizer)}

@@ -62,7 +62,8 @@ def load_run(run_dir: str | Path) -> RunData:
                         "of a run.")
     config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else {}
     metrics = path / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() \
+        else []
     return RunData(path, config or {}, records, _json(path / "all_results.json"),
                    _json(path / REPORT_DIR / "run_info.json"), _json(path / REPORT_DIR / "preflight.json"))
 
@@ -87,14 +88,17 @@ def _plot_training(run: RunData, out: Path) -> dict[str, Path]:
     steps, loss = run.curve("loss")
     eval_steps, eval_loss = run.curve("eval_loss")
     if loss or eval_loss:
-        series = [Series("train loss", steps, loss)] + ([Series("eval loss", eval_steps, eval_loss, "o--")] if eval_loss else [])
+        series = [Series("train loss", steps, loss)]
+        if eval_loss:
+            series.append(Series("eval loss", eval_steps, eval_loss, "o--"))
         plots["loss"] = line_plot(out / "loss.png", [Panel("loss", series)], f"loss: {run.name}")
     lr_steps, lr = run.curve("learning_rate")
     if lr:
         series = [Series("learning rate (logged)", lr_steps, lr)]
         simulated = (run.preflight.get("schedule") or {})
         if simulated:
-            series.append(Series("schedule simulated before step 0 (group 0)", simulated["steps"], simulated["lr"][0], "--"))
+            series.append(Series("schedule simulated before step 0 (group 0)", simulated["steps"], simulated["lr"][0],
+                                 "--"))
         plots["learning_rate"] = line_plot(out / "learning_rate.png", [Panel("learning rate", series)],
                                            f"learning rate: {run.name}")
     gn_steps, grad_norm = run.curve("grad_norm")

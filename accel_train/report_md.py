@@ -99,8 +99,9 @@ def _diagnostics(run, plots: dict[str, str]) -> list[str]:
     flow, acts = run.jsonl("diagnostics/grad_flow.jsonl"), run.jsonl("diagnostics/activations.jsonl")
     if flow:
         flagged = _flags(flow)
-        lines += [f"**Gradient flow**: {len(flow)} recorded step(s), {len(flow[-1]['norms'])} layers; per-layer norms in "
-                  "`diagnostics/grad_flow.jsonl`. " + ("Flagged layers:" if flagged else "No layer flagged."), *flagged, ""]
+        lines += [f"**Gradient flow**: {len(flow)} recorded step(s), {len(flow[-1]['norms'])} layers; per-layer "
+                  "norms in `diagnostics/grad_flow.jsonl`. " + ("Flagged layers:" if flagged else "No layer flagged."),
+                  *flagged, ""]
     if acts:
         flagged = _flags(acts)
         lines += [f"**Activations**: {len(acts)} recorded step(s); `diagnostics/activations.jsonl`. "
@@ -133,11 +134,10 @@ def _setup(run) -> list[str]:
     if not info:
         return ["(no report/run_info.json: the run predates run reports)"]
     hw, plan = info.get("hardware", {}), info.get("plan", {})
+    gpus = f", {len(hw['gpus'])} x {hw['gpus'][0]} ({hw.get('gpu_memory_gb')} GB)" if hw.get("gpus") else ""
     rows = [("world size", f"{info['world_size']} process(es), {info['distributed_type']}"),
             ("device", hw.get("device")), ("precision", info.get("precision")),
-            ("hardware", f"{hw.get('cpu_count')} CPU cores" + (f", {len(hw['gpus'])} x {hw['gpus'][0]} "
-                                                               f"({hw.get('gpu_memory_gb')} GB)" if hw.get("gpus") else "")
-             + f", {hw.get('platform')}"),
+            ("hardware", f"{hw.get('cpu_count')} CPU cores{gpus}, {hw.get('platform')}"),
             ("software", ", ".join(f"{k} {v}" for k, v in info.get("versions", {}).items())),
             ("model", f"{info['model']['class']}: {info['model']['parameters']:,} parameters, "
                       f"{info['model']['trainable']:,} trainable"),

@@ -30,7 +30,8 @@ def run_toy(out, *args):
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
-    return run_toy(tmp_path_factory.mktemp("report") / "run", "--grad_flow_steps", "6", "--activation_stats_steps", "12")
+    out = tmp_path_factory.mktemp("report") / "run"
+    return run_toy(out, "--grad_flow_steps", "6", "--activation_stats_steps", "12")
 
 
 def points(series):
@@ -60,7 +61,8 @@ def test_report_pngs_decode_and_hold_the_run_series(toy_run):
     assert points(series_by_label(toy_run / "report" / "metrics.png")["eval_accuracy"]) == \
         [(r["step"], pytest.approx(r["eval_accuracy"])) for r in evals]
     throughput = series_by_label(toy_run / "report" / "throughput.png")
-    assert points(throughput["samples per second"]) == [(r["step"], pytest.approx(r["samples_per_second"])) for r in train]
+    assert points(throughput["samples per second"]) == \
+        [(r["step"], pytest.approx(r["samples_per_second"])) for r in train]
 
 
 def test_confusion_matrix_is_the_last_evaluation(toy_run):
@@ -104,7 +106,8 @@ def test_compare_overlays_runs(toy_run, tmp_path):
     for name, path in (("run", toy_run), ("other", other)):
         history = [r for r in read_jsonl(path / "metrics.jsonl") if "loss" in r]
         assert loss[f"{name} train"]["y"] == pytest.approx([r["loss"] for r in history])
-    assert {"learning_rate.png", "grad_norm.png", "samples_per_second.png", "metrics.png"} <= {p.name for p in out.iterdir()}
+    written = {p.name for p in out.iterdir()}
+    assert {"learning_rate.png", "grad_norm.png", "samples_per_second.png", "metrics.png"} <= written
     compare = (out / "compare.md").read_text()
     assert "| learning_rate | 0.01 | 0.05 |" in compare and "| eval_accuracy |" in compare
 

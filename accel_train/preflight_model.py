@@ -84,7 +84,8 @@ def check_schedule(f: Flight) -> list[Finding]:
     f.schedule = {"steps": keep, "lr": [[g[k] for k in keep] for g in lrs],
                   "warmup_steps": plan.warmup_steps, "total_steps": total}
     # curve[k]: the rate optimizer step k + 1 trains with, for the group with the highest peak
-    curve = lrs[max(range(len(lrs)), key=lambda i: max(lrs[i][:total]))][:total]
+    group = lrs[max(range(len(lrs)), key=lambda i: max(lrs[i][:total]))]
+    curve, final = group[:total], group[total]  # final: where the schedule stands once the run is over
     peak = max(curve)
     if peak <= 0:
         return [Finding("schedule", "warning", "the learning rate is 0 at every step: nothing trains (fine for a "
@@ -101,9 +102,9 @@ def check_schedule(f: Flight) -> list[Finding]:
                            f"build the schedule for {total} optimizer steps (after sharding and accumulation), or let "
                            "accel_train build it (pass no scheduler)" + (", and build the Accelerator with "
                            "build_accelerator(config)." if per_call > 1 else ".")))
-    elif cfg.lr_scheduler_type in DECAY_TO_ZERO and not cfg.lr_scheduler_kwargs and curve[-1] > 0.1 * peak:
+    elif cfg.lr_scheduler_type in DECAY_TO_ZERO and not cfg.lr_scheduler_kwargs and final > 0.1 * peak:
         out.append(Finding("schedule", "warning", f"--lr_scheduler_type {cfg.lr_scheduler_type} should end near 0, "
-                           f"but the last step still has {curve[-1] / peak:.0%} of the peak: the schedule was built "
+                           f"but it is still at {final / peak:.0%} of its peak when the run ends: it was built "
                            "for more steps than the run has, or is another schedule.",
                            f"build the schedule for {total} optimizer steps, or set --lr_scheduler_type to what it "
                            "is."))
@@ -117,7 +118,7 @@ def check_schedule(f: Flight) -> list[Finding]:
                            "--learning_rate to the value used."))
     if not out:
         out.append(Finding("schedule", "ok", f"{type(_base(f.scheduler)).__name__} simulated over {total} steps: "
-                           f"peak {peak:.3g} after {peak_step} warmup step(s), {curve[-1]:.3g} at the last step."))
+                           f"peak {peak:.3g} after {peak_step} warmup step(s), {final:.3g} when the run ends."))
     return out
 
 

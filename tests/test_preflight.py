@@ -87,7 +87,8 @@ def test_scheduler_stepped_once_per_process():
     plan = make_plan(config, batches_per_epoch=10, num_processes=2)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
     scheduler = AcceleratedScheduler(build_scheduler(optimizer, config, plan), optimizer, step_with_optimizer=True)
-    flight = Flight(SimpleNamespace(num_processes=2), config, plan, None, optimizer, scheduler, None, None, None)
+    accelerator = SimpleNamespace(num_processes=2, distributed_type=SimpleNamespace(value="MULTI_CPU"))
+    flight = Flight(accelerator, config, plan, None, optimizer, scheduler, None, None, None)
     [finding] = check_schedule(flight)
     assert finding.level == "error" and "reaches 0 after step 10 of 20" in finding.message
     assert "2 times per optimizer step" in finding.message and "build_accelerator" in finding.fix
@@ -151,6 +152,14 @@ class UnseedableSampler(Sampler):
 def test_sampler_that_cannot_be_replayed(tmp_path):
     findings = fly(tmp_path / "run", loader=DataLoader(points(), batch_size=8, sampler=UnseedableSampler(64)))
     assert "UnseedableSampler) has no set_epoch()" in warned(findings, "seedable_sampler")[0]["message"]
+
+
+def test_schedule_built_for_too_many_steps(tmp_path):
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    long = get_linear_schedule_with_warmup(optimizer, 0, num_training_steps=32)  # the run has 16
+    findings = fly(tmp_path / "run", model=model, optimizer=optimizer, scheduler=long)
+    assert "still at 50% of its peak when the run ends" in warned(findings, "schedule")[0]["message"]
 
 
 def test_schedule_without_the_configured_warmup(tmp_path):

@@ -13,9 +13,9 @@ import toy_train
 from accel_train import ConfigError, TrainConfig
 from accel_train.cli import main as cli
 from accel_train.plots import read_series, series_by_label
-from conftest import ROOT, read_jsonl, reset_accelerate
+from conftest import ROOT, launch, read_jsonl, reset_accelerate
 
-RUN = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--per_device_train_batch_size", "8",
+RUN = ["--report_to", "none", "--disable_tqdm", "--run_report", "true", "--num_train_epochs", "2", "--per_device_train_batch_size", "8",
        "--learning_rate", "0.01", "--warmup_steps", "3", "--logging_steps", "2", "--eval_strategy", "epoch",
        "--save_strategy", "no"]
 PLOTS = ("loss", "learning_rate", "lr_schedule", "grad_norm", "throughput", "metrics", "confusion_matrix", "grad_flow",
@@ -130,6 +130,24 @@ def test_nlp_recipe_report(tiny_bert, sst_like, tmp_path):
     assert confusion["labels"] == ["0", "1"] and np.array(confusion["matrix"]).sum() == 40
     report = (out / "report.md").read_text()
     assert "| precision | fp32 |" in report and "BertForSequenceClassification" in report
+
+
+def test_two_processes_report_and_diagnostics(tmp_path):
+    out = tmp_path / "ddp"
+    launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(out), *RUN, "--grad_flow_steps", "3",
+                                              "--profile_steps", "2-2", "--memory_snapshot_step", "2"], num_processes=2)
+    info = json.loads((out / "report" / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["distributed_type"] == "MULTI_CPU"
+    findings = json.loads((out / "report" / "preflight.json").read_text())["findings"]
+    assert [f for f in findings if f["level"] != "ok"] == [] and len({f["check"] + f["message"] for f in findings}) \
+        == len(findings)  # the ranks' findings merged, not doubled
+    assert "global batch 16 = 8 per device x 2 process(es)" in " ".join(f["message"] for f in findings)
+    flow = read_jsonl(out / "diagnostics" / "grad_flow.jsonl")
+    assert [r["step"] for r in flow] == [3, 6, 9, 12]  # main process only, once per recorded step
+    for rank in (0, 1):  # every process traces and snapshots its own memory
+        assert len(list((out / "profiler").glob(f"rank{rank}.*.pt.trace.json"))) == 1
+        assert (out / "diagnostics" / f"memory_step2_rank{rank}.json").exists()
+    assert "| world size | 2 process(es), MULTI_CPU |" in (out / "report.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------ trackers

@@ -169,7 +169,8 @@ def write_report(path: Path, report: dict) -> None:
 # --detect_anomaly). The loop holds `None` when every flag is off, so a normal step pays one `is None` test.
 
 LOCAL_GRADIENTS = ("NO", "MULTI_CPU", "MULTI_GPU")  # where each rank holds whole, already-reduced gradients
-VANISHING, EXPLODING = 1e-3, 1e3  # a layer's gradient RMS against the median layer's
+VANISHING = 1e-4  # a layer's gradient RMS against the median layer's, at the same step
+EXPLODING = 1e2  # a layer's gradient RMS against its own median over the earlier records
 
 
 def layer_grad_norms(model: torch.nn.Module, scale: float = 1.0) -> tuple[dict[str, Optional[float]], dict[str, int]]:
@@ -194,19 +195,27 @@ def layer_grad_norms(model: torch.nn.Module, scale: float = 1.0) -> tuple[dict[s
     return {name: result[name] for name in sizes}, sizes
 
 
-def flag_layers(norms: dict[str, Optional[float]], sizes: dict[str, int]) -> dict[str, list[str]]:
-    """Layers whose gradient RMS (norm / sqrt(values)) is < 1e-3 or > 1e3 times the median layer's, or that got
-    no gradient at all. RMS, not the norm, so a big embedding is not "exploding" for its size alone."""
+def flag_layers(norms: dict[str, Optional[float]], sizes: dict[str, int],
+                history: Optional[dict[str, list[float]]] = None) -> dict[str, list[str]]:
+    """Flag layers by gradient RMS (norm / sqrt(values), so a big embedding is not large for its size alone):
+    vanishing below 1e-4 times the median layer's (or exactly 0); exploding when non-finite or above 100 times
+    the layer's own median over the earlier records in `history` ({layer: [RMS, ...]}, extended here); and
+    layers that got no gradient at all. Layers differ by orders of magnitude in a healthy network (a fine-tuned
+    head against attention projections), so explosion is judged against the layer's own past, not its peers."""
     rms = {n: v / math.sqrt(sizes[n]) for n, v in norms.items() if v is not None}
     usable = sorted(v for v in rms.values() if math.isfinite(v) and v > 0)
     median = usable[len(usable) // 2] if usable else 0.0
     flags: dict[str, list[str]] = {"no_gradient": [n for n, v in norms.items() if v is None],
                                    "vanishing": [], "exploding": []}
+    history = {} if history is None else history
     for name, value in rms.items():
-        if not math.isfinite(value) or (median > 0 and value > EXPLODING * median):
+        past = sorted(history.get(name, []))
+        if not math.isfinite(value) or (past and value > EXPLODING * past[len(past) // 2]):
             flags["exploding"].append(name)
         elif value == 0 or (median > 0 and value < VANISHING * median):
             flags["vanishing"].append(name)
+        if math.isfinite(value):
+            history.setdefault(name, []).append(value)
     return flags
 
 

@@ -212,6 +212,7 @@ class Diagnostics:
         self.cuda_history = False
         self.anomaly: Optional[bool] = None
         self.warned: set[tuple[str, str]] = set()
+        self.grad_history: dict[str, list[float]] = {}  # RMS per layer: explosion is judged against the past
 
     @staticmethod
     def wanted(config) -> bool:
@@ -261,7 +262,7 @@ class Diagnostics:
         if self.main and self.local and self._due(self.config.grad_flow_steps, step):
             scaler = self.acc.scaler
             norms, sizes = layer_grad_norms(self.model, scaler.get_scale() if scaler is not None else 1.0)
-            flags = flag_layers(norms, sizes)
+            flags = flag_layers(norms, sizes, self.grad_history)
             self._append("grad_flow.jsonl", {"step": step, "norms": norms, "sizes": sizes, "flags": flags})
             self._warn(step, "gradient", flags)
         if self.armed:

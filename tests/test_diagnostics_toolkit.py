@@ -1,6 +1,7 @@
 """The opt-in diagnostics: gradient flow equal to a direct computation, activation statistics, vanishing and
 unused layers flagged, profiler traces, memory snapshots, anomaly detection, and nothing when off."""
 
+import copy
 import json
 
 import pytest
@@ -50,7 +51,7 @@ def test_gradient_flow_equals_a_direct_computation(tmp_path):
     assert records[0]["flags"] == {"no_gradient": [], "vanishing": [], "exploding": []}
 
 
-def test_vanishing_and_unused_layers_are_flagged():
+def test_vanishing_unused_and_exploding_layers_are_flagged():
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -58,17 +59,20 @@ def test_vanishing_and_unused_layers_are_flagged():
             self.unused = torch.nn.Linear(8, 8)
 
         def forward(self, x):
-            return self.head(torch.tanh(self.second(1e-6 * torch.tanh(self.first(x)))))  # first: 1e-6 x gradient
+            return self.head(torch.tanh(self.second(1e-7 * torch.tanh(self.first(x)))))  # first: 1e-7 x gradient
 
     torch.manual_seed(0)
     net = Net()
     net(torch.randn(16, 4)).pow(2).mean().backward()
     norms, sizes = layer_grad_norms(net)
     assert list(norms) == ["first", "second", "head", "unused"] and norms["unused"] is None
-    flags = flag_layers(norms, sizes)
+    history = {}
+    flags = flag_layers(norms, sizes, history)
     assert flags == {"no_gradient": ["unused"], "vanishing": ["first"], "exploding": []}
-    norms["second"] = float("inf")
-    assert flag_layers(norms, sizes)["exploding"] == ["second"]
+    later = lambda **scaled: flag_layers({**norms, **scaled}, sizes, copy.deepcopy(history))["exploding"]  # noqa: E731
+    assert later(head=norms["head"] * 50) == []  # against its own past, not its peers
+    assert later(head=norms["head"] * 500) == ["head"]
+    assert later(second=float("inf")) == ["second"]
 
 
 def test_activation_statistics_equal_a_direct_computation(tmp_path):
@@ -107,6 +111,7 @@ def test_memory_snapshot_on_cpu(tmp_path):
     assert snapshot["peak_rss_mb"] > 0 and "no allocation history" in snapshot["note"]
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in")  # torch's warning with the forward traceback: the point
 def test_anomaly_detection_names_the_backward_op(tmp_path):
     with pytest.raises(RuntimeError, match="Function '.*Backward.*' returned nan values"):
         run_toy(tmp_path / "run", "--detect_anomaly", "--poison_index", "3", "--max_steps", "20",

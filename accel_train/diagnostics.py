@@ -198,10 +198,11 @@ def layer_grad_norms(model: torch.nn.Module, scale: float = 1.0) -> tuple[dict[s
 def flag_layers(norms: dict[str, Optional[float]], sizes: dict[str, int],
                 history: Optional[dict[str, list[float]]] = None) -> dict[str, list[str]]:
     """Flag layers by gradient RMS (norm / sqrt(values), so a big embedding is not large for its size alone):
-    vanishing below 1e-4 times the median layer's (or exactly 0); exploding when non-finite or above 100 times
-    the layer's own median over the earlier records in `history` ({layer: [RMS, ...]}, extended here); and
-    layers that got no gradient at all. Layers differ by orders of magnitude in a healthy network (a fine-tuned
-    head against attention projections), so explosion is judged against the layer's own past, not its peers."""
+    vanishing below 1e-4 times the median layer's (or exactly 0); exploding when non-finite, or above 100 times
+    the layer's own median over the earlier records in `history` ({layer: [RMS, ...]}, extended here) *and* above
+    the median layer; and layers that got no gradient at all. Layers differ by orders of magnitude in a healthy
+    network (a fine-tuned head against attention projections, which start near zero and grow), so a layer is
+    judged against its own past, and growth from below its peers is not an explosion."""
     rms = {n: v / math.sqrt(sizes[n]) for n, v in norms.items() if v is not None}
     usable = sorted(v for v in rms.values() if math.isfinite(v) and v > 0)
     median = usable[len(usable) // 2] if usable else 0.0
@@ -210,7 +211,7 @@ def flag_layers(norms: dict[str, Optional[float]], sizes: dict[str, int],
     history = {} if history is None else history
     for name, value in rms.items():
         past = sorted(history.get(name, []))
-        if not math.isfinite(value) or (past and value > EXPLODING * past[len(past) // 2]):
+        if not math.isfinite(value) or (past and value > EXPLODING * past[len(past) // 2] and value > median):
             flags["exploding"].append(name)
         elif value == 0 or (median > 0 and value < VANISHING * median):
             flags["vanishing"].append(name)

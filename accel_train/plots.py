@@ -67,7 +67,8 @@ def _save(fig, path: Path, meta: dict) -> Path:
 
 def line_plot(path: str | Path, panels: Sequence[Panel], title: str, xlabel: str = "optimizer step") -> Path:
     """One figure of stacked panels sharing the x axis; returns the path written."""
-    fig = _figure(len(panels), width=10.0 if any(p.xticklabels for p in panels) else 8.0)
+    categorical = any(p.xticklabels for p in panels)  # long rotated layer names need room below each panel
+    fig = _figure(len(panels), width=10.0 if categorical else 8.0, height=5.0 if categorical else 3.0)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels):
         for s in panel.series:

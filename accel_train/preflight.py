@@ -134,7 +134,8 @@ def check_precision(f: Flight) -> list[Finding]:
                            "load the model in float32 (from_pretrained(..., dtype=torch.float32)) and let "
                            "--mixed_precision bf16/fp16 autocast."))
     if not out:
-        out.append(Finding("precision", "ok", f"{effect} (asked: {asked or 'the launcher'}: {running})."))
+        asked_by = f"--mixed_precision {asked}" if asked else f"the launcher's {running}"
+        out.append(Finding("precision", "ok", f"{effect} (asked: {asked_by})."))
     return out
 
 

@@ -18,7 +18,7 @@ CAPTIONS = {
     "metrics": "Evaluation metrics.",
     "confusion_matrix": "Confusion matrix of the last evaluation (rows: true class, columns: predicted).",
     "grad_flow": "Gradient RMS per layer (input to output) at recorded steps: a layer far below the others is "
-                 "vanishing, far above is exploding.",
+                 "vanishing; one that jumps far above its own past (and its peers) is exploding.",
     "activations": "Activation std and share of exact zeros per module at recorded steps.",
 }
 

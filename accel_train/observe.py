@@ -141,7 +141,8 @@ class Observer:
         report.mkdir(parents=True, exist_ok=True)
         info_path.write_text(json.dumps(info, indent=2))
         if self.recorder.confusion is not None:
-            names = _class_names(self.accelerator.unwrap_model(self.model), len(self.recorder.confusion))
+            names = _class_names(self.accelerator.unwrap_model(self.model), self.recorder.metrics_fn,
+                                 len(self.recorder.confusion))
             (report / "confusion_matrix.json").write_text(
                 json.dumps({"labels": names, "matrix": self.recorder.confusion.tolist()}))
         if self.config.run_report:
@@ -187,7 +188,12 @@ def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
-def _class_names(model, classes: int) -> list[str]:
+def _class_names(model, metrics_fn, classes: int) -> list[str]:
+    """The metrics function's class names (accel_train.vision's ClassificationMetrics), else the model's id2label,
+    else the class indices."""
+    named = list(getattr(metrics_fn, "class_names", None) or [])
+    if len(named) == classes:
+        return [str(n) for n in named]
     id2label = getattr(getattr(model, "config", None), "id2label", None) or {}
     names = [id2label.get(i, id2label.get(str(i))) for i in range(classes)]
     return [str(n) if n is not None else str(i) for i, n in enumerate(names)]

@@ -212,6 +212,19 @@ def test_no_preflight_skips_the_check(tmp_path):
     assert (tmp_path / "run" / "config.yaml").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    ({"profile_steps": "7-5"}, "--profile_steps='7-5': expected START-END optimizer steps with 1 <= START <= END"),
+    ({"profile_steps": "a-b"}, "--profile_steps='a-b'"),
+    ({"grad_flow_steps": -1}, "--grad_flow_steps=-1: must be >= 0"),
+    ({"overfit_batches": 1, "resume_from_checkpoint": "latest"}, "--overfit_batches starts a fresh debug run"),
+])
+def test_observability_flags_are_checked_when_parsed(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(report_to=["none"], **flags)
+    assert TrainConfig(profile_steps="5").profile_range == (5, 5)
+    assert TrainConfig(profile_steps="2-4").profile_range == (2, 4)
+
+
 # ------------------------------------------------------------------------------------------------ overfit mode
 
 

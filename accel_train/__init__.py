@@ -21,6 +21,7 @@ from .loop import default_loss, train
 from .state import TrainResult, TrainState
 from .metrics import evaluate_model, gather_outputs, load_metric, shipped_metrics
 from .optim import StepPlan, build_optimizer, layerwise_lr_decay_groups, build_scheduler, make_plan, no_decay_param_groups
+from .report import compare_runs, write_report
 from .runtime import build_accelerator, precision_in_effect
 
 __version__ = "0.1.0"
@@ -62,4 +63,6 @@ __all__ = [
     "TrainingDiverged",
     "Preempted",
     "run_cli",
+    "write_report",
+    "compare_runs",
 ]

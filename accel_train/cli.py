@@ -1,6 +1,8 @@
 """`accel-train`: the command-line companion of the package.
 
     accel-train launch [accelerate launch flags] SCRIPT [script flags]
+    accel-train report RUN_DIR                      rebuild RUN_DIR/report.md and its plots
+    accel-train compare RUN_DIR RUN_DIR ... [-o DIR] overlay the curves of several runs (default DIR: compare)
 
 `launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
 joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
@@ -83,18 +85,43 @@ def _launch(argv: Sequence[str]) -> int:
     return 0
 
 
+def _report(argv: Sequence[str]) -> int:
+    from .report import write_report
+
+    parser = argparse.ArgumentParser(prog="accel-train report", description="Rebuild report.md and its plots.")
+    parser.add_argument("run_dir", help="the --output_dir of a run")
+    path = write_report(parser.parse_args(argv).run_dir)
+    print(f"accel-train: wrote {path}")
+    return 0
+
+
+def _compare(argv: Sequence[str]) -> int:
+    from .report import compare_runs
+
+    parser = argparse.ArgumentParser(prog="accel-train compare", description="Overlay the curves of several runs.")
+    parser.add_argument("run_dirs", nargs="+", help="the --output_dir of each run")
+    parser.add_argument("-o", "--output_dir", default="compare", help="where to write compare.md and the plots")
+    args = parser.parse_args(argv)
+    path = compare_runs(args.run_dirs, args.output_dir)
+    print(f"accel-train: wrote {path}")
+    return 0
+
+
+COMMANDS = {"launch": _launch, "report": _report, "compare": _compare}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="accel-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["launch"], help="what to do")
+    parser.add_argument("command", choices=list(COMMANDS), help="what to do")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
     parser.parse_args([command])
     try:
-        return _launch(rest)
+        return COMMANDS[command](rest)
     except UserError as err:
         print(f"accel-train {err.kind}: {err}", file=sys.stderr)
         return 2

@@ -150,8 +150,49 @@ class TrainConfig:
     )
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
+    # --- run report, pre-flight check, diagnostics (accel_train/observe.py and the modules it names)
+    preflight: bool = field(
+        default=True, metadata={"help": "Check the run before step 0: errors refuse to start, warnings are printed "
+                                        "(--no_preflight skips it)."}
+    )
+    run_report: bool = field(
+        default=True, metadata={"help": "Write report.md and PNG plots into output_dir (schedule plot at the start, "
+                                        "the rest at the end)."}
+    )
+    overfit_batches: int = field(
+        default=0, metadata={"help": "Debug mode: train on the first N batches only, repeated, until the loss is near "
+                                     "zero (or say it could not); no evaluation, no checkpoints."}
+    )
+    grad_flow_steps: int = field(
+        default=0, metadata={"help": "Every N optimizer steps, record per-layer gradient norms (0: off)."}
+    )
+    activation_stats_steps: int = field(
+        default=0, metadata={"help": "Every N optimizer steps, record per-layer activation statistics (0: off)."}
+    )
+    profile_steps: Optional[str] = field(
+        default=None, metadata={"help": "Trace optimizer steps START-END (e.g. '5-7') with torch.profiler into "
+                                        "output_dir/profiler (TensorBoard or Chrome/Perfetto)."}
+    )
+    memory_snapshot_step: int = field(
+        default=0, metadata={"help": "At this optimizer step, write a memory snapshot into output_dir/diagnostics "
+                                     "(CUDA: allocator history for pytorch.org/memory_viz) (0: off)."}
+    )
+    detect_anomaly: bool = field(
+        default=False, metadata={"help": "torch.autograd anomaly detection: name the forward op behind a NaN in "
+                                         "backward (slow: debugging only)."}
+    )
+
     def __post_init__(self) -> None:
         _validate(self)
+        _validate_observability(self)
+
+    @property
+    def profile_range(self) -> Optional[tuple[int, int]]:
+        """--profile_steps as (first, last) optimizer step, both included."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition("-")
+        return int(first), int(last or first)
 
     # ----- derived values (the config itself is never mutated)
     @property
@@ -352,3 +393,17 @@ def save_config(configs: Sequence[Any], path: Path) -> None:
         merged.update(dataclasses.asdict(cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(merged, sort_keys=False))
+
+
+def _validate_observability(cfg: TrainConfig) -> None:
+    for name in ("overfit_batches", "grad_flow_steps", "activation_stats_steps", "memory_snapshot_step"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name}={getattr(cfg, name)!r}: must be >= 0 (0 turns it off).")
+    if cfg.profile_steps:
+        first, sep, last = cfg.profile_steps.partition("-")
+        if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or int(last or first) < int(first):
+            raise ConfigError(f"--profile_steps={cfg.profile_steps!r}: expected START-END optimizer steps with "
+                              "1 <= START <= END, e.g. '5-7' (or one step, '5').")
+    if cfg.overfit_batches and cfg.resume_from_checkpoint:
+        raise ConfigError("--overfit_batches starts a fresh debug run: drop --resume_from_checkpoint.")
+

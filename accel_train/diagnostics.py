@@ -162,3 +162,162 @@ def fetch_batch(loader, indices: list[int]) -> Any:
 def write_report(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Opt-in diagnostics (--grad_flow_steps, --activation_stats_steps, --profile_steps, --memory_snapshot_step,
+# --detect_anomaly). The loop holds `None` when every flag is off, so a normal step pays one `is None` test.
+
+LOCAL_GRADIENTS = ("NO", "MULTI_CPU", "MULTI_GPU")  # where each rank holds whole, already-reduced gradients
+VANISHING = 1e-4  # a layer's gradient RMS against the median layer's, at the same step
+EXPLODING = 1e2  # a layer's gradient RMS against its own median over the earlier records
+
+
+def layer_grad_norms(model: torch.nn.Module, scale: float = 1.0) -> tuple[dict[str, Optional[float]], dict[str, int]]:
+    """Per layer (each module that owns trainable parameters), the L2 norm of its parameters' gradients divided
+    by `scale` (the fp16 loss scale), and its number of trainable values. None: no parameter of the layer got a
+    gradient. One device sync for the whole model."""
+    norms, sizes, missing = [], {}, []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        name = name or type(model).__name__
+        sizes[name] = sum(p.numel() for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            missing.append(name)
+            continue
+        norms.append((name, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))))
+    values = torch.stack([n for _, n in norms]).tolist() if norms else []
+    result: dict[str, Optional[float]] = {name: value / scale for (name, _), value in zip(norms, values)}
+    result.update({name: None for name in missing})
+    return {name: result[name] for name in sizes}, sizes
+
+
+def flag_layers(norms: dict[str, Optional[float]], sizes: dict[str, int],
+                history: Optional[dict[str, list[float]]] = None) -> dict[str, list[str]]:
+    """Flag layers by gradient RMS (norm / sqrt(values), so a big embedding is not large for its size alone):
+    vanishing below 1e-4 times the median layer's (or exactly 0); exploding when non-finite, or above 100 times
+    the layer's own median over the earlier records in `history` ({layer: [RMS, ...]}, extended here) *and* above
+    the median layer; and layers that got no gradient at all. Layers differ by orders of magnitude in a healthy
+    network (a fine-tuned head against attention projections, which start near zero and grow), so a layer is
+    judged against its own past, and growth from below its peers is not an explosion."""
+    rms = {n: v / math.sqrt(sizes[n]) for n, v in norms.items() if v is not None}
+    usable = sorted(v for v in rms.values() if math.isfinite(v) and v > 0)
+    median = usable[len(usable) // 2] if usable else 0.0
+    flags: dict[str, list[str]] = {"no_gradient": [n for n, v in norms.items() if v is None],
+                                   "vanishing": [], "exploding": []}
+    history = {} if history is None else history
+    for name, value in rms.items():
+        past = sorted(history.get(name, []))
+        if not math.isfinite(value) or (past and value > EXPLODING * past[len(past) // 2] and value > median):
+            flags["exploding"].append(name)
+        elif value == 0 or (median > 0 and value < VANISHING * median):
+            flags["vanishing"].append(name)
+        if math.isfinite(value):
+            history.setdefault(name, []).append(value)
+    return flags
+
+
+def _first_float_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_float_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class ActivationStats:
+    """Forward hooks on every leaf module, installed for one optimizer step at a time: mean, std, largest
+    absolute value, share of exact zeros and of non-finite values of each output, averaged over the step's
+    micro-batches (largest value: the maximum). Kept on the device until `collect` (one sync)."""
+
+    FIELDS = ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.handles: list = []
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def install(self) -> None:
+        for name, module in self.model.named_modules():
+            if name and not list(module.children()):
+                self.handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            x = _first_float_tensor(output)
+            if x is None or not module.training or x.numel() == 0:  # evaluation forwards are not recorded
+                return
+            x = x.detach().float()
+            finite = torch.isfinite(x)
+            clean = torch.where(finite, x, torch.zeros_like(x))
+            stats = torch.stack([clean.mean(), clean.std() if x.numel() > 1 else clean.new_zeros(()),
+                                 clean.abs().max(), (x == 0).float().mean(), (~finite).float().mean()])
+            if name in self.sums:
+                previous = self.sums[name]
+                self.sums[name] = torch.cat([previous[:2] + stats[:2], torch.maximum(previous[2:3], stats[2:3]),
+                                             previous[3:] + stats[3:]])
+            else:
+                self.sums[name] = stats
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return hook
+
+    def collect(self) -> dict[str, dict[str, float]]:
+        """Remove the hooks; return {module: {statistic: value}} for the step."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        names = list(self.sums)
+        rows = torch.stack([self.sums[n] for n in names]).tolist() if names else []
+        out = {}
+        for name, row in zip(names, rows):
+            count = self.counts[name]
+            averaged = [row[0] / count, row[1] / count, row[2], row[3] / count, row[4] / count]
+            out[name] = dict(zip(self.FIELDS, averaged))
+        self.sums, self.counts = {}, {}
+        return out
+
+
+def memory_breakdown(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
+    """MiB held by parameters, gradients, buffers and optimizer state on this process, plus peak and current
+    resident memory: the CPU counterpart of a CUDA snapshot (PyTorch keeps no allocation history on CPU)."""
+    import resource
+
+    def mib(tensors) -> float:
+        return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 3)
+
+    params = list(model.parameters())
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = [v for s in getattr(inner, "state", {}).values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out = {"parameters_mb": mib(params), "gradients_mb": mib(p.grad for p in params if p.grad is not None),
+           "buffers_mb": mib(model.buffers()), "optimizer_state_mb": mib(state),
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        out["current_rss_mb"] = round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _profiler_schedule(first: int, last: int, step_offset: int):
+    """torch.profiler schedule in optimizer steps: profiler step n is optimizer step n + step_offset."""
+    from torch.profiler import ProfilerAction
+
+    def schedule(n: int) -> ProfilerAction:
+        step = n + step_offset
+        if step == last:
+            return ProfilerAction.RECORD_AND_SAVE
+        if first <= step < last:
+            return ProfilerAction.RECORD
+        return ProfilerAction.WARMUP if step == first - 1 else ProfilerAction.NONE
+
+    return schedule

@@ -29,8 +29,11 @@ from .metrics import MetricsFn, as_loss_output, batch_size_of, evaluate_model
 from .optim import batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan, steps_on_evaluation
 from .rundir import check_output_dir, resume, start_run_dir
 from .runtime import build_accelerator, startup_report
+from .observe import Observer
+from .overfit import overfit_setup
 from .state import TrainResult, TrainState
 from .tracking import RunLog, StepMeter, peak_memory
+
 
 def default_loss(label_smoothing: float = 0.0) -> Callable:
     """Loss for models that take the batch as keyword arguments (transformers): the model's own loss, or
@@ -84,6 +87,9 @@ def train(
     prefix (test_loss, test_accuracy, ...). `end_training=False` keeps the process group alive for other
     collective work after training (e.g. writing predictions); call `result.accelerator.end_training()` then.
     """
+    if config.overfit_batches:  # debug mode (overfit.py): N fixed batches, repeated, until the loss is near zero
+        config, train_loader = overfit_setup(config, train_loader, accelerator)
+        eval_loader = final_eval_loaders = None
     run, state = _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler,
                         hooks, accelerator, extra_configs, final_eval_loaders)
     accelerator, model, optimizer, scheduler, train_loader = (run.accelerator, run.model, run.optimizer,
@@ -92,7 +98,8 @@ def train(
     plan, gas, meter = run.plan, config.gradient_accumulation_steps, StepMeter(accelerator)
     stop, started = call_hooks(run.hooks, "on_train_start", state), time.perf_counter()
     model.train()
-    with StepGuard(accelerator, check_gradients=accelerator.scaler is None) as guard:
+    with StepGuard(accelerator, check_gradients=accelerator.scaler is None) as guard, \
+            run.observer.diagnose(state.step) as diag:  # diag: None unless a diagnostics flag is set
         while state.step < plan.total_steps and not stop:
             _seed_epoch(train_loader, config, state.epoch)
             batches = accelerator.skip_first_batches(train_loader, state.batch_in_epoch) if state.batch_in_epoch else train_loader
@@ -110,6 +117,8 @@ def train(
                 state.samples_seen += n * accelerator.num_processes
                 if not accelerator.sync_gradients:
                     continue
+                if diag is not None:
+                    diag.before_clip(state.step + 1)  # per-layer gradient norms, activation statistics
                 # Clip (or, with max_grad_norm <= 0, only measure): the norm also reveals non-finite gradients.
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm if config.max_grad_norm > 0 else math.inf)
                 verdict = guard.verdict(grad_norm)  # agreed by every rank: non-finite values, SIGTERM
@@ -123,6 +132,8 @@ def train(
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
+                if diag is not None:
+                    diag.after_step(state.step)  # profiler step, memory snapshot
                 fault_point("kill_after_step", state.step, accelerator.is_main_process)
                 epoch_end = state.batch_in_epoch == plan.batches_per_epoch
                 if epoch_end:
@@ -162,12 +173,18 @@ def _start(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimi
         raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has {len(train_loader)}")
     hooks = list(hooks) + _builtin_hooks(config)
     state = TrainState(world_size=accelerator.num_processes, global_batch_size=plan.global_batch_size)
+    # Observability (observe.py): the pre-flight check refuses a broken run here, before anything is written;
+    # the observer is a built-in hook (run facts at start, report at the end) and wraps metrics_fn.
+    observer = Observer.start(accelerator, config, plan, model, optimizer, scheduler, train_loader, eval_loader,
+                              loss_fn, metrics_fn)
+    hooks, metrics_fn = hooks + [observer], observer.metrics_fn
     if config.resume_from_checkpoint:
         state = resume(accelerator, config, plan, shapes, hooks)
     start_run_dir(accelerator, config, existing, extra_configs)
     run = Run(accelerator, config, plan, model, optimizer, scheduler, loss_fn, metrics_fn, train_loader, eval_loader,
               hooks, shapes)
     run.last_save = run.last_log_step = state.step
+    run.observer = observer
     run.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
     run.final_eval_loaders = {name: accelerator.prepare(dl) for name, dl in (final_eval_loaders or {}).items()}
     run.log = RunLog(accelerator, config.output_dir, plan.total_steps, state.step,

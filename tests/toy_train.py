@@ -51,7 +51,7 @@ class StopAt:
 
 
 def main(argv=None):
-    config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults={"report_to": ["none"], "disable_tqdm": True})
+    config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults={"report_to": ["none"], "disable_tqdm": True, "run_report": False})
     accelerator = build_accelerator(config)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, toy.hidden), torch.nn.Tanh(), torch.nn.Dropout(toy.dropout), torch.nn.Linear(toy.hidden, 2)

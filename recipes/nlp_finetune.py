@@ -23,7 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from accel_train import (DataError, ModelError, TrainConfig, build_accelerator, default_loss, gather_outputs,
-                         layerwise_lr_decay_groups, load_metric, make_loader, parse_config, run_cli, train)
+                         layerwise_lr_decay_groups, load_metric, make_loader, parse_config, run_cli, train,
+                         write_report)
 from accel_train.text import (Labels, encode_labels, load_embedded_tweets, load_named_dataset, load_text_files,
                               padding_ratio, pick_columns, split_off_validation, tokenize)
 
@@ -190,6 +191,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         results = {**result.metrics, **extra}
         (out / "all_results.json").write_text(json.dumps(results, indent=2))
+        if cfg.run_report:
+            write_report(out, results)  # again, now with the test metrics and padding ratio
         shown = ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1") if not labels.is_regression else ("eval_mse", "eval_pearson")
         print("\n" + "  ".join(f"{k} {results[k]:.4f}" for k in shown if k in results) + f"   -> {out}")
     if "test" in data:

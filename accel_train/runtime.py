@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -22,11 +22,13 @@ from .errors import ConfigError, LaunchError
 _KNOWN_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
-def build_accelerator(config: TrainConfig) -> Accelerator:
+def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Accelerator:
     """The Accelerator for a run: accumulation, seedable data order, trackers, checked topology and precision.
 
     The scheduler is stepped by the loop once per optimizer step (``step_scheduler_with_optimizer=False``):
     Accelerate's default steps it once per process, which silently changes warmup and decay with world size.
+    `kwargs_handlers` go to the Accelerator unchanged, e.g. ``[DistributedDataParallelKwargs(
+    find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
     """
     _connect_cpu_processes()
     dynamo = None
@@ -48,6 +50,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         ),
         step_scheduler_with_optimizer=False,
         dynamo_plugin=dynamo,
+        kwargs_handlers=list(kwargs_handlers) or None,
     )
     check_world_size(accelerator, config.expected_world_size)
     check_precision(accelerator)

@@ -24,7 +24,7 @@ from accel_train import (ConfigError, ModelError, TrainConfig, build_accelerator
                          train)
 from accel_train.vision import (ClassificationMetrics, EvalTransform, ImageDataArguments, ImageDataset, MixupCutmix,
                                 SmallResNet, TrainAugmentation, channel_mean_std, image_processor, load_image_data,
-                                processor_size, save_confusion_matrix)
+                                parse_overrides, processor_size, save_confusion_matrix)
 
 # Small from-scratch shapes for CPU-sized runs; --config_overrides changes any of them.
 MODEL_PRESETS = {
@@ -94,7 +94,10 @@ def build_model(args: ModelArguments, class_names: list[str], image_size: int):
             return model, AutoImageProcessor.from_pretrained(args.model_name_or_path)
         except (OSError, ValueError):
             return model, None
-    overrides = {**MODEL_PRESETS.get(args.model_type, {}), **_parse_overrides(args.config_overrides)}
+    try:
+        overrides = {**MODEL_PRESETS.get(args.model_type, {}), **parse_overrides(args.config_overrides)}
+    except ConfigError as err:
+        raise ConfigError(f"--config_overrides {err}") from None
     if args.model_type == "small_resnet":
         return SmallResNet(len(class_names), **overrides), None
     try:
@@ -107,21 +110,6 @@ def build_model(args: ModelArguments, class_names: list[str], image_size: int):
             raise ConfigError(f"--config_overrides: {type(config).__name__} has no field '{key}'.")
         setattr(config, key, value)
     return AutoModelForImageClassification.from_config(config), None
-
-
-def _parse_overrides(text: Optional[str]) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            value = {k.strip(): json.loads(v) for k, v in (pair.split("=", 1) for pair in text.split(","))}
-        except (ValueError, json.JSONDecodeError):
-            raise ConfigError(f"--config_overrides {text!r}: give JSON or key=value pairs with JSON values.") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--config_overrides {text!r}: must be a mapping of config fields to values.")
-    return value
 
 
 def make_loss_fn(augment, eval_transform, mixing: MixupCutmix, label_smoothing: float, channels_last: bool):

@@ -131,3 +131,13 @@ def test_run_directory_holds_everything(tmp_path):
     assert "loss" in events.Tags()["scalars"] and "eval_accuracy" in events.Tags()["scalars"]
     exported = load_file(out / "model.safetensors")
     assert set(exported) == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no wrapper prefixes leak
+
+
+def test_build_accelerator_passes_kwargs_handlers_through(tmp_path):
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    config = TrainConfig(output_dir=str(tmp_path), report_to=["none"])
+    assert build_accelerator(config).ddp_handler is None
+    reset_accelerate()
+    handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    assert build_accelerator(config, [handler]).ddp_handler is handler

@@ -3,10 +3,14 @@ classification metrics with a confusion-matrix plot.
 
     from accel_train.vision import ImageDataArguments, ImageDataset, load_image_data, TrainAugmentation
 
-Submodules: `data` (image folders, `datasets`, the embedded digits, splits), `transforms` (statistics,
-augmentation, evaluation transform, mixup / cutmix), `models` (SmallResNet), `classification` (metrics).
+Submodules: `data` (image folders, `datasets`, the embedded digits, splits), `captions` (image-text pairs:
+folders with metadata.jsonl, `datasets`, the digits with generated captions; dataset and collator),
+`transforms` (statistics, augmentation, evaluation transform, mixup / cutmix), `models` (SmallResNet),
+`classification` (metrics).
 """
 
+from .captions import (ImageTextArguments, ImageTextCollator, ImageTextDataset, digits_with_captions,
+                       load_caption_dataset, load_caption_folder, load_image_text_data)
 from .classification import ClassificationMetrics, per_class_accuracy, save_confusion_matrix
 from .data import (
     FolderScan,
@@ -23,7 +27,7 @@ from .data import (
     stratified_split,
     to_rgb,
 )
-from .models import SmallResNet
+from .models import SmallResNet, parse_overrides
 from .transforms import (EvalTransform, MixupCutmix, TrainAugmentation, channel_mean_std, image_processor, normalize,
                          processor_size)
 
@@ -49,6 +53,14 @@ __all__ = [
     "TrainAugmentation",
     "MixupCutmix",
     "SmallResNet",
+    "parse_overrides",
+    "ImageTextArguments",
+    "ImageTextDataset",
+    "ImageTextCollator",
+    "load_image_text_data",
+    "load_caption_folder",
+    "load_caption_dataset",
+    "digits_with_captions",
     "ClassificationMetrics",
     "per_class_accuracy",
     "save_confusion_matrix",

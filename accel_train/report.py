@@ -119,10 +119,12 @@ def _plot_training(run: RunData, out: Path) -> dict[str, Path]:
         plots["throughput"] = line_plot(out / "throughput.png", panels, f"throughput and resources: {run.name}")
     metrics = run.eval_metrics()
     if metrics:
-        if len(metrics) <= 4:
-            panels = [Panel(m, [Series(m, *run.curve(m), "o-")]) for m in metrics]
-        else:
-            panels = [Panel("evaluation metrics", [Series(m, *run.curve(m), "o-") for m in metrics])]
+        # Metrics on different scales (a recall and a median rank) in one panel would flatten the small ones:
+        # many metrics share a panel only when every value is a fraction; the others get a panel each.
+        fractions = [m for m in metrics if all(v is None or 0 <= v <= 1 for v in run.curve(m)[1])]
+        shared = fractions if len(fractions) > 4 else []
+        panels = [Panel("evaluation metrics (0-1)", [Series(m, *run.curve(m), "o-") for m in shared])] if shared else []
+        panels += [Panel(m, [Series(m, *run.curve(m), "o-")]) for m in metrics if m not in shared]
         plots["metrics"] = line_plot(out / "metrics.png", panels, f"evaluation metrics: {run.name}")
     return plots
 

@@ -165,8 +165,10 @@ def main(argv=None):
     tokenizer, model = load_model(margs, labels, dargs.max_seq_length)
     with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
         data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length, pad_to_max_length=dargs.pad_to_max_length)
-    # Tensor cores want multiples of 8 under mixed precision.
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cfg.mixed_precision in ("fp16", "bf16") else None)
+    # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
+    # preset may have chosen when --mixed_precision is unset.
+    collator = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision in ("fp16", "bf16") else None)
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
                                lengths=lengths if dargs.group_by_length else None,

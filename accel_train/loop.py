@@ -392,7 +392,9 @@ def _seed_epoch(loader, config: TrainConfig, epoch: int) -> None:
     base seed from the global RNG at every `iter()`, which would shift dropout after a mid-epoch resume."""
     loader.set_epoch(epoch)
     seed = config.data_seed if config.data_seed is not None else config.seed
-    loader.generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    # On Accelerate's prepared loader, an attribute set lands on the wrapper; the DataLoader that draws the
+    # base seed is the wrapped one.
+    getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
 
 
 def _window_scale(batch_index: int, batches_per_epoch: int, gas: int) -> float:

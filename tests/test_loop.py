@@ -141,3 +141,25 @@ def test_build_accelerator_passes_kwargs_handlers_through(tmp_path):
     reset_accelerate()
     handler = DistributedDataParallelKwargs(find_unused_parameters=True)
     assert build_accelerator(config, [handler]).ddp_handler is handler
+
+
+def test_the_loop_draws_nothing_from_the_global_rng_before_the_first_forward(tmp_path):
+    # A hand-written loop that seeds, builds its model and gives its DataLoader a generator sees the same dropout
+    # masks as train() only if train() draws nothing from the global RNG on the way: not in prepare, not in the
+    # pre-flight check, not when an epoch's DataLoader iterator starts (which draws its base seed from the
+    # loader's generator, or from the global RNG when the loader has none).
+    reset_accelerate()
+    config = TrainConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                         warmup_steps=0, report_to=["none"], disable_tqdm=True, save_strategy="no", eval_strategy="no")
+    accelerator = build_accelerator(config)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+    expected = torch.get_rng_state()
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(torch.get_rng_state())
+        return model(batch[0]).pow(2).mean()
+
+    loader = DataLoader(TensorDataset(torch.randn(16, 3, generator=torch.Generator().manual_seed(0))), batch_size=4)
+    train(model, loader, config=config, loss_fn=loss_fn, accelerator=accelerator)
+    assert torch.equal(seen[0], expected)

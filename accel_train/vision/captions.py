@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
-from .data import (SPLIT_FOLDERS, ImageData, ImageDataset, ImageSplit, _scan_notes, find_images, load_digits, open_image,
-                   to_rgb)
+from .data import (SPLIT_FOLDERS, ImageData, ImageDataset, ImageSplit, _scan_notes, find_images, load_dataset_splits,
+                   load_digits, open_image, pick_column, to_rgb)
 
 CAPTION_COLUMNS = ("captions", "caption", "text", "sentences")
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -184,20 +184,11 @@ def clean_captions(value: Any, where: str) -> list[str]:
 
 def load_caption_dataset(args: ImageTextArguments) -> ImageData:
     """`datasets.load_dataset(--dataset_name)` with an image column and a caption column (string or list)."""
-    import datasets
-
-    try:
-        dsd = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
-    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
-        raise DataError(f"--dataset_name {args.dataset_name}: could not load it ({err}). Offline, give a local "
-                        "dataset folder or an image folder with --data_dir.") from None
-    names = {split: next((s for s in options if s in dsd), None) for split, options in SPLIT_FOLDERS.items()}
-    if names["train"] is None:
-        raise DataError(f"--dataset_name {args.dataset_name} has no train split (it has {sorted(dsd)}).")
+    dsd, names = load_dataset_splits(args.dataset_name, args.dataset_config_name)
     columns = dsd[names["train"]].column_names
-    image_col = _pick(columns, args.image_column_name, ("image", "img"), "image")
-    caption_col = _pick(columns, args.caption_column_name, CAPTION_COLUMNS, "caption")
-    label_col = _pick(columns, args.label_column_name, (), "label") if args.label_column_name else None
+    image_col = pick_column(columns, args.image_column_name, ("image", "img"), "image")
+    caption_col = pick_column(columns, args.caption_column_name, CAPTION_COLUMNS, "caption")
+    label_col = pick_column(columns, args.label_column_name, (), "label") if args.label_column_name else None
     feature = dsd[names["train"]].features[label_col] if label_col else None
     classes = list(feature.names) if hasattr(feature, "names") else (
         sorted({str(v) for v in dsd[names["train"]][label_col]}) if label_col else [])
@@ -215,17 +206,6 @@ def load_caption_dataset(args: ImageTextArguments) -> ImageData:
         splits[split] = ImageSplit(part[image_col], fields)
     first = to_rgb(open_image(splits["train"].images[0]))
     return ImageData(splits, classes, min(first.size))
-
-
-def _pick(columns: Sequence[str], given: Optional[str], candidates: Sequence[str], what: str) -> str:
-    if given:
-        if given not in columns:
-            raise DataError(f"--{what}_column_name {given}: no such column (columns: {list(columns)}).")
-        return given
-    found = next((c for c in candidates if c in columns), None)
-    if found is None:
-        raise DataError(f"no {what} column among {list(columns)}; name it with --{what}_column_name.")
-    return found
 
 
 def digits_with_captions() -> ImageData:

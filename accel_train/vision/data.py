@@ -265,19 +265,10 @@ def load_digits(test_size: int = 1000) -> ImageData:
 
 def load_hub_dataset(args: ImageDataArguments) -> ImageData:
     """`datasets.load_dataset(--dataset_name)` with an image and a label column (found or named by flag)."""
-    import datasets
-
-    try:
-        dsd = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
-    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
-        raise DataError(f"--dataset_name {args.dataset_name}: could not load it ({err}). Offline, give a local "
-                        "dataset folder or an image folder with --data_dir.") from None
-    names = {split: next((s for s in options if s in dsd), None) for split, options in SPLIT_FOLDERS.items()}
-    if names["train"] is None:
-        raise DataError(f"--dataset_name {args.dataset_name} has no train split (it has {sorted(dsd)}).")
+    dsd, names = load_dataset_splits(args.dataset_name, args.dataset_config_name)
     train = dsd[names["train"]]
-    image_col = _column(train, args.image_column_name, ("image", "img"), "image")
-    label_col = _column(train, args.label_column_name, ("label", "labels", "fine_label"), "label")
+    image_col = pick_column(train.column_names, args.image_column_name, ("image", "img"), "image")
+    label_col = pick_column(train.column_names, args.label_column_name, ("label", "labels", "fine_label"), "label")
     feature = train.features[label_col]
     classes = list(feature.names) if hasattr(feature, "names") else sorted({str(v) for v in train[label_col]})
     index = {c: i for i, c in enumerate(classes)}
@@ -301,14 +292,32 @@ def _label_ids(values: Sequence, feature, index: dict[str, int], where: str) -> 
     return [index[str(v)] for v in values]
 
 
-def _column(ds, given: Optional[str], candidates: Sequence[str], what: str) -> str:
+def load_dataset_splits(name: str, config_name: Optional[str]):
+    """(`datasets.load_dataset(name, config_name)`, {"train" / "validation" / "test": the dataset's split name or
+    None}), with a `DataError` when it cannot be loaded or has no train split."""
+    import datasets
+
+    try:
+        dsd = datasets.load_dataset(name, config_name)
+    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
+        raise DataError(f"--dataset_name {name}: could not load it ({err}). Offline, give a local "
+                        "dataset folder or an image folder with --data_dir.") from None
+    names = {split: next((s for s in options if s in dsd), None) for split, options in SPLIT_FOLDERS.items()}
+    if names["train"] is None:
+        raise DataError(f"--dataset_name {name} has no train split (it has {sorted(dsd)}).")
+    return dsd, names
+
+
+def pick_column(columns: Sequence[str], given: Optional[str], candidates: Sequence[str], what: str) -> str:
+    """The column named by --<what>_column_name, else the first of `candidates` present; a `DataError` otherwise."""
+    columns = list(columns)
     if given:
-        if given not in ds.column_names:
-            raise DataError(f"--{what}_column_name {given}: no such column (columns: {ds.column_names}).")
+        if given not in columns:
+            raise DataError(f"--{what}_column_name {given}: no such column (columns: {columns}).")
         return given
-    found = next((c for c in candidates if c in ds.column_names), None)
+    found = next((c for c in candidates if c in columns), None)
     if found is None:
-        raise DataError(f"no {what} column among {ds.column_names}; name it with --{what}_column_name.")
+        raise DataError(f"no {what} column among {columns}; name it with --{what}_column_name.")
     return found
 
 

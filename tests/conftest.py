@@ -99,6 +99,16 @@ def make_rows(n: int, seed: int):
     return [(i % 2, sentence(rng, i % 2 == 1)) for i in range(n)]
 
 
+@pytest.fixture
+def one_thread():
+    """For modules of tiny models (they use it through `pytestmark`): they gain nothing from threads, and on a
+    shared CPU spinning OpenMP threads slow them 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory):
     """A 2-layer BERT with a word-level vocabulary, built from a config: no download."""

@@ -34,13 +34,7 @@ TINY_VIT = ["--vision_model_type", "vit", "--vision_config_overrides",
             '{"patch_size": 4, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}']
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU spinning OpenMP threads slow them 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 def tiny_bert_config(dropout: float = 0.0):

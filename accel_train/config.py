@@ -101,7 +101,7 @@ class TrainConfig:
         default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune."}
     )
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30% more compute."}
+        default=False, metadata={"help": "Recompute activations in backward: less memory, about a third more compute."}
     )
     tf32: Optional[bool] = field(
         default=None, metadata={"help": "TF32 matmuls on Ampere+ GPUs (default: on where supported)."}

@@ -25,3 +25,18 @@ def test_config_parses(path):
     module = recipe_for(path)
     configs = parse_config(module.CONFIG_TYPES, ["--config", str(path)], defaults=getattr(module, "DEFAULTS", None))
     assert configs[0].output_dir.startswith("outputs/")
+
+
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_help_lists_every_flag(name, capsys):
+    # argparse %-formats help texts: one stray '%' made `--help` a traceback.
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(module.CONFIG_TYPES, ["--help"], defaults=getattr(module, "DEFAULTS", None))
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--learning_rate", "--gradient_checkpointing", "--config", "--output_dir"):
+        assert flag in text

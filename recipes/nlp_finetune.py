@@ -45,6 +45,8 @@ class ModelArguments:
     trust_remote_code: bool = False  # run code shipped with a hub model only when asked
     layerwise_lr_decay: float = 1.0  # < 1: lower layers learn slower (e.g. 0.9)
     attn_implementation: str = "sdpa"  # torch's fused scaled-dot-product attention; "eager" for the reference
+    # Model config fields to change, as in the Hugging Face example scripts: "hidden_dropout_prob=0.2,classifier_dropout=0.2"
+    config_overrides: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
                      "problem_type": "single_label_classification"})
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
+        if args.config_overrides:
+            override_config(config, args.config_overrides)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -115,6 +119,43 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: "
                          "they do not belong together (check --tokenizer_name).")
     return tokenizer, model
+
+
+def override_config(config, overrides: str) -> None:
+    """Apply 'key=value,key=value' to a model config; a key the config does not have is an error, not a no-op."""
+    pairs = [item.partition("=") for item in overrides.split(",") if item.strip()]
+    bad = [key for key, eq, value in pairs if not eq or not key.strip() or not value.strip()]
+    if bad:
+        raise ModelError(f"--config_overrides {overrides!r}: write key=value pairs separated by commas "
+                         f"(e.g. hidden_dropout_prob=0.2); cannot read {bad}.")
+    unknown = [key.strip() for key, _, _ in pairs if not hasattr(config, key.strip())]
+    if unknown:
+        raise ModelError(f"--config_overrides: {type(config).__name__} has no field {unknown}; known fields "
+                         f"include {sorted(k for k in config.to_dict() if not k.startswith('_'))[:40]}.")
+    for key, _, text in pairs:
+        key, text = key.strip(), text.strip()
+        setattr(config, key, _config_value(key, text, getattr(config, key)))
+
+
+def _config_value(key: str, text: str, old):
+    """Read `text` as the type the field has (fields that are None take a number, true/false, or a string)."""
+    lowered = text.lower()
+    if isinstance(old, bool) or (old is None and lowered in ("true", "false")):
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise ModelError(f"--config_overrides: {key} is true or false, not {text!r}.")
+        return lowered in ("true", "1", "yes")
+    kinds = (type(old),) if isinstance(old, (int, float)) else (int, float) if old is None else ()
+    for kind in kinds:
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    if kinds and old is not None:
+        raise ModelError(f"--config_overrides: {key} takes {type(old).__name__} values, not {text!r}.")
+    if old is not None and not isinstance(old, str):
+        raise ModelError(f"--config_overrides: {key} holds {type(old).__name__}; only numbers, booleans and "
+                         "strings can be set this way.")
+    return text
 
 
 def make_metrics_fn(labels: Labels):

@@ -76,6 +76,15 @@ def test_regression_on_float_labels(tiny_bert, tmp_path):
     assert res["eval_mse"] < 0.16 and "eval_pearson" in res
 
 
+def test_config_overrides_reach_the_trained_model(tiny_bert, sst_like, tmp_path):
+    out = tmp_path / "run"
+    run(["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
+         str(sst_like["dev"]), "--output_dir", str(out), *FAST, "--num_train_epochs", "1",
+         "--config_overrides", "hidden_dropout_prob=0.25, classifier_dropout=0.3"])
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["hidden_dropout_prob"] == 0.25 and saved["classifier_dropout"] == 0.3
+
+
 def test_length_grouping_cuts_padding(tiny_bert, tmp_path):
     import random
 

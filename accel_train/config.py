@@ -106,6 +106,11 @@ class TrainConfig:
     tf32: Optional[bool] = field(
         default=None, metadata={"help": "TF32 matmuls on Ampere+ GPUs (default: on where supported)."}
     )
+    cpu_threads: Optional[int] = field(
+        default=None,
+        metadata={"help": "torch intra-op threads per process. Default: a lone process on a CPU that "
+                  "`accelerate launch` pinned to 1 thread gets this machine's cores; otherwise the launcher's."},
+    )
     auto_find_batch_size: bool = field(
         default=False,
         metadata={"help": "Before step 0, halve the micro-batch (doubling accumulation) until it fits in memory "
@@ -242,6 +247,8 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("logging_steps", "save_steps"):
         if getattr(cfg, name) < 1:
             raise bad(name, getattr(cfg, name), "must be >= 1.")
+    if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
+        raise bad("cpu_threads", cfg.cpu_threads, "must be an integer >= 1 (leave it unset for the default).")
     if cfg.eval_steps is not None and cfg.eval_steps < 1:
         raise bad("eval_steps", cfg.eval_steps, "must be >= 1.")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:

@@ -149,3 +149,33 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
                   check=False)
     assert proc.returncode != 0
     assert "global batch of 8 samples per step, this run has 4" in proc.stderr
+
+
+THREADS_SCRIPT = """
+import json, sys, torch
+from accel_train import build_accelerator, parse_config
+from accel_train.runtime import usable_cores
+(config,) = parse_config(argv=sys.argv[1:])
+accelerator = build_accelerator(config)
+print("THREADS", json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads(),
+                             "cores": usable_cores()}))
+"""
+
+
+def _threads(proc):
+    return [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("THREADS ")]
+
+
+@pytest.mark.slow
+def test_a_lone_cpu_process_gets_the_cores_accelerate_launch_withheld(tmp_path):
+    # `accelerate launch script.py` exports OMP_NUM_THREADS=1 on a machine without a GPU: the main job ran
+    # on one core of two. A lone CPU process now takes the cores; --cpu_threads wins; 2 processes keep 1 each.
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    out = ["--output_dir", str(tmp_path / "o")]
+    (alone,) = _threads(launch(script, out))
+    assert alone["threads"] == alone["cores"]
+    (pinned,) = _threads(launch(script, [*out, "--cpu_threads", "1"]))
+    assert pinned["threads"] == 1
+    pair = _threads(launch(script, out, num_processes=2))
+    assert [r["threads"] for r in sorted(pair, key=lambda r: r["rank"])] == [1, 1]

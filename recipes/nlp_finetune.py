@@ -132,9 +132,15 @@ def override_config(config, overrides: str) -> None:
     if unknown:
         raise ModelError(f"--config_overrides: {type(config).__name__} has no field {unknown}; known fields "
                          f"include {sorted(k for k in config.to_dict() if not k.startswith('_'))[:40]}.")
+    from huggingface_hub.errors import StrictDataclassError
+
     for key, _, text in pairs:
         key, text = key.strip(), text.strip()
-        setattr(config, key, _config_value(key, text, getattr(config, key)))
+        try:  # transformers 5 configs validate field types on assignment
+            setattr(config, key, _config_value(key, text, getattr(config, key)))
+        except (TypeError, ValueError, StrictDataclassError) as err:
+            reason = str(err.__cause__ or err).splitlines()[0]
+            raise ModelError(f"--config_overrides: {type(config).__name__} refuses {key}={text!r} ({reason}).") from None
 
 
 def _config_value(key: str, text: str, old):

@@ -43,6 +43,14 @@ def reset() -> None:
     GradientState._reset_state()
 
 
+def sst2_args(out: str, steps: int) -> list[str]:
+    """The NLP recipe's flags for a timed SST-2 run: train slice, no evaluation or checkpoints, quiet."""
+    return ["--train_file", str(SST / "stsa.binary.train"), "--validation_file", str(SST / "stsa.binary.dev"),
+            "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH), "--learning_rate", str(LR),
+            "--warmup_steps", "0.1", "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end",
+            "false", "--report_to", "none", "--disable_tqdm", "--logging_steps", "10", "--output_dir", out]
+
+
 def recipe_run(*flags: str, steps: int = STEPS) -> dict:
     """The NLP recipe on SST-2 (train slice, full dev), in-process; returns results + last log record."""
     import nlp_finetune
@@ -52,11 +60,7 @@ def recipe_run(*flags: str, steps: int = STEPS) -> dict:
     reset()
     reset_cpu_peak_memory()  # each in-process run reports its own peak resident memory
     with tempfile.TemporaryDirectory() as out:
-        nlp_finetune.main(["--train_file", str(SST / "stsa.binary.train"), "--validation_file", str(SST / "stsa.binary.dev"),
-                           "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH), "--learning_rate",
-                           str(LR), "--warmup_steps", "0.1", "--eval_strategy", "no", "--save_strategy", "no",
-                           "--load_best_model_at_end", "false", "--report_to", "none", "--disable_tqdm",
-                           "--logging_steps", "10", "--output_dir", out, "--mixed_precision", "no", *flags])
+        nlp_finetune.main([*sst2_args(out, steps), "--mixed_precision", "no", *flags])
         results = json.loads((Path(out) / "all_results.json").read_text())
         history = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     logs = [r for r in history if "loss" in r]
@@ -231,10 +235,7 @@ def launched_run(*flags: str, steps: int = 30) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "recipes" / "nlp_finetune.py"),
-               "--train_file", str(SST / "stsa.binary.train"), "--validation_file", str(SST / "stsa.binary.dev"),
-               "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH), "--learning_rate", str(LR),
-               "--eval_strategy", "no", "--save_strategy", "no", "--load_best_model_at_end", "false",
-               "--report_to", "none", "--disable_tqdm", "--logging_steps", "10", "--output_dir", out, *flags]
+               *sst2_args(out, steps), *flags]
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as on a fresh shell
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
         return json.loads((Path(out) / "all_results.json").read_text())

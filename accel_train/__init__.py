@@ -8,21 +8,41 @@
                    loss_fn=my_loss, metrics_fn=my_metrics, accelerator=accelerator)
     print(result.metrics)
 
-`__all__` is the public API.
+`__all__` is the public API. The package is layered (README, "Architecture"): `train.py` on top; `observe/`
+(observability) and `tasks/` (task kits) on the `core/` loop; `rundir/` (the run directory) below it; `config.py`
+and `errors.py` at the bottom. Nothing inside the package imports this module.
 """
 
-from .checkpoint import export_model, list_checkpoints, resolve_checkpoint
 from .config import TrainConfig, parse_config, save_config
-from .data import LengthGroupedSampler, make_loader, seed_worker
-from .errors import (CheckpointError, ConfigError, DataError, LaunchError, ModelError, Preempted, TrainingDiverged,
-                     UserError, run_cli)
-from .hooks import EarlyStopping, Hook
-from .loop import default_loss, train
-from .state import TrainResult, TrainState
-from .metrics import evaluate_model, gather_outputs, load_metric, shipped_metrics
-from .optim import StepPlan, build_optimizer, layerwise_lr_decay_groups, build_scheduler, make_plan, no_decay_param_groups
-from .report import compare_runs, write_report
-from .runtime import build_accelerator, precision_in_effect
+from .core.accelerator import build_accelerator, precision_in_effect
+from .core.data import LengthGroupedSampler, make_loader, seed_worker
+from .core.evaluation import default_loss, evaluate_model, gather_outputs
+from .core.hooks import EarlyStopping, Hook
+from .core.optim import (
+                         StepPlan,
+                         build_optimizer,
+                         build_scheduler,
+                         layerwise_lr_decay_groups,
+                         make_plan,
+                         no_decay_param_groups,
+)
+from .core.state import TrainResult, TrainState
+from .errors import (
+                         CheckpointError,
+                         ConfigError,
+                         DataError,
+                         LaunchError,
+                         ModelError,
+                         Preempted,
+                         TrainingDiverged,
+                         UserError,
+                         run_cli,
+)
+from .observe.report import compare_runs, write_report
+from .rundir.checkpoint import list_checkpoints, resolve_checkpoint
+from .rundir.export import export_model
+from .tasks.metrics import load_metric, shipped_metrics
+from .train import train
 
 __version__ = "0.1.0"
 

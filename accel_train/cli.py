@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import yaml
 
@@ -35,7 +35,7 @@ def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     raise LaunchError("accel-train launch: no script given (e.g. accel-train launch --cpu recipes/nlp_finetune.py).")
 
 
-def _flag_value(args: list[str], *names: str) -> Optional[str]:
+def _flag_value(args: list[str], *names: str) -> str | None:
     value = None
     for i, arg in enumerate(args):
         for name in names:
@@ -86,7 +86,7 @@ def _launch(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
-    from .report import write_report
+    from .observe.report import write_report
 
     parser = argparse.ArgumentParser(prog="accel-train report", description="Rebuild report.md and its plots.")
     parser.add_argument("run_dir", help="the --output_dir of a run")
@@ -96,7 +96,7 @@ def _report(argv: Sequence[str]) -> int:
 
 
 def _compare(argv: Sequence[str]) -> int:
-    from .report import compare_runs
+    from .observe.report import compare_runs
 
     parser = argparse.ArgumentParser(prog="accel-train compare", description="Overlay the curves of several runs.")
     parser.add_argument("run_dirs", nargs="+", help="the --output_dir of each run")
@@ -110,7 +110,7 @@ def _compare(argv: Sequence[str]) -> int:
 COMMANDS = {"launch": _launch, "report": _report, "compare": _compare}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="accel-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

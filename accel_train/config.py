@@ -13,9 +13,10 @@ import difflib
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal
 
 import yaml
 from transformers import HfArgumentParser
@@ -37,14 +38,15 @@ class TrainConfig:
     """Everything the loop needs. Field names are `TrainingArguments`' where the concept is the same."""
 
     # --- where the run lives
-    output_dir: str = field(default="outputs/run", metadata={"help": "Run directory: config, checkpoints, logs, model."})
+    output_dir: str = field(default="outputs/run",
+                            metadata={"help": "Run directory: config, checkpoints, logs, model."})
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Delete a previous run's files in output_dir instead of refusing to start."}
     )
-    resume_from_checkpoint: Optional[str] = field(
+    resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir) or a checkpoint path."}
     )
-    run_name: Optional[str] = field(default=None, metadata={"help": "Name shown by trackers."})
+    run_name: str | None = field(default=None, metadata={"help": "Name shown by trackers."})
 
     # --- how long
     num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs (may be fractional)."})
@@ -75,38 +77,39 @@ class TrainConfig:
         default="linear",
         metadata={"help": "A transformers.get_scheduler name, or torch's: " + ", ".join(TORCH_SCHEDULERS)},
     )
-    lr_scheduler_kwargs: Optional[str] = field(
+    lr_scheduler_kwargs: str | None = field(
         default=None, metadata={"help": 'JSON of scheduler arguments, e.g. \'{"step_size": 100, "gamma": 0.5}\'.'}
     )
     warmup_steps: float = field(
         default=0, metadata={"help": "Warmup: an int number of steps, or a float in [0, 1) read as a ratio."}
     )
-    warmup_ratio: Optional[float] = field(
+    warmup_ratio: float | None = field(
         default=None, metadata={"help": "transformers 4.x name for a warmup ratio; same as --warmup_steps 0.x."}
     )
 
     # --- precision and reproducibility
-    mixed_precision: Optional[Literal["no", "fp16", "bf16"]] = field(
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no / fp16 / bf16; default: what `accelerate launch`/`accelerate config` set."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for model init, dropout and data order."})
-    data_seed: Optional[int] = field(default=None, metadata={"help": "Seed for data order only (default: seed)."})
-    expected_world_size: Optional[int] = field(
+    data_seed: int | None = field(default=None, metadata={"help": "Seed for data order only (default: seed)."})
+    expected_world_size: int | None = field(
         default=None, metadata={"help": "Fail at start unless exactly this many processes are running."}
     )
 
     # --- speed
-    torch_compile: bool = field(default=False, metadata={"help": "torch.compile the model (Accelerate's dynamo plugin)."})
-    torch_compile_mode: Optional[str] = field(
+    torch_compile: bool = field(default=False,
+                                metadata={"help": "torch.compile the model (Accelerate's dynamo plugin)."})
+    torch_compile_mode: str | None = field(
         default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune."}
     )
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in backward: less memory, about a third more compute."}
     )
-    tf32: Optional[bool] = field(
+    tf32: bool | None = field(
         default=None, metadata={"help": "TF32 matmuls on Ampere+ GPUs (default: on where supported)."}
     )
-    cpu_threads: Optional[int] = field(
+    cpu_threads: int | None = field(
         default=None,
         metadata={"help": "torch intra-op threads per process. Default: a lone process on a CPU that "
                   "`accelerate launch` pinned to 1 thread gets this machine's cores; otherwise the launcher's."},
@@ -128,22 +131,22 @@ class TrainConfig:
     logging_strategy: Literal["no", "steps", "epoch"] = "steps"
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
-    eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (default: logging_steps)."})
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate every N steps (default: logging_steps)."})
     save_strategy: Literal["no", "steps", "epoch"] = "epoch"
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N optimizer steps."})
-    save_total_limit: Optional[int] = field(
+    save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep the newest N checkpoints (the best one is always kept)."}
     )
 
     # --- best model and early stopping
-    metric_for_best_model: Optional[str] = field(
+    metric_for_best_model: str | None = field(
         default=None, metadata={"help": "e.g. eval_accuracy; default eval_loss when best/early stopping is used."}
     )
-    greater_is_better: Optional[bool] = field(
+    greater_is_better: bool | None = field(
         default=None, metadata={"help": "Direction of metric_for_best_model (default: False for *loss, else True)."}
     )
     load_best_model_at_end: bool = field(default=False, metadata={"help": "Restore the best checkpoint at the end."})
-    early_stopping_patience: Optional[int] = field(
+    early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after N evaluations without improvement."}
     )
     early_stopping_threshold: float = field(default=0.0, metadata={"help": "Minimum improvement that counts."})
@@ -174,7 +177,7 @@ class TrainConfig:
     activation_stats_steps: int = field(
         default=0, metadata={"help": "Every N optimizer steps, record per-layer activation statistics (0: off)."}
     )
-    profile_steps: Optional[str] = field(
+    profile_steps: str | None = field(
         default=None, metadata={"help": "Trace optimizer steps START-END (e.g. '5-7') with torch.profiler into "
                                         "output_dir/profiler (TensorBoard or Chrome/Perfetto)."}
     )
@@ -192,7 +195,7 @@ class TrainConfig:
         _validate_observability(self)
 
     @property
-    def profile_range(self) -> Optional[tuple[int, int]]:
+    def profile_range(self) -> tuple[int, int] | None:
         """--profile_steps as (first, last) optimizer step, both included."""
         if not self.profile_steps:
             return None
@@ -205,7 +208,7 @@ class TrainConfig:
         return json.loads(self.lr_scheduler_kwargs) if self.lr_scheduler_kwargs else {}
 
     @property
-    def best_metric_name(self) -> Optional[str]:
+    def best_metric_name(self) -> str | None:
         if self.metric_for_best_model:
             name = self.metric_for_best_model
             return name if name.startswith("eval_") else f"eval_{name}"
@@ -259,7 +262,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise bad("optim", cfg.optim, f"unknown optimizer; choose one of {', '.join(OPTIMIZERS)}.")
     schedulers = _transformers_schedulers() + TORCH_SCHEDULERS
     if cfg.lr_scheduler_type not in schedulers:
-        raise bad("lr_scheduler_type", cfg.lr_scheduler_type, f"unknown scheduler; choose one of {', '.join(schedulers)}.")
+        raise bad("lr_scheduler_type", cfg.lr_scheduler_type,
+                  f"unknown scheduler; choose one of {', '.join(schedulers)}.")
     if cfg.lr_scheduler_kwargs:
         try:
             kwargs = json.loads(cfg.lr_scheduler_kwargs)
@@ -337,8 +341,8 @@ def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
 
 def parse_config(
     dataclass_types: Sequence[type] = (TrainConfig,),
-    argv: Optional[Sequence[str]] = None,
-    defaults: Optional[dict[str, Any]] = None,
+    argv: Sequence[str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple:
     """Parse `argv` (default: sys.argv[1:]) into one instance of each dataclass type.
 
@@ -376,7 +380,7 @@ def parse_config(
     return tuple(outputs)
 
 
-def _pop_config_flag(argv: list[str]) -> tuple[Optional[str], list[str]]:
+def _pop_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     rest, path = [], None
     it = iter(range(len(argv)))
     for i in it:

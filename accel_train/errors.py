@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class UserError(Exception):

@@ -46,7 +46,7 @@ check("pre-flight: bf16 autocast on cuda", "bf16 autocast on cuda" in precision,
 check("pre-flight: no warning", not [f for f in findings if f["level"] != "ok"])
 report = (run / "report.md").read_text()
 check("report names the GPU and precision", "x NVIDIA" in report and "bf16 autocast on cuda" in report)
-from accel_train.plots import series_by_label
+from accel_train.observe.report.plots import series_by_label
 check("report plots GPU peak memory", "gpu peak memory mb" in series_by_label(run / "report" / "throughput.png"))
 fp32, fp16 = ([json.loads(l) for l in (out / f"grad_{p}" / "diagnostics" / "grad_flow.jsonl").read_text().splitlines()][0]
               for p in ("no", "fp16"))

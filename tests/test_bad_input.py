@@ -1,11 +1,11 @@
 """Bad input to the core: a message naming what and where and what to do, exit status 2, nothing lost."""
 
 import pytest
-
 import toy_train
-from accel_train import run_cli
-from accel_train.checkpoint import list_checkpoints
 from conftest import ROOT, launch, reset_accelerate
+
+from accel_train import run_cli
+from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "1"]
 

@@ -9,9 +9,9 @@ import sys
 
 import pandas as pd
 import pytest
+from conftest import ROOT, make_rows, reset_accelerate
 
 from accel_train import run_cli
-from conftest import ROOT, make_rows, reset_accelerate
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import nlp_finetune  # noqa: E402

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from accelerate.utils import set_seed
-
 import toy_train
-from accel_train.diagnostics import flag_layers, layer_grad_norms
+from accelerate.utils import set_seed
 from conftest import read_jsonl, reset_accelerate
+
+from accel_train.observe.probes import flag_layers, layer_grad_norms
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--save_strategy", "no"]
 # 32 samples in one batch of 32: every step sees the whole set, so a direct computation can replay it

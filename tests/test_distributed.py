@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
+from conftest import ROOT, launch, read_jsonl, toy_records
 from safetensors.torch import load_file
 
-from accel_train.checkpoint import list_checkpoints
-from conftest import ROOT, launch, read_jsonl, toy_records
+from accel_train.rundir.checkpoint import list_checkpoints
 
 TOY = ROOT / "tests" / "toy_train.py"
 QUIET = ["--report_to", "none", "--disable_tqdm"]
@@ -41,7 +41,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     assert len(lr_one) == 18 and lr_one == lr_two  # identical schedule, stepped once per optimizer step
     loss_one, loss_two = history(one, "loss"), history(two, "loss")
     assert [s for s, _ in loss_one] == [s for s, _ in loss_two]
-    assert max(abs(a - b) for (_, a), (_, b) in zip(loss_one, loss_two)) < 1e-5
+    assert max(abs(a - b) for (_, a), (_, b) in zip(loss_one, loss_two, strict=True)) < 1e-5
     res_one = json.loads((one / "all_results.json").read_text())
     res_two = json.loads((two / "all_results.json").read_text())
     assert res_one["eval_samples"] == res_two["eval_samples"] == 37  # gathered exactly once per sample
@@ -49,7 +49,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     assert res_one["eval_loss"] == pytest.approx(res_two["eval_loss"], abs=1e-6)
     # the two ranks saw disjoint halves of every global batch, which together are the 1-process batches
     ranks = toy_records(two)
-    merged = [a + b for a, b in zip(ranks[0][0]["indices"], ranks[1][0]["indices"])]
+    merged = [a + b for a, b in zip(ranks[0][0]["indices"], ranks[1][0]["indices"], strict=True)]
     assert [sorted(b) for b in merged] == [sorted(b) for b in toy_records(one)[0][0]["indices"]]
 
 

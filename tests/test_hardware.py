@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT, free_port, launch, subprocess_env, toy_records
 from safetensors.torch import load_file
 
 from accel_train.cli import plan_launch
-from conftest import ROOT, free_port, launch, subprocess_env, toy_records
 
 PRESETS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 TOY = ROOT / "tests" / "toy_train.py"
@@ -130,7 +130,8 @@ def test_checkpoint_moves_between_world_sizes(tmp_path, before, after):
     proc = launch(TOY, [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint",
                         "latest"], after)
     assert f"written by {before} process(es), resuming on {after}" in proc.stdout
-    diff = max_diff(load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors"))
+    diff = max_diff(load_file(tmp_path / "full" / "model.safetensors"),
+                    load_file(tmp_path / "cut" / "model.safetensors"))
     assert diff < 1e-6
     # the samples seen after the resume are exactly those the uninterrupted run saw after step 7
     # (7 steps x 2 accumulation = 14 micro-batches per process before the cut)
@@ -154,7 +155,7 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
 THREADS_SCRIPT = """
 import json, sys, torch
 from accel_train import build_accelerator, parse_config
-from accel_train.runtime import usable_cores
+from accel_train.core.accelerator import usable_cores
 (config,) = parse_config(argv=sys.argv[1:])
 accelerator = build_accelerator(config)
 print("THREADS", json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads(),

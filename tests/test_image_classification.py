@@ -12,13 +12,20 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import ROOT, SHARED_DATA, launch
 from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, ModelError, TrainConfig, parse_config
-from accel_train.vision import (ImageDataArguments, ImageDataset, MixupCutmix, TrainAugmentation, load_digits,
-                                load_image_data, load_image_folder)
-from conftest import ROOT, SHARED_DATA, launch
+from accel_train.vision import (
+    ImageDataArguments,
+    ImageDataset,
+    MixupCutmix,
+    TrainAugmentation,
+    load_digits,
+    load_image_data,
+    load_image_folder,
+)
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import image_classification as recipe  # noqa: E402
@@ -38,7 +45,7 @@ def colour_folder(root, counts, classes=("red", "green", "blue"), size=16, seed=
     """<root>/<split>/<class>/*.png: noisy images of one colour per class (easy to learn, hard to fake)."""
     rng = np.random.default_rng(seed)
     for split, n in counts.items():
-        for cls, colour in zip(classes, COLOURS):
+        for cls, colour in zip(classes, COLOURS, strict=True):
             folder = root / split / cls
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):

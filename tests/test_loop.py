@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+import toy_train
+from conftest import read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-import toy_train
 from accel_train import ConfigError, TrainConfig, build_accelerator, build_scheduler, make_plan, train
-from accel_train.loop import _window_scale
-from conftest import read_jsonl, reset_accelerate
+from accel_train.core.loop import _window_scale
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 
@@ -30,8 +30,10 @@ def test_accumulation_equals_one_big_batch(tmp_path, num_samples):
     # SGD, not Adam: Adam normalises the gradient scale and would hide a loss divided twice.
     common = ["--num_samples", str(num_samples), "--optim", "sgd", "--sgd_momentum", "0", "--learning_rate", "0.5",
               "--num_train_epochs", "3", "--max_grad_norm", "0", "--save_strategy", "no", "--eval_strategy", "no"]
-    small = run_toy(tmp_path / "acc", *common, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3")
-    big = run_toy(tmp_path / "big", *common, "--per_device_train_batch_size", "12", "--gradient_accumulation_steps", "1")
+    small = run_toy(tmp_path / "acc", *common, "--per_device_train_batch_size", "4",
+                    "--gradient_accumulation_steps", "3")
+    big = run_toy(tmp_path / "big", *common, "--per_device_train_batch_size", "12",
+                  "--gradient_accumulation_steps", "1")
     initial = torch.nn.Linear(6, 32)  # sanity: training moved the weights
     assert max_diff(small, big) < 1e-5
     assert small["0.weight"].shape == initial.weight.shape
@@ -70,7 +72,8 @@ def test_fp16_on_cpu_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name, kwargs", [
     ("linear", None), ("cosine", None), ("cosine_with_restarts", None), ("polynomial", None), ("constant", None),
-    ("constant_with_warmup", None), ("inverse_sqrt", None), ("reduce_lr_on_plateau", None), ("cosine_with_min_lr", '{"min_lr_rate": 0.1}'),
+    ("constant_with_warmup", None), ("inverse_sqrt", None), ("reduce_lr_on_plateau", None),
+    ("cosine_with_min_lr", '{"min_lr_rate": 0.1}'),
     ("warmup_stable_decay", '{"num_decay_steps": 10}'), ("step", '{"step_size": 10, "gamma": 0.5}'),
     ("multistep", '{"milestones": [20, 30]}'), ("exponential", '{"gamma": 0.9}'), ("cosine_annealing", None),
 ])
@@ -96,7 +99,8 @@ def test_every_scheduler_warms_up_in_optimizer_steps(name, kwargs):
 
 def test_reduce_on_plateau_steps_on_evaluations(tmp_path):
     run_toy(tmp_path / "p", "--lr_scheduler_type", "reduce_on_plateau", "--lr_scheduler_kwargs",
-            '{"patience": 0, "factor": 0.5, "threshold": 0.01}', "--learning_rate", "1e-5", "--eval_strategy", "steps", "--eval_steps", "2",
+            '{"patience": 0, "factor": 0.5, "threshold": 0.01}', "--learning_rate", "1e-5", "--eval_strategy", "steps",
+            "--eval_steps", "2",
             "--logging_steps", "2", "--max_steps", "8", "--save_strategy", "no")
     # lr ~0: the eval loss never improves, so every evaluation after the first halves the lr (and nothing else does)
     history = read_jsonl(tmp_path / "p" / "metrics.jsonl")

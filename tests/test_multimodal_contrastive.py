@@ -12,15 +12,24 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import ROOT, SHARED_DATA, launch, read_jsonl
 from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, TrainConfig, build_accelerator, build_scheduler, make_plan
-from accel_train.contrastive import (ContrastiveLoss, ContrastiveMetrics, DualEncoder, build_text_tower, clip_loss,
-                                     draw_captions, retrieval_metrics, tower_param_groups, zero_shot_accuracy)
+from accel_train.contrastive import (
+    ContrastiveLoss,
+    ContrastiveMetrics,
+    DualEncoder,
+    build_text_tower,
+    clip_loss,
+    draw_captions,
+    retrieval_metrics,
+    tower_param_groups,
+    zero_shot_accuracy,
+)
+from accel_train.tasks.multimodal.data import load_caption_folder
 from accel_train.vision import EvalTransform, ImageTextCollator, ImageTextDataset, SmallResNet, digits_with_captions
-from accel_train.vision.captions import load_caption_folder
-from conftest import ROOT, SHARED_DATA, launch, read_jsonl
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import multimodal_contrastive as recipe  # noqa: E402
@@ -31,7 +40,8 @@ WORDS = sorted(set("a an of the photo picture square patch colour shape bright d
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
 TINY_VISION = ["--vision_config_overrides", '{"widths": [8, 16], "blocks_per_stage": 1}']
 TINY_VIT = ["--vision_model_type", "vit", "--vision_config_overrides",
-            '{"patch_size": 4, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}']
+            '{"patch_size": 4, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, '
+            '"intermediate_size": 32}']
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -171,7 +181,7 @@ def test_gradient_cache_replays_dropout_and_leaves_batch_norm_statistics_alone(t
     stats = model.vision.stem[1].running_mean.clone()
 
     reference = tiny_encoder(dropout=0.3).train()
-    from accel_train.contrastive.loss import _select
+    from accel_train.tasks.multimodal.loss import _select
 
     torch.manual_seed(5)
     images = transform(batch["pixel_values"])
@@ -239,7 +249,8 @@ def test_recall_and_median_rank_on_hand_made_embeddings():
 def test_zero_shot_accuracy_counts_each_image_once():
     logits = torch.tensor([[2.0, 1.0], [2.0, 1.0], [0.0, 3.0], [5.0, 0.0]])
     assert zero_shot_accuracy(logits, torch.tensor([0, 0, 1, 1])) == 0.75
-    assert zero_shot_accuracy(logits, torch.tensor([0, 0, 1, 1]), image_ids=torch.tensor([0, 0, 1, 2])) == pytest.approx(2 / 3)
+    shared = zero_shot_accuracy(logits, torch.tensor([0, 0, 1, 1]), image_ids=torch.tensor([0, 0, 1, 2]))
+    assert shared == pytest.approx(2 / 3)
     outputs = {"image_embeds": torch.eye(2), "text_embeds": torch.eye(2), "zero_shot_logits": torch.eye(2),
                "labels": torch.tensor([0, 1])}
     assert ContrastiveMetrics()(outputs)["zero_shot_accuracy"] == 1.0
@@ -250,8 +261,10 @@ def test_zero_shot_accuracy_counts_each_image_once():
 
 def test_each_tower_keeps_its_lr_and_weight_decay_on_one_schedule():
     model = tiny_encoder()
-    groups = tower_param_groups(model, {"head": 1.0, "vision": 0.5, "text": 0.1}, {"head": 0.2, "vision": 0.3, "text": 0.4})
-    assert [g["name"] for g in groups] == ["head", "head_no_decay", "vision", "vision_no_decay", "text", "text_no_decay"]
+    groups = tower_param_groups(model, {"head": 1.0, "vision": 0.5, "text": 0.1},
+                                {"head": 0.2, "vision": 0.3, "text": 0.4})
+    assert [g["name"] for g in groups] == ["head", "head_no_decay", "vision", "vision_no_decay", "text",
+                                           "text_no_decay"]
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1.0, 0.2), (1.0, 0.0), (0.5, 0.3), (0.5, 0.0),
                                                              (0.1, 0.4), (0.1, 0.0)]
@@ -260,7 +273,8 @@ def test_each_tower_keeps_its_lr_and_weight_decay_on_one_schedule():
     optimizer = torch.optim.AdamW(groups)
     scheduler = build_scheduler(optimizer, config, make_plan(config, 12, 1))
     for _ in range(12):
-        factors = {g["lr"] / base for g, base in zip(optimizer.param_groups, (1.0, 1.0, 0.5, 0.5, 0.1, 0.1))}
+        bases = (1.0, 1.0, 0.5, 0.5, 0.1, 0.1)
+        factors = {g["lr"] / base for g, base in zip(optimizer.param_groups, bases, strict=True)}
         assert len({round(f, 12) for f in factors}) == 1  # warmup then decay, the same factor for every group
         optimizer.step()
         scheduler.step()
@@ -337,7 +351,8 @@ def test_flickr8k_mini_loads_with_five_captions_per_image():
     assert data.image_size == 224 and data.notes == ()
     assert {len(c) for c in data.splits["test"].fields["captions"]} == {5}
     ds = ImageTextDataset(data.splits["test"], 32, train=False)
-    assert len(ds) == 500 and ds[7]["image_ids"] == 1 and ds[7]["captions"] == [data.splits["test"].fields["captions"][1][2]]
+    assert len(ds) == 500 and ds[7]["image_ids"] == 1
+    assert ds[7]["captions"] == [data.splits["test"].fields["captions"][1][2]]
 
 
 def test_dataset_name_reads_a_local_datasets_folder_with_caption_lists_and_classes(tmp_path):
@@ -350,7 +365,8 @@ def test_dataset_name_reads_a_local_datasets_folder_with_caption_lists_and_class
     (tmp_path / "hub" / "data").mkdir(parents=True)
     for split, n in (("train", 6), ("test", 2)):
         rows = {"image": [Image.new("RGB", (20, 12), (40 * i,) * 3) for i in range(n)],
-                "sentences": [[f"a dark shape {i}"] if i % 2 == 0 else ["a bright patch", "a bright square"] for i in range(n)],
+                "sentences": [[f"a dark shape {i}"] if i % 2 == 0 else ["a bright patch", "a bright square"]
+                              for i in range(n)],
                 "kind": [i % 2 for i in range(n)]}
         datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "hub" / "data" / f"{split}-0.parquet")
     args = ImageTextArguments(dataset_name=str(tmp_path / "hub"), label_column_name="kind")

@@ -6,10 +6,10 @@ import sys
 
 import pandas as pd
 import pytest
+from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
 
 from accel_train import layerwise_lr_decay_groups
-from accel_train.text import load_embedded_tweets
-from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
+from accel_train.tasks.text.classification import load_embedded_tweets
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import nlp_finetune  # noqa: E402

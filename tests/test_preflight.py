@@ -6,16 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import toy_train
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
+from conftest import read_jsonl, reset_accelerate
 from torch.utils.data import DataLoader, Sampler
 from transformers import get_linear_schedule_with_warmup
 
-import toy_train
 from accel_train import ConfigError, TrainConfig, build_scheduler, make_plan, train
-from accel_train.preflight import Flight
-from accel_train.preflight_model import check_schedule
-from conftest import read_jsonl, reset_accelerate
+from accel_train.observe.preflight.model_checks import check_schedule
 
 
 def points(n=64, seed=0, label_offset=0):
@@ -88,8 +87,9 @@ def test_scheduler_stepped_once_per_process():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
     scheduler = AcceleratedScheduler(build_scheduler(optimizer, config, plan), optimizer, step_with_optimizer=True)
     accelerator = SimpleNamespace(num_processes=2, distributed_type=SimpleNamespace(value="MULTI_CPU"))
-    flight = Flight(accelerator, config, plan, None, optimizer, scheduler, None, None, None)
-    [finding] = check_schedule(flight)
+    session = SimpleNamespace(accelerator=accelerator, config=config, plan=plan, optimizer=optimizer,
+                              scheduler=scheduler)
+    [finding] = check_schedule(session)
     assert finding.level == "error" and "reaches 0 after step 10 of 20" in finding.message
     assert "2 times per optimizer step" in finding.message and "build_accelerator" in finding.fix
 

@@ -12,12 +12,12 @@ import time
 
 import pytest
 import torch
+import toy_train
+from conftest import ROOT, free_port, read_jsonl, reset_accelerate, subprocess_env
 from safetensors.torch import load_file
 
-import toy_train
 from accel_train import run_cli
-from accel_train.checkpoint import list_checkpoints
-from conftest import ROOT, free_port, read_jsonl, reset_accelerate, subprocess_env
+from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 
@@ -99,7 +99,7 @@ def test_keep_last_n_never_deletes_the_only_good_checkpoint(tmp_path, capsys):
     stale = out / "checkpoints" / ".tmp-step-00000099"  # an interrupted save is never "latest"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    from accel_train.checkpoint import resolve_checkpoint
+    from accel_train.rundir.checkpoint import resolve_checkpoint
 
     assert resolve_checkpoint(out, "latest").name == "step-00000036"
 

@@ -7,15 +7,16 @@ import sys
 
 import numpy as np
 import pytest
+import toy_train
+from conftest import ROOT, launch, read_jsonl, reset_accelerate
 from PIL import Image
 
-import toy_train
 from accel_train import ConfigError, TrainConfig
 from accel_train.cli import main as cli
-from accel_train.plots import read_series, series_by_label
-from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from accel_train.observe.report.plots import read_series, series_by_label
 
-RUN = ["--report_to", "none", "--disable_tqdm", "--run_report", "true", "--num_train_epochs", "2", "--per_device_train_batch_size", "8",
+RUN = ["--report_to", "none", "--disable_tqdm", "--run_report", "true", "--num_train_epochs", "2",
+       "--per_device_train_batch_size", "8",
        "--learning_rate", "0.01", "--warmup_steps", "3", "--logging_steps", "2", "--eval_strategy", "epoch",
        "--save_strategy", "no"]
 PLOTS = ("loss", "learning_rate", "lr_schedule", "grad_norm", "throughput", "metrics", "confusion_matrix", "grad_flow",
@@ -35,7 +36,7 @@ def toy_run(tmp_path_factory):
 
 
 def points(series):
-    return list(zip(series["x"], series["y"]))
+    return list(zip(series["x"], series["y"], strict=True))
 
 
 def test_report_pngs_decode_and_hold_the_run_series(toy_run):
@@ -168,7 +169,7 @@ def test_trackers_are_chosen_by_name():
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
     from accelerate.utils import imports
 
-    from accel_train.runtime import _KNOWN_TRACKERS, _trackers
+    from accel_train.core.accelerator import _KNOWN_TRACKERS, _trackers
 
     for name in _KNOWN_TRACKERS:  # every name accel_train accepts is an Accelerate tracker with an install check
         assert name in LOGGER_TYPE_TO_CLASS and hasattr(imports, f"is_{name}_available")

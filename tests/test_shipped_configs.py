@@ -4,9 +4,9 @@ import importlib
 import sys
 
 import pytest
+from conftest import ROOT
 
 from accel_train import parse_config
-from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "recipes"))
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))

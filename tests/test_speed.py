@@ -3,13 +3,13 @@
 import json
 
 import pytest
+import toy_train
+from conftest import ROOT, launch, read_jsonl, reset_accelerate
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import toy_train
 from accel_train import ConfigError, run_cli
-from accel_train.checkpoint import list_checkpoints
-from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--logging_steps", "1",
          "--eval_strategy", "no", "--save_strategy", "no", "--dropout", "0.2", "--learning_rate", "0.05"]
@@ -26,7 +26,8 @@ def test_auto_batch_size_keeps_the_global_batch_and_schedule(tmp_path, monkeypat
     auto = run_toy(tmp_path / "auto", "--per_device_train_batch_size", "8", "--auto_find_batch_size")
     assert "auto batch size: micro-batch 8 -> 2" in capsys.readouterr().out
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
-    explicit = run_toy(tmp_path / "explicit", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
+    explicit = run_toy(tmp_path / "explicit", "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "4")
     run_toy(tmp_path / "big", "--per_device_train_batch_size", "8")
     assert all((auto[k] == explicit[k]).all() for k in auto)  # the same run as asking for 2 x 4 directly
     lr = {name: [(r["step"], r["learning_rate"]) for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
@@ -80,7 +81,8 @@ def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
     toy = ROOT / "tests" / "toy_train.py"
     launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "7"], 1)
     launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"], 1)
-    for path in [*(p / "model.safetensors" for p in list_checkpoints(tmp_path / "c")), tmp_path / "c" / "model.safetensors"]:
+    saved = [*(p / "model.safetensors" for p in list_checkpoints(tmp_path / "c")), tmp_path / "c" / "model.safetensors"]
+    for path in saved:
         keys = list(safe_open(str(path), "pt").keys())
         assert keys and not any("_orig_mod" in k or k.startswith("module.") for k in keys), (path, keys)
     launch(toy, [*common[:-1], "--output_dir", str(tmp_path / "eager")], 1)
@@ -108,7 +110,7 @@ def test_mfu_counts_forward_and_backward_flops(tmp_path):
     import torch
     from accelerate import Accelerator
 
-    from accel_train.tracking import FlopCount
+    from accel_train.core.meter import FlopCount
 
     flops = FlopCount(Accelerator(cpu=True))
     assert flops.peak is None  # no MFU on a CPU

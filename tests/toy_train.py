@@ -51,7 +51,8 @@ class StopAt:
 
 
 def main(argv=None):
-    config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults={"report_to": ["none"], "disable_tqdm": True, "run_report": False})
+    quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False}
+    config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults=quiet)
     accelerator = build_accelerator(config)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, toy.hidden), torch.nn.Tanh(), torch.nn.Dropout(toy.dropout), torch.nn.Linear(toy.hidden, 2)
@@ -71,7 +72,8 @@ def main(argv=None):
     bs = config.per_device_train_batch_size
     result = train(
         model,
-        DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=bs, shuffle=True, drop_last=config.dataloader_drop_last),
+        DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=bs, shuffle=True,
+                   drop_last=config.dataloader_drop_last),
         eval_loader=DataLoader(Points(toy.eval_samples, 1), batch_size=config.per_device_eval_batch_size),
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,

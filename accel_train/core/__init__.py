@@ -1,0 +1,14 @@
+"""The loop and what it cannot run without. Imports neither the observer (observe/) nor the task kits (tasks/).
+
+    loop.py        run_loop: the step loop only
+    session.py     Session: one run's prepared objects; start / resume / evaluate / save / finish
+    guard.py       non-finite and SIGTERM verdicts, agreed by every rank; locating the first non-finite module
+    evaluation.py  the loss contract, default_loss, gather and evaluate, the confusion matrix
+    hooks.py       the hook protocol and EarlyStopping
+    optim.py       optimizer, schedule and the step plan, in optimizer steps
+    data.py        loaders, worker seeding, length-grouped batches
+    accelerator.py build_accelerator and the checks of what is really running
+    meter.py       loss, throughput, MFU and memory between log events
+    state.py       TrainState (saved with checkpoints) and TrainResult
+    batch_size.py  --auto_find_batch_size
+"""

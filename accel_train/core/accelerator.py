@@ -1,0 +1,240 @@
+"""Build the Accelerator, check that the run is the one that was asked for, and report it.
+
+Device, precision and topology come from the launcher (`accelerate launch`, `accelerate config`, the presets
+in accelerate_configs/), never from branches in a recipe. What this module adds on top of Accelerate is the
+checking: the world size that is really running against the one requested, fp16 on a CPU (which Accelerate
+silently runs in fp32), and a start-up report of what is actually in effect.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import ProjectConfiguration, set_seed
+
+from ..config import TrainConfig
+from ..errors import ConfigError, LaunchError
+
+# Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
+WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
+_KNOWN_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+
+
+def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Accelerator:
+    """The Accelerator for a run: accumulation, seedable data order, trackers, checked topology and precision.
+
+    The scheduler is stepped by the loop once per optimizer step (``step_scheduler_with_optimizer=False``):
+    Accelerate's default steps it once per process, which silently changes warmup and decay with world size.
+    `kwargs_handlers` go to the Accelerator unchanged, e.g. ``[DistributedDataParallelKwargs(
+    find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
+    """
+    _connect_cpu_processes()
+    dynamo = None
+    if config.torch_compile:  # otherwise Accelerate takes --dynamo_backend from the launcher, as usual
+        from accelerate.utils import TorchDynamoPlugin
+
+        dynamo = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode or "default")
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True,
+            data_seed=config.data_seed if config.data_seed is not None else config.seed,
+            non_blocking=config.dataloader_pin_memory,
+        ),
+        log_with=_trackers(config) or None,
+        project_config=ProjectConfiguration(
+            project_dir=config.output_dir, logging_dir=str(Path(config.output_dir) / "runs")
+        ),
+        step_scheduler_with_optimizer=False,
+        dynamo_plugin=dynamo,
+        kwargs_handlers=list(kwargs_handlers) or None,
+    )
+    check_world_size(accelerator, config.expected_world_size)
+    check_precision(accelerator)
+    _set_tf32(accelerator, config.tf32)
+    set_cpu_threads(accelerator, config.cpu_threads)
+    set_seed(config.seed)
+    return accelerator
+
+
+def holds_whole_model(accelerator: Accelerator) -> bool:
+    """True where each process holds the whole bare model and its whole gradients (single device, DDP); False under
+    FSDP and DeepSpeed, whose parameters and gradients are sharded."""
+    return accelerator.distributed_type.value in WHOLE_MODEL_TYPES
+
+
+def _set_tf32(accelerator: Accelerator, wanted: bool | None) -> None:
+    """TF32 matmuls and convolutions on Ampere and newer GPUs: ~same accuracy, several times faster fp32."""
+    supported = accelerator.device.type == "cuda" and torch.cuda.get_device_capability(accelerator.device)[0] >= 8
+    if wanted and not supported:
+        raise ConfigError("--tf32 true needs an Ampere-or-newer NVIDIA GPU; leave it unset to use TF32 where "
+                          "available.")
+    if supported:
+        enabled = wanted is not False
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def set_cpu_threads(accelerator: Accelerator, wanted: int | None) -> None:
+    """Set torch's intra-op threads: `--cpu_threads` when given, else the cores for a lone CPU process that
+    `accelerate launch` pinned to one thread; otherwise the launcher's choice stands.
+
+    `accelerate launch` without `--cpu` or a config file exports OMP_NUM_THREADS=1, so a one-process CPU run
+    of `accelerate launch recipe.py` used one core of many (on 2 cores MiniLM trains 1.6x faster with 2
+    threads). Several processes keep the launcher's one thread each: they share the cores.
+    """
+    if wanted is not None:
+        torch.set_num_threads(wanted)
+        return
+    launched_pinned = os.environ.get("OMP_NUM_THREADS") == "1" and "ACCELERATE_DYNAMO_BACKEND" in os.environ
+    if accelerator.device.type != "cpu" or accelerator.num_processes != 1 or not launched_pinned:
+        return
+    cores = usable_cores()
+    if cores > 1 and torch.get_num_threads() == 1:
+        torch.set_num_threads(cores)
+
+
+def usable_cores() -> int:
+    """Physical cores this process may run on (CPU affinity and container limits included)."""
+    import psutil
+
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        allowed = os.cpu_count() or 1
+    return max(1, min(allowed, psutil.cpu_count(logical=False) or allowed))
+
+
+def speed_settings(accelerator: Accelerator, config: TrainConfig) -> str:
+    """One line of what is on: compile, TF32, gradient checkpointing."""
+    dynamo = accelerator.state.dynamo_plugin
+    compiled = "off" if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() == "NO" else (
+        f"{str(getattr(dynamo.backend, 'value', dynamo.backend)).lower()} ({dynamo.mode or 'default'})")
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if accelerator.device.type == "cuda" else None
+    threads = f", {torch.get_num_threads()} cpu thread(s)" if accelerator.device.type == "cpu" else ""
+    return (f"compile {compiled}, tf32 {'on' if tf32 else 'off' if tf32 is False else 'n/a'}, "
+            f"gradient checkpointing {'on' if config.gradient_checkpointing else 'off'}{threads}")
+
+
+def _connect_cpu_processes() -> None:
+    """`accelerate launch --multi_gpu` on a machine without GPUs starts N *unconnected* copies unless
+    ACCELERATE_USE_CPU is set. When a multi-process launch finds no accelerator, join the processes
+    into one gloo group instead of training N independent models."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "ACCELERATE_USE_CPU" not in os.environ and not _has_accelerator():
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+
+
+def _has_accelerator() -> bool:
+    if torch.cuda.is_available():
+        return True
+    return any(
+        getattr(torch, name, None) is not None and getattr(torch, name).is_available()
+        for name in ("xpu", "mps")
+        if hasattr(getattr(torch, name, None), "is_available")
+    )
+
+
+def requested_world_size(explicit: int | None = None) -> tuple[int | None, str]:
+    """The number of processes the user asked for, and where that request was read."""
+    if explicit is not None:
+        return explicit, "--expected_world_size"
+    if os.environ.get("ACCEL_TRAIN_EXPECTED_WORLD_SIZE"):
+        return int(os.environ["ACCEL_TRAIN_EXPECTED_WORLD_SIZE"]), "ACCEL_TRAIN_EXPECTED_WORLD_SIZE"
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "the launcher's WORLD_SIZE"
+    return _num_processes_from_parent(), "the `accelerate launch` command line"
+
+
+def _num_processes_from_parent() -> int | None:
+    """`accelerate launch --cpu --num_processes 2` runs ONE process and exports nothing about the 2: read it
+    from the launcher's own command line (Linux), the only place it survives."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    launcher = any(a.endswith("accelerate") for a in args[:2]) and "launch" in args[:3]
+    if not (launcher or "accelerate.commands.launch" in args[:3]):
+        return None
+    found = None  # the launcher's own flags end at the script; the last occurrence wins, as in argparse
+    for i, arg in enumerate(args[1:], start=1):
+        if arg.endswith(".py") and not args[i - 1].startswith("--config"):
+            break
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(args) and args[i + 1].isdigit():
+            found = int(args[i + 1])
+        elif arg.startswith(("--num_processes=", "--num-processes=")):
+            found = int(arg.split("=", 1)[1])
+    return found
+
+
+def check_world_size(accelerator: Accelerator, explicit: int | None = None) -> None:
+    """Fail loudly when the number of processes running differs from the number requested."""
+    wanted, source = requested_world_size(explicit)
+    running = accelerator.num_processes
+    if wanted is not None and wanted != running:
+        raise LaunchError(
+            f"{wanted} processes were requested ({source}) but {running} joined the run "
+            f"(distributed type {accelerator.distributed_type.value}). "
+            "On CPU, `accelerate launch --cpu --num_processes N` starts one process and `--multi_gpu` needs "
+            "ACCELERATE_USE_CPU=1 to connect the copies. Use: "
+            "accel-train launch --config_file accelerate_configs/cpu_multiprocess.yaml <script>  (see README, "
+            "'Choosing hardware')."
+        )
+
+
+def check_precision(accelerator: Accelerator) -> None:
+    """Accelerate accepts fp16 on a CPU and silently trains in fp32: refuse it."""
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise ConfigError(
+            "mixed precision fp16 was requested on a CPU, where Accelerate silently trains in fp32. "
+            "Use --mixed_precision bf16 (real bf16 autocast on CPU) or --mixed_precision no."
+        )
+
+
+def precision_in_effect(accelerator: Accelerator) -> str:
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        return f"{accelerator.mixed_precision} (DeepSpeed engine)"
+    if accelerator.mixed_precision in ("fp16", "bf16") and accelerator.native_amp:
+        scaler = ", dynamic loss scaling" if accelerator.scaler is not None else ""
+        return f"{accelerator.mixed_precision} autocast on {accelerator.device.type}{scaler}"
+    return "fp32"
+
+
+def _trackers(config: TrainConfig) -> list[str]:
+    from accelerate.utils import imports
+
+    trackers = config.trackers
+    for name in trackers:
+        check = getattr(imports, f"is_{name}_available", None)
+        if name not in _KNOWN_TRACKERS or check is None:
+            raise ConfigError(f"--report_to {name}: unknown tracker; choose from {', '.join(_KNOWN_TRACKERS)} or none.")
+        if not check():
+            raise ConfigError(f"--report_to {name}: the '{name}' package is not installed (pip install {name}).")
+    return trackers
+
+
+def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None) -> str:
+    """The numbers a user should check before trusting a run, printed once on the main process."""
+    lines = [
+        "accel_train run",
+        f"  world size       {accelerator.num_processes} process(es), {accelerator.distributed_type.value}"
+        f", device {accelerator.device}",
+        f"  precision        {precision_in_effect(accelerator)}",
+        f"  speed            {speed_settings(accelerator, config)}",
+        f"  batch            {config.per_device_train_batch_size} per device x {accelerator.num_processes} processes"
+        f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
+        f"  train samples    {num_train_samples if num_train_samples is not None else 'unknown'}",
+        f"  steps            {plan.steps_per_epoch} per epoch, {plan.total_steps} in total"
+        f" ({plan.num_epochs} epoch(s))",
+        f"  schedule         {config.lr_scheduler_type}, peak lr {config.learning_rate:g},"
+        f" {plan.warmup_steps} warmup step(s)",
+        f"  seed             {config.seed}",
+        f"  output           {config.output_dir}",
+    ]
+    return "\n".join(lines)

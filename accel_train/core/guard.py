@@ -1,0 +1,209 @@
+"""Step guard and diagnosis: non-finite losses and gradients, and preemption (SIGTERM).
+
+`StepGuard` watches every micro-batch's loss on the device (no host sync) and, once per optimizer step,
+turns "any non-finite loss in this window, a non-finite gradient norm, a SIGTERM received" into one small
+tensor, reduced across processes, read with one sync. Every rank therefore takes the same decision at the
+same step. `on_nonfinite` applies --on_nonfinite (skip the step, or stop with a report); `locate_nonfinite` re-runs
+a batch with hooks to name the first module whose output or gradient went non-finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import send_to_device
+
+from ..errors import TrainingDiverged
+from ..rundir.checkpoint import list_checkpoints
+from .accelerator import holds_whole_model
+from .evaluation import as_loss_output
+
+
+@dataclass
+class Verdict:
+    nonfinite_loss: bool = False
+    nonfinite_grad: bool = False
+    preempt: bool = False
+    bad_micro_batches: list[int] = field(default_factory=list)  # positions in the window, this rank
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nonfinite_loss or self.nonfinite_grad
+
+
+class StepGuard:
+    """Non-finite detection and SIGTERM agreement, one device sync per optimizer step."""
+
+    def __init__(self, accelerator: Accelerator, check_gradients: bool):
+        self.accelerator = accelerator
+        # Under fp16 the loss scaler owns non-finite gradients: it skips those steps and lowers the scale.
+        self.check_gradients = check_gradients
+        self.window: list[torch.Tensor] = []
+        self.sigterm = False
+        self._previous_handler = None
+
+    def __enter__(self):
+        try:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: no preemption handling
+            self._previous_handler = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+        return False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.sigterm = True
+
+    def watch(self, loss: torch.Tensor) -> None:
+        self.window.append(torch.isfinite(loss.detach().float()).all())
+
+    def verdict(self, grad_norm: torch.Tensor | None) -> Verdict:
+        finite = torch.stack(self.window) if self.window else torch.ones(1, dtype=torch.bool)
+        self.window = []
+        device = self.accelerator.device
+        grad_bad = torch.zeros((), device=device)
+        if self.check_gradients and isinstance(grad_norm, torch.Tensor):
+            grad_bad = (~torch.isfinite(grad_norm.detach().float())).float().to(device)
+        flags = torch.stack([(~finite).any().float().to(device), grad_bad,
+                             torch.tensor(float(self.sigterm), device=device)])
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        loss_bad, grad_bad_any, preempt = (v > 0 for v in flags.tolist())  # the step's one host sync
+        bad = [i for i, ok in enumerate(finite.tolist()) if not ok] if loss_bad else []
+        return Verdict(loss_bad, grad_bad_any, preempt, bad)
+
+
+def micro_batch_indices(loader, batch_index: int) -> list[int] | None:
+    """Dataset indices of this process's micro-batch number `batch_index` of the current epoch (the prepared
+    loader's batch sampler replays the epoch's order, seeded by the epoch)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if sampler is None:
+        return None
+    for i, indices in enumerate(sampler):
+        if i == batch_index:
+            return [int(j) for j in indices]
+    return None
+
+
+def _nonfinite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if isinstance(value, (list, tuple)):
+        return any(_nonfinite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_nonfinite(v) for v in value.values())
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        return any(_nonfinite(v) for v in value.to_tuple())
+    return False
+
+
+def locate_nonfinite(accelerator: Accelerator, model: torch.nn.Module, batch: Any, loss_fn: Callable) -> dict:
+    """Re-run `batch` forward and backward on the bare model with hooks on every module; report the first
+    module (in execution order) whose output, and the first whose gradient, is non-finite. Runs locally on
+    this rank (no collectives), leaves no gradients behind."""
+    bare = accelerator.unwrap_model(model)
+    names = {module: name or type(bare).__name__ for name, module in bare.named_modules()}
+    found: dict[str, str | None] = {"forward": None, "backward": None}
+
+    def forward_hook(module, inputs, output):
+        if found["forward"] is None and _nonfinite(output):
+            found["forward"] = f"{names[module]} ({type(module).__name__})"
+
+    def backward_hook(module, grad_input, grad_output):
+        if found["backward"] is None and (_nonfinite(grad_output) or _nonfinite(grad_input)):
+            found["backward"] = f"{names[module]} ({type(module).__name__})"
+
+    handles = [m.register_forward_hook(forward_hook) for m in bare.modules()]
+    handles += [m.register_full_backward_hook(backward_hook) for m in bare.modules() if not list(m.children())]
+    report: dict[str, Any] = {}
+    try:
+        with accelerator.autocast():
+            loss = as_loss_output(loss_fn(bare, send_to_device(batch, accelerator.device)))["loss"]
+        report["loss_on_rerun"] = float(loss.detach().float())
+        if loss.requires_grad:
+            with warnings.catch_warnings():  # inputs that need no gradient are fine here
+                warnings.simplefilter("ignore", UserWarning)
+                loss.backward()
+    except RuntimeError as err:  # e.g. an autograd anomaly; the forward finding still stands
+        report["rerun_error"] = str(err)
+    finally:
+        for handle in handles:
+            handle.remove()
+        bare.zero_grad(set_to_none=True)
+    report["first_nonfinite_output"] = found["forward"]
+    report["first_nonfinite_gradient"] = found["backward"]
+    report["nonfinite_parameters"] = [n for n, p in bare.named_parameters() if not torch.isfinite(p).all()][:20]
+    return report
+
+
+def fetch_batch(loader, indices: list[int]) -> Any:
+    """Rebuild a micro-batch from its dataset indices with the loader's own collate function."""
+    return loader.collate_fn([loader.dataset[i] for i in indices])
+
+
+def write_nonfinite_report(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    def plain(value):
+        return None if isinstance(value, float) and math.isnan(value) else str(value)
+
+    path.write_text(json.dumps(report, indent=2, default=plain))
+
+
+def on_nonfinite(session, state, verdict: Verdict) -> None:
+    """--on_nonfinite skip: count and log the step (its gradients are dropped); stop after the limit.
+    --on_nonfinite stop, or the limit reached: write a report that locates the first non-finite module, keep the
+    last good checkpoint, and raise TrainingDiverged. `session` is the run's core.session.Session."""
+    step, cfg, log = state.step + 1, session.config, session.log
+    what = "loss" if verdict.nonfinite_loss else "gradient"
+    if cfg.on_nonfinite == "skip" and state.nonfinite_skips < cfg.max_nonfinite_skips:
+        state.nonfinite_skips += 1
+        log.log({"nonfinite_skipped_step": step, "nonfinite": what, "nonfinite_skips": state.nonfinite_skips}, step)
+        log.write(f"step {step}: non-finite {what}, step skipped ({state.nonfinite_skips}/{cfg.max_nonfinite_skips})")
+        return
+    report = diagnose_nonfinite(session, state, verdict)
+    latest = list_checkpoints(cfg.output_dir)
+    raise TrainingDiverged(
+        f"non-finite {what} at step {step} (epoch {state.epoch}); first non-finite output: "
+        f"{report.get('first_nonfinite_output')}, gradient: {report.get('first_nonfinite_gradient')}. "
+        f"Report: {report['path']}. The last good checkpoint is "
+        f"{latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Lower --learning_rate, check the "
+        "data at the reported sample indices, or use --on_nonfinite skip."
+        + (f" ({state.nonfinite_skips} steps were skipped before)" if state.nonfinite_skips else "")
+    )
+
+
+def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:
+    """The sample indices of the window's failing micro-batches and, where each process holds the whole model, the
+    first module whose output and whose gradient went non-finite; written to nonfinite_step<N>_rank<R>.json."""
+    acc, gas, loader = session.accelerator, session.config.gradient_accumulation_steps, session.train_loader
+    last = state.batch_in_epoch - 1  # the window's micro-batches: last - (len-1) .. last
+    window = list(range(last - (last % gas), last + 1))
+    positions = verdict.bad_micro_batches or [len(window) - 1]
+    report: dict[str, Any] = {"step": state.step + 1, "epoch": state.epoch, "rank": acc.process_index,
+                              "nonfinite_loss": verdict.nonfinite_loss, "nonfinite_gradient": verdict.nonfinite_grad,
+                              "micro_batches": []}
+    for pos in positions:
+        indices = micro_batch_indices(loader, window[min(pos, len(window) - 1)])
+        entry: dict[str, Any] = {"sample_indices": indices}
+        if indices is not None and holds_whole_model(acc):
+            entry.update(locate_nonfinite(acc, session.model, fetch_batch(loader, indices), session.loss_fn))
+        report["micro_batches"].append(entry)
+    first = report["micro_batches"][0] if report["micro_batches"] else {}
+    report["first_nonfinite_output"] = first.get("first_nonfinite_output")
+    report["first_nonfinite_gradient"] = first.get("first_nonfinite_gradient")
+    path = Path(session.config.output_dir) / f"nonfinite_step{state.step + 1}_rank{acc.process_index}.json"
+    write_nonfinite_report(path, report)
+    report["path"] = str(path)
+    return report

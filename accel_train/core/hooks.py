@@ -1,0 +1,100 @@
+"""The hook protocol: plain objects with any of six optional methods.
+
+A hook observes the run; it never steers it, except that any method may return ``True`` to ask the loop
+to stop after the current step (the loop agrees the decision across all processes, so every rank stops at
+the same step). A hook with ``state_dict()`` / ``load_state_dict()`` is saved in checkpoints and restored
+on resume.
+
+    class PrintEval:
+        def on_evaluate(self, state, metrics):
+            print(state.step, metrics)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Hook(Protocol):
+    """All methods are optional; implement the ones you need. Return True to ask the loop to stop."""
+
+    def on_train_start(self, state) -> bool | None: ...
+
+    def on_log(self, state, logs: dict[str, float]) -> bool | None: ...
+
+    def on_evaluate(self, state, metrics: dict[str, float]) -> bool | None: ...
+
+    def on_save(self, state, checkpoint_dir) -> bool | None: ...
+
+    def on_finish(self, session, metrics: dict[str, float]) -> bool | None:
+        """After the final evaluation, on every process, with the prepared session (model, accelerator, config):
+        add entries to `metrics` (test predictions, generated text) and write files; all_results.json and the
+        report are written after every hook's on_finish. Collective work is allowed: every rank calls it."""
+
+    def on_train_end(self, state, metrics: dict[str, float]) -> bool | None: ...
+
+
+HOOK_EVENTS = ("on_train_start", "on_log", "on_evaluate", "on_save", "on_finish", "on_train_end")
+
+
+def call_hooks(hooks, event: str, *args) -> bool:
+    """Call `event` on every hook that has it; True if any hook asked to stop."""
+    stop = False
+    for hook in hooks:
+        method = getattr(hook, event, None)
+        if method is not None and method(*args):
+            stop = True
+    return stop
+
+
+def hook_key(hook: Any, index: int) -> str:
+    return f"{index}:{type(hook).__name__}"
+
+
+class EarlyStopping:
+    """Stop when `metric` has not improved by more than `min_delta` for `patience` evaluations.
+
+    The metric is computed from predictions gathered across processes, so every rank sees the same value
+    and takes the same decision; the loop additionally agrees the stop across ranks.
+    """
+
+    def __init__(self, metric: str = "eval_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'min' or 'max', not {mode!r}")
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.best: float | None = None
+        self.bad_evaluations = 0
+        self.stopped_at: int | None = None
+
+    def improved(self, value: float) -> bool:
+        if self.best is None or math.isnan(self.best):
+            return not math.isnan(value)
+        if self.mode == "max":
+            return value > self.best + self.min_delta
+        return value < self.best - self.min_delta
+
+    def on_evaluate(self, state, metrics: dict[str, float]) -> bool:
+        if self.metric not in metrics:
+            raise KeyError(
+                f"early stopping watches '{self.metric}' but the evaluation returned {sorted(metrics)}; "
+                "set --metric_for_best_model to one of them."
+            )
+        value = float(metrics[self.metric])
+        if self.improved(value):
+            self.best, self.bad_evaluations = value, 0
+        else:
+            self.bad_evaluations += 1
+        if self.bad_evaluations >= self.patience:
+            self.stopped_at = state.step
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evaluations": self.bad_evaluations, "stopped_at": self.stopped_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+        self.bad_evaluations = state["bad_evaluations"]
+        self.stopped_at = state["stopped_at"]

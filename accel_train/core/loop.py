@@ -1,0 +1,113 @@
+"""The step loop: one explicit loop on Accelerate, the same on 1 CPU process or many GPUs.
+
+A "step" is an optimizer step. Everything that varies with the hardware (device placement, DDP/FSDP/DeepSpeed
+wrapping, mixed precision, gradient sync) is done by `accelerator.prepare`, `accumulate` and `backward`; the
+loop itself has no `if distributed` branch. What happens between steps (log, evaluate, save, hooks) is the
+session's (session.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .evaluation import as_loss_output, batch_size_of
+from .guard import StepGuard, on_nonfinite
+from .hooks import call_hooks
+from .meter import StepMeter
+from .optim import steps_on_evaluation
+from .session import Session
+from .state import TrainState
+
+
+def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any | None = None) -> None:
+    """Train from `state` until the plan's last step or a stop agreed by every rank. `probe` (opt-in diagnostics:
+    None unless a diagnostics flag is set) is told when a step's gradients are complete and when it is taken."""
+    acc, model, optimizer, scheduler = session.accelerator, session.model, session.optimizer, session.scheduler
+    config, plan, loader = session.config, session.plan, session.train_loader
+    gas = config.gradient_accumulation_steps
+    stop = call_hooks(session.hooks, "on_train_start", state)
+    model.train()
+    with StepGuard(acc, check_gradients=acc.scaler is None) as guard:
+        while state.step < plan.total_steps and not stop:
+            _seed_epoch(loader, config, state.epoch)
+            batches = acc.skip_first_batches(loader, state.batch_in_epoch) if state.batch_in_epoch else loader
+            for batch, waited in _timed(batches):
+                n = batch_size_of(batch)
+                with acc.accumulate(model), meter.flops.measure(n):  # MFU: GPU, counted once
+                    out = as_loss_output(session.loss_fn(model, batch))
+                    # accelerator.backward divides by gas; the epoch's last window may be shorter: rescale it so
+                    # every step's gradient is the mean over the micro-batches it really had.
+                    acc.backward(out["loss"] * _window_scale(state.batch_in_epoch, plan.batches_per_epoch, gas))
+                guard.watch(out["loss"])
+                meter.add_micro_batch(out, n, _real_tokens(batch), waited)
+                state.batch_in_epoch += 1
+                state.samples_in_epoch += n * acc.num_processes
+                state.samples_seen += n * acc.num_processes
+                if not acc.sync_gradients:
+                    continue
+                if probe is not None:
+                    probe.before_clip(state.step + 1)  # per-layer gradient norms, activation statistics
+                # Clip (or, with max_grad_norm <= 0, only measure): the norm also reveals non-finite gradients.
+                max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+                grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                verdict = guard.verdict(grad_norm)  # agreed by every rank: non-finite values, SIGTERM
+                if verdict.nonfinite:
+                    on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
+                else:
+                    optimizer.step()
+                if acc.optimizer_step_was_skipped:
+                    state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
+                elif not steps_on_evaluation(scheduler):
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                if probe is not None:
+                    probe.after_step(state.step)  # profiler step, memory snapshot
+                epoch_end = state.batch_in_epoch == plan.batches_per_epoch
+                if epoch_end:
+                    state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                stop = session.after_step(state, meter, epoch_end, grad_norm)
+                if verdict.preempt:
+                    session.preempt(state)
+                if stop or state.step >= plan.total_steps:
+                    break
+
+
+def _seed_epoch(loader, config, epoch: int) -> None:
+    """Make the epoch's data order and worker seeds depend only on (seed, epoch), so a resumed run sees
+    exactly the batches an uninterrupted one would. A DataLoader without its own generator draws its worker
+    base seed from the global RNG at every `iter()`, which would shift dropout after a mid-epoch resume."""
+    loader.set_epoch(epoch)
+    seed = config.data_seed if config.data_seed is not None else config.seed
+    # On Accelerate's prepared loader, an attribute set lands on the wrapper; the DataLoader that draws the
+    # base seed is the wrapped one.
+    getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
+def _window_scale(batch_index: int, batches_per_epoch: int, gas: int) -> float:
+    """gas / (micro-batches in this accumulation window): 1 except in a short last window of an epoch."""
+    start = (batch_index // gas) * gas
+    return gas / min(gas, batches_per_epoch - start)
+
+
+def _timed(loader):
+    """Yield (batch, seconds spent waiting for it): the data-stall share of each step."""
+    iterator = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield batch, time.perf_counter() - t0
+
+
+def _real_tokens(batch: Any):
+    """Non-pad tokens in the batch, left on the device (no sync) until the meter reports."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return mask.sum() if isinstance(mask, torch.Tensor) else 0

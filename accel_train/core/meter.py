@@ -1,0 +1,162 @@
+"""The meters behind the training log: loss, throughput, data wait, MFU and peak memory between two log events.
+Reductions run on every rank; nothing here writes a file."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+
+class StepMeter:
+    """Training loss, throughput and data-wait time between two log events.
+
+    Losses are summed on the device and reduced across processes only when a record is made, so the
+    loop does not synchronise with the device at every step. Scalars a loss function returns under "log"
+    ({"itc_loss": ..., "itm_weight": ...}; the same names on every process) are averaged over the interval's
+    micro-batches and all processes, and recorded beside the loss.
+    """
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.flops = FlopCount(accelerator)
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.terms: dict[str, torch.Tensor] = {}  # the loss function's "log" scalars, summed
+        self.micro_batches = 0
+        self.samples = 0
+        self.tokens = 0
+        self.data_wait = 0.0
+        self.paused = 0.0  # evaluation and checkpoint time inside the interval: not training throughput
+        self.started = time.perf_counter()
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def add_micro_batch(self, out: Mapping[str, Any], samples: int, tokens, waited: float) -> None:
+        """`out`: the loss function's output (as_loss_output): its "loss" and optional "log" scalars."""
+        loss = out["loss"].detach().float()
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        for name, value in (out.get("log") or {}).items():
+            value = torch.as_tensor(value).detach().float().reshape(())
+            self.terms[name] = self.terms[name] + value if name in self.terms else value
+        self.micro_batches += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.data_wait += waited
+
+    def record(self) -> dict[str, float]:
+        """Reduce across processes and return the interval's numbers (collective)."""
+        elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
+        acc = self.accelerator
+        names = sorted(self.terms)
+        sums = [0.0 if self.loss_sum is None else self.loss_sum, *(self.terms[n] for n in names)]
+        counts = [self.micro_batches, self.samples, float(self.tokens)]
+        local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=acc.device).reshape(())
+                             for v in (*sums, *counts)])
+        total = (acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local).tolist()
+        micro, samples, tokens = total[-3:]
+        record = {
+            "loss": total[0] / micro if micro else math.nan,
+            "samples_per_second": samples / elapsed,
+            "data_wait_fraction": self.data_wait / elapsed,
+        }
+        record.update({name: value / micro for name, value in zip(names, total[1:-3], strict=True)} if micro else {})
+        if tokens:
+            record["tokens_per_second"] = tokens / elapsed
+        mfu = self.flops.mfu(samples / elapsed / max(acc.num_processes, 1))  # per device
+        if mfu is not None:
+            record["mfu"] = mfu
+        record.update(peak_memory(acc.device))
+        self.reset()
+        return record
+
+
+# Dense peak TFLOP/s by GPU and math precision (vendor datasheets, SXM parts). MFU = achieved / peak.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def peak_flops(accelerator: Accelerator) -> float | None:
+    """The device's dense peak for the precision the matmuls run in, or None when unknown (CPUs included)."""
+    if accelerator.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(accelerator.device)
+    table = next((v for k, v in PEAK_TFLOPS.items() if k in name.replace("-", " ").split() or k in name), None)
+    if table is None:
+        return None
+    precision = accelerator.mixed_precision if accelerator.mixed_precision in ("bf16", "fp16") else (
+        "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    tflops = table.get(precision)
+    return tflops * 1e12 if tflops else None
+
+
+class FlopCount:
+    """Counts the model FLOPs of one training micro-batch (forward + backward) with torch's FlopCounterMode,
+    once, on GPU runs: the MFU in the log is those FLOPs per sample x samples/s over the device's peak."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.peak = peak_flops(accelerator)
+        self.per_sample: float | None = None
+        self._pending = self.peak is not None
+        self._mode = None
+        self._samples = 0
+
+    def measure(self, batch_samples: int):
+        """A context for the next micro-batch; it counts only the first time."""
+        if not self._pending:
+            return contextlib.nullcontext()
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._pending, self._samples = False, batch_samples
+        self._mode = FlopCounterMode(display=False)
+        return self._mode
+
+    def mfu(self, samples_per_second: float) -> float | None:
+        if self._mode is not None and self.per_sample is None and self._samples:
+            self.per_sample = self._mode.get_total_flops() / self._samples
+        if not self.per_sample or not self.peak:
+            return None
+        return self.per_sample * samples_per_second / self.peak
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: allocated on the GPU, or the process's peak resident set on a CPU.
+
+    On Linux the CPU peak is VmHWM, which `reset_cpu_peak_memory()` lowers to the current use, so that several
+    runs in one process (a benchmark) each get their own peak; elsewhere, the process's lifetime peak."""
+    if device.type == "cuda":
+        return {"gpu_peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+    try:
+        with open("/proc/self/status") as status:
+            kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"cpu_peak_rss_mb": round(kb / 1024, 1)}
+
+
+def reset_cpu_peak_memory() -> bool:
+    """Lower the process's peak resident set (VmHWM) to its current use (Linux); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False

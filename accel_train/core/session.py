@@ -1,0 +1,303 @@
+"""One run: its prepared objects, and what happens around the step loop — start (or resume), log, evaluate, save,
+finish.
+
+    session = Session(RunSpec(model, train_loader, config, ...))   checks, prepares, plans; writes nothing
+    state = session.start(hooks)                                    resume or fresh; run dir, log, start-up report
+    ... the step loop (loop.py) calls session.after_step(...) after every optimizer step ...
+    result = session.finish(state, meter, runtime)                        final evaluation, results, export
+
+A Session is complete when its constructor returns: everything a run needs is prepared by Accelerate and
+planned in optimizer steps before anything is written, so a refused start leaves output_dir as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from ..config import TrainConfig
+from ..errors import CheckpointError, ConfigError, Preempted
+from ..rundir import checkpoint as ckpt
+from ..rundir.export import export_model
+from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
+from ..rundir.metrics_log import RunLog
+from ..rundir.outdir import check_output_dir, start_run_dir
+from ..testing import faults
+from .accelerator import build_accelerator, startup_report
+from .batch_size import fit_micro_batch
+from .evaluation import MetricsFn, default_loss, evaluate_model
+from .hooks import call_hooks, hook_key
+from .meter import StepMeter, peak_memory
+from .optim import batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan, steps_on_evaluation
+from .state import TrainResult, TrainState
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What `train()` was given: the run's model, loaders, functions and settings, none of them prepared yet."""
+
+    model: torch.nn.Module
+    train_loader: Any
+    config: TrainConfig
+    loss_fn: Callable | None = None
+    eval_loader: Any = None
+    metrics_fn: MetricsFn | None = None
+    optimizer: Any = None  # an optimizer, param groups, or None (built from the config)
+    scheduler: Any = None
+    hooks: Sequence[Any] = ()
+    accelerator: Accelerator | None = None
+    processing_class: Any = None  # saved beside the final model (a tokenizer, an image processor)
+    extra_configs: Sequence[Any] = ()  # a recipe's own argument dataclasses, saved in config.yaml
+    final_eval_loaders: Mapping[str, Any] | None = None  # {"test": loader}: evaluated once, after training
+
+
+class Session:
+    """The prepared objects of one run and the work between optimizer steps. See the module docstring."""
+
+    def __init__(self, spec: RunSpec):
+        config = spec.config
+        acc = spec.accelerator or build_accelerator(config)
+        self.existing = check_output_dir(config, acc.process_index)
+        acc.wait_for_everyone()  # every rank has looked before the main process writes anything
+        model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = build_optimizer(model, config, optimizer, acc)
+        loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)
+        _enable_gradient_checkpointing(model, config)
+        if config.auto_find_batch_size:  # the micro-batch and accumulation actually used
+            config, train_loader = fit_micro_batch(acc, model, train_loader, loss_fn, config, optimizer)
+        self.shapes = ckpt.parameter_shapes(model)
+        plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
+        scheduler = spec.scheduler or build_scheduler(optimizer, config, plan, acc)
+        # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
+        model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
+        if len(train_loader) != plan.batches_per_epoch:
+            raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
+                               f"{len(train_loader)}")
+        self.accelerator, self.config, self.plan = acc, config, plan
+        self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
+        self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
+        self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
+        self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
+        self.hooks: list[Any] = []  # attached by start(), once the run has been checked
+        self.log = RunLog(acc, config.output_dir, plan.total_steps, config.run_name or "accel_train",
+                          disable_bar=config.disable_tqdm)
+        # Bookkeeping between steps; start() sets it from the state it starts at.
+        self.last_eval: tuple[int, dict[str, float]] = (-1, {})
+        self.last_save = self.last_log_step = self.start_samples = 0
+
+    # --------------------------------------------------------------------------------------------- start
+    def start(self, hooks: Sequence[Any]) -> TrainState:
+        """Attach the hooks, resume (with --resume_from_checkpoint; checkpointed hook state is restored) or start
+        fresh, write the run directory and open the log. Call it once the run has been checked: it is the first
+        thing that writes."""
+        acc = self.accelerator
+        self.hooks = list(hooks)
+        state = (self.resume() if self.config.resume_from_checkpoint else
+                 TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
+        start_run_dir(acc, self.config, self.existing, self.extra_configs)
+        self.last_save = self.last_log_step = state.step
+        self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
+        hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
+        self.log.open(state.step, {**hparams, **self.config.to_dict()},
+                      startup_report(acc, self.config, self.plan, _num_samples(self.train_loader)))
+        return state
+
+    def resume(self) -> TrainState:
+        """Load a checkpoint and re-derive the data position from the samples consumed in the current epoch."""
+        acc, config, plan = self.accelerator, self.config, self.plan
+        path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        manifest = ckpt.verify_checkpoint(path)
+        ckpt.check_compatible(path, manifest, self.shapes)
+        state = TrainState(**ckpt.load_train_state(path))
+        if state.global_batch_size != plan.global_batch_size:
+            raise CheckpointError(
+                f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
+                f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
+                "position would not line up: keep the same global batch when resuming.")
+        per_batch = config.per_device_train_batch_size * acc.num_processes
+        if state.samples_in_epoch % per_batch:
+            raise CheckpointError(
+                f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
+                f"of batches of {per_batch} for this world size; resume with the original world size.")
+        acc.load_state(str(path))
+        state.batch_in_epoch = state.samples_in_epoch // per_batch
+        state.world_size = acc.num_processes
+        for i, hook in enumerate(self.hooks):
+            if hasattr(hook, "load_state_dict") and hook_key(hook, i) in state.hooks:
+                hook.load_state_dict(state.hooks[hook_key(hook, i)])
+        if manifest.get("world_size") != acc.num_processes:
+            acc.print(f"note: {path} was written by {manifest.get('world_size')} process(es), resuming on "
+                      f"{acc.num_processes}; the data position is re-derived from the samples consumed. Random "
+                      "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
+        acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
+        return state
+
+    # --------------------------------------------------------------------------------------- between steps
+    def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:
+        """Log, evaluate, save and call the hooks at their intervals; True when the run should stop (agreed by
+        every rank)."""
+        faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
+        cfg, stop, acted = self.config, False, False
+        self.log.advance()
+        if _due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):
+            stop |= self.log_train(state, meter, grad_norm)
+            acted = True
+        improved, started = False, time.perf_counter()
+        if self.eval_loader is not None and _due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps, state.step,
+                                                 epoch_end):
+            metrics, improved = self.evaluate(state)
+            stop |= call_hooks(self.hooks, "on_evaluate", state, metrics)
+            acted = True
+        if cfg.save_strategy != "no" and (improved or _due(cfg.save_strategy, cfg.save_steps, state.step, epoch_end)):
+            stop |= self.save(state, best=improved)
+            acted = True
+        meter.pause(time.perf_counter() - started)
+        if not acted:
+            return False
+        if stop:  # agreed across ranks, so that every process stops at the same step
+            self.accelerator.set_trigger()
+        return self.accelerator.check_trigger()
+
+    def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
+        record = meter.record()
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        steps, self.last_log_step = state.step - self.last_log_step, state.step
+        if steps and not math.isnan(record["loss"]):  # the run's train_loss weights intervals by their steps
+            state.loss_sum += record["loss"] * steps
+            state.loss_steps += steps
+        record.update(learning_rate=current_lr(self.optimizer), epoch=self.epoch_float(state))
+        if state.skipped_steps:
+            record["skipped_steps"] = state.skipped_steps
+        if state.nonfinite_skips:
+            record["nonfinite_skips"] = state.nonfinite_skips
+        self.log.log(record, state.step)
+        return call_hooks(self.hooks, "on_log", state, record)
+
+    def epoch_float(self, state: TrainState) -> float:
+        return round(state.epoch + state.batch_in_epoch / self.plan.batches_per_epoch, 4)
+
+    def evaluate(self, state: TrainState) -> tuple[dict[str, float], bool]:
+        """Evaluate on the evaluation loader, log it, step a plateau schedule; (metrics, is it the best so far)."""
+        metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.loss_fn, self.metrics_fn)
+        self.last_eval = (state.step, metrics)
+        self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
+        name = self.config.best_metric_name
+        if steps_on_evaluation(self.scheduler):
+            self.scheduler.step(metrics[self.config.monitored_metric])
+        if name is None:
+            return metrics, False
+        if name not in metrics:
+            raise ConfigError(f"--metric_for_best_model {name}: the evaluation returned only {sorted(metrics)}.")
+        value, best = metrics[name], state.best_metric
+        improved = best is None or (value > best if self.config.best_is_greater else value < best)
+        if improved:
+            state.best_metric = value
+        return metrics, improved
+
+    def save(self, state: TrainState, best: bool = False) -> bool:
+        """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop."""
+        if self.last_save == state.step:
+            if best:  # this step's checkpoint exists already; it is now the best one
+                state.best_checkpoint = checkpoint_name(state.step)
+            return False
+        if best:
+            state.best_checkpoint = checkpoint_name(state.step)
+        state.hooks = {hook_key(h, i): h.state_dict() for i, h in enumerate(self.hooks) if hasattr(h, "state_dict")}
+        path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
+                                    dataclasses.asdict(state), self.shapes)
+        self.last_save = state.step
+        if self.accelerator.is_main_process:
+            ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint)
+        self.accelerator.wait_for_everyone()
+        return call_hooks(self.hooks, "on_save", state, path)
+
+    def preempt(self, state: TrainState) -> None:
+        """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
+        path = checkpoints_dir(self.config.output_dir) / checkpoint_name(state.step)
+        self.save(state)
+        self.log.close()
+        raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
+                        "Resume with --resume_from_checkpoint latest.")
+
+    # ---------------------------------------------------------------------------------------------- finish
+    def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:
+        """The last log and checkpoint, the best checkpoint restored if asked, the final evaluation; then the finish
+        seam: every hook's on_finish(session, metrics) (a recipe's predictions and test metrics), on_train_end
+        (the report), the exported model and all_results.json, written once."""
+        acc, cfg = self.accelerator, self.config
+        if meter.micro_batches and cfg.logging_strategy != "no":
+            self.log_train(state, meter)
+        if cfg.save_strategy != "no":
+            self.save(state)
+        if cfg.load_best_model_at_end and state.best_checkpoint:
+            best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
+            acc.load_state(str(best))
+            self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
+            self.last_eval = (-1, {})
+        metrics = self.final_metrics(state)
+        metrics.update(
+            train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
+            train_samples_per_second=round((state.samples_seen - self.start_samples) / runtime, 3) if runtime else 0.0,
+            epoch=self.epoch_float(state),
+        )
+        metrics.update({f"train_{k}": v for k, v in peak_memory(acc.device).items()})
+        if state.skipped_steps:
+            metrics["train_skipped_steps"] = state.skipped_steps
+        if state.nonfinite_skips:
+            metrics["train_nonfinite_skips"] = state.nonfinite_skips
+        call_hooks(self.hooks, "on_finish", self, metrics)
+        call_hooks(self.hooks, "on_train_end", state, metrics)
+        export_model(acc, self.model, cfg.output_dir, self.processing_class)
+        if acc.is_main_process:
+            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(metrics, indent=2))
+            self.log.write("final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.log.close(end_training)
+        return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
+
+    def final_metrics(self, state: TrainState) -> dict[str, float]:
+        """The evaluation of the final (or restored best) model, reusing this step's if it ran; then the final
+        evaluation loaders, each under its own prefix."""
+        metrics: dict[str, float] = {}
+        if self.eval_loader is not None:
+            step, metrics = self.last_eval
+            if step != state.step:
+                metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.loss_fn,
+                                         self.metrics_fn)
+        metrics = dict(metrics)
+        for name, loader in self.final_eval_loaders.items():
+            metrics.update(evaluate_model(self.accelerator, self.model, loader, self.loss_fn, self.metrics_fn,
+                                          prefix=name))
+        return metrics
+
+
+def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
+    return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
+
+
+def _enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) -> None:
+    if not config.gradient_checkpointing:
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError("--gradient_checkpointing: this model has no gradient_checkpointing_enable() (transformers "
+                          "models do); wrap its blocks with torch.utils.checkpoint.checkpoint instead.")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _num_samples(loader) -> int | None:
+    try:
+        return len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None

@@ -1,0 +1,42 @@
+"""The loop's state and result: small dataclasses, saved with every checkpoint as JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved with every checkpoint (as JSON) and restored on resume."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epoch in progress (0-based)
+    batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per process
+    samples_seen: int = 0  # samples consumed, all processes
+    samples_in_epoch: int = 0  # samples consumed in this epoch, all processes
+    loss_sum: float = 0.0  # sum over logged intervals of (mean loss x steps), for the run's train_loss
+    loss_steps: int = 0
+    skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
+    nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
+    best_metric: float | None = None
+    best_checkpoint: str | None = None
+    world_size: int = 1
+    global_batch_size: int = 0
+    hooks: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_sum / self.loss_steps if self.loss_steps else math.nan
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    metrics: dict[str, float]
+    model: torch.nn.Module  # the prepared model (use accelerator.unwrap_model for the bare one)
+    accelerator: Accelerator

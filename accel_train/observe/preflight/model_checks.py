@@ -1,0 +1,207 @@
+"""The pre-flight checks that touch the model, the optimizer and the schedule (see the package docstring for the
+levels). Each takes the run's core.session.Session and returns findings."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+from accelerate.utils import send_to_device
+
+from ...core.accelerator import holds_whole_model
+from ...core.guard import fetch_batch
+from .findings import Finding, base_of, loader_batch
+
+DECAY_TO_ZERO = ("linear", "cosine", "polynomial", "cosine_with_restarts", "cosine_annealing", "warmup_stable_decay")
+
+def check_optimizer(f) -> list[Finding]:
+    optimizer = base_of(f.optimizer)
+    if not holds_whole_model(f.accelerator) or not isinstance(optimizer, torch.optim.Optimizer):
+        return [Finding("optimizer", "ok", "not checked: the engine (FSDP / DeepSpeed) owns the parameters.")]
+    bare = f.accelerator.unwrap_model(f.model)
+    named = {id(p): (n, p) for n, p in bare.named_parameters()}
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for i, (n, p) in named.items() if p.requires_grad and i not in in_optimizer]
+    frozen = [n for i, (n, p) in named.items() if not p.requires_grad and i in in_optimizer]
+    foreign = len(in_optimizer - set(named))
+    out = []
+    if missing:
+        values = sum(named[i][1].numel() for i in named if named[i][0] in set(missing))
+        out.append(Finding("optimizer", "error", f"{len(missing)} trainable parameter tensor(s) ({values:,} values) "
+                           f"are not in the optimizer and will never change, e.g. {', '.join(missing[:3])}"
+                           + (f"; the optimizer holds {foreign} tensor(s) that are not the model's" if foreign else "")
+                           + ".", "build the optimizer after the model is final (heads replaced, embeddings resized) "
+                           "from model.parameters(), or freeze those parameters with requires_grad_(False)."))
+    if frozen:
+        out.append(Finding("optimizer", "warning", f"{len(frozen)} frozen parameter tensor(s) are in the optimizer "
+                           f"and will not train, e.g. {', '.join(frozen[:3])}.",
+                           "unfreeze them if they should train, or leave them out of the optimizer."))
+    if not out:
+        trainable = sum(p.numel() for _, p in named.values() if p.requires_grad)
+        out.append(Finding("optimizer", "ok", f"the optimizer covers every trainable parameter ({trainable:,} values "
+                           f"in {len(optimizer.param_groups)} group(s))."))
+    return out
+
+
+def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1) -> list[list[float]] | None:
+    """The learning rate of each param group after k optimizer steps, k = 0..total_steps (k = 0: the first
+    step's; k: what the loop logs at step k, and what step k + 1 uses), from a copy of `scheduler` whose
+    optimizer holds stand-ins for the parameters (no copy of the model or its optimizer state). None for a
+    schedule that steps on metrics (ReduceLROnPlateau) or that an engine owns (DeepSpeed)."""
+    inner = base_of(scheduler)
+    optimizer = getattr(inner, "optimizer", None)
+    plateau = isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not isinstance(optimizer, torch.optim.Optimizer) or plateau:
+        return None
+    stand_in = torch.zeros(())
+    memo = {id(p): stand_in for group in optimizer.param_groups for p in group["params"]}
+    memo.update({id(t): stand_in for state in optimizer.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor)})
+    shadow = copy.deepcopy(inner, memo)
+    groups = shadow.optimizer.param_groups
+    lrs: list[list[float]] = [[float(g["lr"])] for g in groups]
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
+        warnings.simplefilter("ignore")
+        for _ in range(total_steps):
+            for _ in range(steps_per_call):
+                shadow.step()
+            for i, group in enumerate(groups):
+                lrs[i].append(float(group["lr"]))
+    return lrs
+
+
+def _steps_per_call(f) -> int:
+    """Accelerate's default steps a prepared scheduler once per process unless split_batches is set."""
+    return (f.accelerator.num_processes if getattr(f.scheduler, "step_with_optimizer", False)
+            and not getattr(f.scheduler, "split_batches", False) else 1)
+
+
+def run_schedule(f) -> list[list[float]] | None:
+    """The schedule as the run will really step it, simulated (see simulate_schedule); None when it steps on
+    metrics or an engine (DeepSpeed) owns it."""
+    if f.accelerator.distributed_type.value == "DEEPSPEED":
+        return None
+    return simulate_schedule(f.scheduler, f.plan.total_steps, _steps_per_call(f))
+
+
+def schedule_record(lrs: list[list[float]], plan) -> dict:
+    """The simulated schedule as kept for the report: at most ~2,000 points per group, the last step included."""
+    total = plan.total_steps
+    stride = max(1, math.ceil(total / 2000))
+    keep = sorted(set(range(0, total + 1, stride)) | {total})
+    return {"steps": keep, "lr": [[g[k] for k in keep] for g in lrs], "warmup_steps": plan.warmup_steps,
+            "total_steps": total}
+
+
+def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
+    """`lrs`: run_schedule(f), when the caller has it already."""
+    cfg, plan, total = f.config, f.plan, f.plan.total_steps
+    per_call = _steps_per_call(f)
+    lrs = lrs if lrs is not None else run_schedule(f)
+    if lrs is None:
+        return [Finding("schedule", "ok", f"not simulated: {type(base_of(f.scheduler)).__name__} steps on metrics or "
+                        "belongs to the engine.")]
+    # curve[k]: the rate optimizer step k + 1 trains with, for the group with the highest peak
+    group = lrs[max(range(len(lrs)), key=lambda i: max(lrs[i][:total]))]
+    curve, final = group[:total], group[total]  # final: where the schedule stands once the run is over
+    peak = max(curve)
+    if peak <= 0:
+        return [Finding("schedule", "warning", "the learning rate is 0 at every step: nothing trains (fine for a "
+                        "run that only evaluates).", "set --learning_rate > 0 to train.")]
+    live = [k for k, lr in enumerate(curve) if lr > 1e-9 * peak]
+    end = live[-1] + 1 if live else 0
+    peak_step = next(k for k, lr in enumerate(curve) if lr >= peak * (1 - 1e-6))
+    out = []
+    if end < total and total - end > max(1, 0.02 * total):
+        cause = (f" The Accelerator steps the prepared scheduler {per_call} times per optimizer step "
+                 "(step_scheduler_with_optimizer=True)." if per_call > 1 else "")
+        out.append(Finding("schedule", "error", f"the learning rate reaches 0 after step {end} of {total}: the last "
+                           f"{total - end} steps ({(total - end) / total:.0%}) train nothing.{cause}",
+                           f"build the schedule for {total} optimizer steps (after sharding and accumulation), or let "
+                           "accel_train build it (pass no scheduler)" + (", and build the Accelerator with "
+                           "build_accelerator(config)." if per_call > 1 else ".")))
+    elif cfg.lr_scheduler_type in DECAY_TO_ZERO and not cfg.lr_scheduler_kwargs and final > 0.1 * peak:
+        out.append(Finding("schedule", "warning", f"--lr_scheduler_type {cfg.lr_scheduler_type} should end near 0, "
+                           f"but it is still at {final / peak:.0%} of its peak when the run ends: it was built "
+                           "for more steps than the run has, or is another schedule.",
+                           f"build the schedule for {total} optimizer steps, or set --lr_scheduler_type to what it "
+                           "is."))
+    if abs(peak_step - plan.warmup_steps) > max(1, 0.05 * plan.warmup_steps):
+        out.append(Finding("schedule", "warning", f"the learning rate reaches its peak after {peak_step} step(s), "
+                           f"but the warmup is {plan.warmup_steps} step(s).", "build the schedule with the config's "
+                           f"warmup ({plan.warmup_steps} steps), or set --warmup_steps to what it is."))
+    if not math.isclose(peak, cfg.learning_rate, rel_tol=1e-6):
+        out.append(Finding("schedule", "warning", f"the schedule peaks at {peak:.3g}, --learning_rate is "
+                           f"{cfg.learning_rate:g}.", "build the optimizer with lr=config.learning_rate, or set "
+                           "--learning_rate to the value used."))
+    if not out:
+        out.append(Finding("schedule", "ok", f"{type(base_of(f.scheduler)).__name__} simulated over {total} steps: "
+                           f"peak {peak:.3g} after {peak_step} warmup step(s), {final:.3g} when the run ends."))
+    return out
+
+
+def _label_width(f, batch: dict) -> tuple[int | None, str]:
+    """The number of classes the model scores: the logits' last dimension from one evaluation-mode forward with
+    the labels set to 0 (an out-of-range label would crash it, on a GPU with a device-side assert), else the
+    model's config.num_labels."""
+    bare = f.accelerator.unwrap_model(f.model)
+    if holds_whole_model(f.accelerator):
+        safe = {**batch, "labels": torch.zeros_like(batch["labels"])}
+        was_training = bare.training
+        bare.eval()
+        try:
+            with torch.no_grad(), f.accelerator.autocast():
+                out = f.loss_fn(bare, send_to_device(safe, f.accelerator.device))
+        finally:
+            bare.train(was_training)
+        logits = out.get("logits") if isinstance(out, Mapping) else None
+        if isinstance(logits, torch.Tensor) and logits.ndim >= 2:
+            return int(logits.shape[-1]), "the logits"
+    num_labels = getattr(getattr(bare, "config", None), "num_labels", None)
+    if num_labels and batch["labels"].ndim == 1:
+        return int(num_labels), "config.num_labels"
+    return None, ""
+
+
+def _column_labels(loader) -> torch.Tensor | None:
+    """Every label of a `datasets.Dataset` (read from its Arrow column, no decoding of the inputs)."""
+    dataset = getattr(loader, "dataset", None)
+    names = getattr(dataset, "column_names", None) or []
+    for name in ("labels", "label"):
+        if name in names:
+            try:
+                values = torch.as_tensor(dataset[name])
+            except (TypeError, ValueError):
+                return None
+            return values if not values.is_floating_point() else None
+    return None
+
+
+def check_labels(f) -> list[Finding]:
+    loader = f.train_loader
+    size = min(loader_batch(loader) or 1, len(loader.dataset))
+    batch = fetch_batch(loader, list(range(size)))  # the first samples: no sampler, no random number drawn
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        return [Finding("labels", "ok", "not checked: the batch has no integer 'labels' (regression, or not a "
+                        "mapping).")]
+    width, source = _label_width(f, batch)
+    if width is None:
+        return [Finding("labels", "ok", "not checked: the loss returns no logits and the model has no num_labels.")]
+    out = []
+    for split, values in (("training batch", labels), ("training set", _column_labels(loader)),
+                          ("evaluation set", _column_labels(f.eval_loader) if f.eval_loader is not None else None)):
+        if values is None:
+            continue
+        used = values[values != -100]  # -100: the ignore index of cross-entropy
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= width):
+            out.append(Finding("labels", "error", f"the {split} has labels {int(used.min())}..{int(used.max())}, the "
+                               f"model scores {width} classes ({source}): valid labels are 0..{width - 1}.",
+                               "map the labels to 0..num_labels-1 (e.g. 1-based labels minus 1), or build the model "
+                               "with num_labels = the number of classes."))
+    if not out:
+        out.append(Finding("labels", "ok", f"labels within 0..{width - 1} ({width} classes, from {source})."))
+    return out

@@ -1,0 +1,231 @@
+"""Checkpoints: Accelerate's save_state / load_state, made atomic, verified, rotated and exported.
+
+A checkpoint directory (see layout.py for the rest of the run directory)::
+
+    checkpoints/step-00000120/
+      model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl   (Accelerate)
+      train_state.json       loop position, best metric, hook states (JSON: a checkpoint cannot run code)
+      manifest.json          written last: file sizes and SHA-256, the parameter shapes
+
+A checkpoint is written to a hidden temporary directory and renamed into place only when complete, so a
+crash mid-write never replaces a good checkpoint; `latest` resolves to the newest checkpoint whose manifest
+verifies. Accelerate's own `total_limit` rotation is not used because it deletes by count alone: here the
+best checkpoint is never deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from ..errors import CheckpointError
+from ..testing import faults
+from .layout import CHECKPOINT_PREFIX as PREFIX
+from .layout import checkpoint_name, checkpoints_dir
+
+MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.json"
+FORMAT_VERSION = 1
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Names and shapes of the unwrapped model's parameters: the architecture fingerprint of a run."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    return {name: list(p.shape) for name, p in model.state_dict().items()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    accelerator: Accelerator, output_dir: str | Path, step: int, train_state: dict[str, Any], shapes: dict
+) -> Path:
+    """Save the full training state for `step`; every rank must call this (collective)."""
+    root = checkpoints_dir(output_dir)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    error: BaseException | None = None
+    try:  # every rank writes its part (RNG state; FSDP / DeepSpeed shards)
+        accelerator.save_state(str(tmp), safe_serialization=True)
+    except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
+        error = err
+    failed = _any_rank(accelerator, error is not None)  # also the barrier before the manifest
+    faults.kill_point("kill_during_save", step, accelerator.is_main_process)
+    if not failed and accelerator.is_main_process:
+        try:
+            (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
+            _write_manifest(tmp, step, shapes, accelerator.num_processes)
+        except OSError as err:
+            error = err
+    failed = _any_rank(accelerator, error is not None) or failed
+    if failed:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {error or 'another process failed to write its part'}. "
+            "The previous checkpoints are untouched; free disk space or fix permissions, then resume with "
+            "--resume_from_checkpoint latest."
+        )
+    if accelerator.is_main_process:
+        if final.exists():  # the same step saved twice (e.g. step and epoch intervals coincide)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _any_rank(accelerator: Accelerator, flag: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return flag
+    tensor = torch.tensor([1 if flag else 0], device=accelerator.device)
+    return bool(accelerator.reduce(tensor, reduction="sum").item())
+
+
+def _write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None:
+    files = {}  # recursive: FSDP and DeepSpeed write sharded state in sub-directories
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "shapes": shapes}
+    tmp = path / f"{MANIFEST}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / MANIFEST)
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is not a complete accel_train checkpoint (no {MANIFEST}): it was interrupted while being "
+            "written or is not a checkpoint. Use --resume_from_checkpoint latest to pick the newest complete one."
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path / MANIFEST} is corrupt. Resume from another checkpoint.") from None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Check every file against the manifest (size and SHA-256); return the manifest."""
+    manifest = read_manifest(path)
+    for name, meta in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}. Resume from another checkpoint.")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} does not match its manifest (truncated or modified). "
+                "Resume from another checkpoint."
+            )
+    return manifest
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (manifest present), oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path:
+    """'latest' -> newest complete checkpoint in output_dir that verifies; otherwise a path."""
+    if spec == "latest":
+        candidates = list_checkpoints(output_dir)
+        if not candidates:
+            raise CheckpointError(
+                f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir(output_dir)}. "
+                "Start without --resume_from_checkpoint, or point it at a checkpoint directory."
+            )
+        for path in reversed(candidates):
+            try:
+                verify_checkpoint(path)
+                return path
+            except CheckpointError as err:
+                print(f"skipping checkpoint {path.name}: {err}", flush=True)
+        raise CheckpointError(f"no checkpoint in {checkpoints_dir(output_dir)} verifies against its manifest.")
+    path = Path(spec)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume_from_checkpoint {spec}: no such directory.")
+    verify_checkpoint(path)
+    return path
+
+
+def check_compatible(path: Path, manifest: dict, shapes: dict) -> None:
+    """Refuse a checkpoint of another architecture before Accelerate fails deep inside load_state_dict."""
+    saved = manifest.get("shapes", {})
+    missing = sorted(set(shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(shapes))
+    changed = sorted(k for k in set(saved) & set(shapes) if saved[k] != shapes[k])
+    if missing or unexpected or changed:
+        details = []
+        if changed:
+            k = changed[0]
+            details.append(f"{len(changed)} parameter(s) differ in shape, e.g. {k}: checkpoint {saved[k]} vs model "
+                           f"{shapes[k]}")
+        if missing:
+            details.append(f"{len(missing)} parameter(s) missing from the checkpoint, e.g. {missing[0]}")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected parameter(s), e.g. {unexpected[0]}")
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different model: {'; '.join(details)}. "
+            "Resume with the same model and label count, or start a new run in another --output_dir."
+        )
+
+
+def load_train_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / TRAIN_STATE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable {TRAIN_STATE} ({err}).") from None
+
+
+def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, never the `protect`ed (best) one.
+
+    Main process only. Stale temporary directories of interrupted saves are removed too.
+    """
+    root = checkpoints_dir(output_dir)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep is None:
+        return []
+    complete = list_checkpoints(output_dir)
+    doomed = [p for p in complete[:-keep] if p.name != protect] if len(complete) > keep else []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

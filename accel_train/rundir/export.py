@@ -1,0 +1,29 @@
+"""The final model, written into output_dir with safetensors at the end of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+
+def export_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
+                 processing_class=None) -> None:
+    """Save the final weights with safetensors: `save_pretrained` for transformers models (so `from_pretrained`
+    and `pipeline` load the directory), `accelerator.save_model` otherwise. Wrappers (DDP, torch.compile's
+    `_orig_mod.`) never reach the file; FSDP / ZeRO-3 shards are gathered. Collective: every rank calls it."""
+    from accelerate.utils import DistributedType
+
+    output_dir = Path(output_dir)
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    # DeepSpeed gathers its shards from the engine; everything else from the bare module.
+    source = model if accelerator.distributed_type == DistributedType.DEEPSPEED else bare
+    if hasattr(bare, "save_pretrained"):  # transformers 5 always writes safetensors
+        state_dict = accelerator.get_state_dict(source)
+        bare.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    else:
+        accelerator.save_model(source, output_dir, safe_serialization=True)
+    if processing_class is not None and accelerator.is_main_process:
+        processing_class.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()

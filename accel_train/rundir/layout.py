@@ -1,0 +1,41 @@
+"""The run directory's layout: one name for each thing a run writes.
+
+    output_dir/
+      config.yaml          the resolved config (recipe arguments included)
+      metrics.jsonl        one record per log / evaluation
+      all_results.json     the final metrics, written once at the end
+      runs/                tracker logs (TensorBoard)
+      checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
+      report.md, report/   the run report and its plots
+      diagnostics/         gradient flow, activation statistics, memory snapshots
+      profiler/            torch.profiler traces
+      model.safetensors, config.json, tokenizer ...   the exported final model
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG = "config.yaml"
+HISTORY = "metrics.jsonl"
+RESULTS = "all_results.json"
+TRACKER_DIR = "runs"
+CHECKPOINTS_DIR = "checkpoints"
+REPORT = "report.md"
+REPORT_DIR = "report"
+DIAGNOSTICS_DIR = "diagnostics"
+PROFILER_DIR = "profiler"
+# What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
+RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
+# What a fresh run clears of an older run's observability output.
+OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:08d}"

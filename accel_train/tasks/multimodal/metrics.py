@@ -1,0 +1,95 @@
+"""Retrieval and zero-shot metrics on embeddings gathered from every process.
+
+Image->text: each distinct image queries every distinct caption; its rank is that of its best-placed own
+caption (with 5 captions per image, a hit if any of them is in the top K: the Flickr/COCO protocol).
+Text->image: each distinct caption queries every distinct image; its rank is that of its best-placed image
+(a caption shared by several images, as generated captions are, matches any of them). Rank 1 is the top;
+Recall@K is the share of queries with rank <= K. Ties count in the query's favour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(for each element, the number of its distinct id; for each distinct id, the position of its first element)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    positions = torch.arange(len(ids))
+    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, inverse, positions, "amin")
+    return inverse, first
+
+
+def _ranks(queries: torch.Tensor, gallery: torch.Tensor, positive: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """1 + the number of gallery items scoring above each query's best-scoring positive, in blocks of queries."""
+    ranks = []
+    for start in range(0, len(queries), block):
+        scores = queries[start:start + block] @ gallery.T
+        best = scores.masked_fill(~positive[start:start + block], float("-inf")).amax(1, keepdim=True)
+        ranks.append(1 + (scores > best).sum(1))
+    return torch.cat(ranks)
+
+
+def _chance(positive: torch.Tensor, k: int) -> float:
+    """Expected Recall@K of a random ranking: a query with p positives among n is missed with probability
+    C(n - p, K) / C(n, K)."""
+    n, p = positive.shape[1], positive.sum(1).double()
+    miss = torch.ones_like(p)
+    for j in range(min(k, n)):
+        miss *= ((n - p - j) / (n - j)).clamp_min(0)
+    return (1 - miss).mean().item()
+
+
+def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor, image_ids: torch.Tensor | None = None,
+                      caption_ids: torch.Tensor | None = None, ks: Sequence[int] = (1, 5, 10)) -> dict[str, float]:
+    """Recall@K and median rank in both directions for N (image, caption) pairs: embeddings [N, D] (unit
+    vectors), and optional ids [N] saying which pairs share an image or an identical caption (default: all
+    distinct). Returns ``i2t_recall@K``, ``t2i_recall@K``, ``i2t_median_rank``, ``t2i_median_rank``,
+    ``mean_recall`` (of all the recalls), the numbers of distinct images and captions, and the recall a random
+    ranking would get, ``i2t_chance_recall@K`` / ``t2i_chance_recall@K``, to read the others against."""
+    n = len(image_embeds)
+    image_ids = torch.arange(n) if image_ids is None else image_ids.cpu()
+    caption_ids = torch.arange(n) if caption_ids is None else caption_ids.cpu()
+    image_of, image_first = _distinct(image_ids)
+    caption_of, caption_first = _distinct(caption_ids)
+    images, texts = image_embeds.float().cpu()[image_first], text_embeds.float().cpu()[caption_first]
+    positive = torch.zeros(len(images), len(texts), dtype=torch.bool)
+    positive[image_of, caption_of] = True
+    metrics: dict[str, float] = {}
+    chance: dict[str, float] = {}
+    for name, pos, ranks in (("i2t", positive, _ranks(images, texts, positive)),
+                             ("t2i", positive.T, _ranks(texts, images, positive.T))):
+        for k in ks:
+            metrics[f"{name}_recall@{k}"] = (ranks <= k).float().mean().item()
+            chance[f"{name}_chance_recall@{k}"] = _chance(pos, k)
+        metrics[f"{name}_median_rank"] = ranks.float().median().item()
+    recalls = list(metrics[f"{d}_recall@{k}"] for d in ("i2t", "t2i") for k in ks)
+    metrics.update(mean_recall=sum(recalls) / len(recalls), retrieval_images=float(len(images)),
+                   retrieval_captions=float(len(texts)), **chance)
+    return metrics
+
+
+def zero_shot_accuracy(logits: torch.Tensor, labels: torch.Tensor, image_ids: torch.Tensor | None = None) -> float:
+    """Top-1 accuracy of classifying each distinct image by its most similar class prompt (logits [N, classes])."""
+    if image_ids is not None:
+        _, first = _distinct(image_ids.cpu())
+        logits, labels = logits[first], labels[first]
+    return (logits.argmax(-1).cpu() == labels.cpu()).float().mean().item()
+
+
+class ContrastiveMetrics:
+    """A `metrics_fn` for the loop: retrieval metrics from the gathered embeddings and ids, plus
+    ``zero_shot_accuracy`` when the outputs carry ``zero_shot_logits`` and ``labels``."""
+
+    def __init__(self, ks: Sequence[int] = (1, 5, 10)):
+        self.ks = tuple(ks)
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        metrics = retrieval_metrics(outputs["image_embeds"], outputs["text_embeds"], outputs.get("image_ids"),
+                                    outputs.get("caption_ids"), self.ks)
+        if "zero_shot_logits" in outputs and "labels" in outputs:
+            metrics["zero_shot_accuracy"] = zero_shot_accuracy(outputs["zero_shot_logits"], outputs["labels"],
+                                                               outputs.get("image_ids"))
+        return metrics

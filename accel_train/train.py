@@ -1,0 +1,87 @@
+"""`train()`: one run, from unprepared objects to the final metrics.
+
+    session = Session(spec)                      check, prepare, plan (core/session.py); nothing written yet
+    observer = Observer(session, recorder)       the pre-flight check refuses a broken run here
+    state = session.start(hooks)                 resume or fresh; run directory, log, start-up report
+    run_loop(session, state, meter, probe)       the step loop (core/loop.py)
+    session.finish(state, meter, runtime)        final evaluation, the finish seam, results written once
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from .config import TrainConfig
+from .core.evaluation import MetricsFn
+from .core.hooks import EarlyStopping
+from .core.loop import run_loop
+from .core.meter import StepMeter
+from .core.session import RunSpec, Session
+from .core.state import TrainResult
+from .observe.observer import ConfusionRecorder, Observer
+from .observe.overfit import overfit_setup
+
+
+def train(
+    model: torch.nn.Module,
+    train_loader: torch.utils.data.DataLoader,
+    *,
+    config: TrainConfig,
+    loss_fn: Callable | None = None,
+    eval_loader: torch.utils.data.DataLoader | None = None,
+    metrics_fn: MetricsFn | None = None,
+    optimizer: torch.optim.Optimizer | Sequence | None = None,
+    scheduler: Any = None,
+    hooks: Sequence[Any] = (),
+    accelerator: Accelerator | None = None,
+    processing_class: Any = None,
+    extra_configs: Sequence[Any] = (),
+    final_eval_loaders: Mapping[str, torch.utils.data.DataLoader] | None = None,
+    end_training: bool = True,
+) -> TrainResult:
+    """Train `model` on `train_loader` as `config` says; return the final state and metrics.
+
+    model, loaders and optimizer are passed unprepared; `optimizer` may be an optimizer, a list of param
+    groups, or None (AdamW/SGD per `config.optim`, no weight decay on biases and norms). `loss_fn(model,
+    batch)` returns a scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics, and
+    scalars under "log" to log beside the loss); it must return the mean over the micro-batch, *not* divided by
+    the accumulation count. `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named
+    floats. `final_eval_loaders` ({"test": loader}) are evaluated once, after training, with their name as the
+    metric prefix (test_loss, test_accuracy, ...). A hook's `on_finish(session, metrics)` runs on every process
+    after the final evaluation, with the prepared model (`session.model`), and may add to `metrics` (test
+    predictions, generated text); all_results.json and the report are written after it, once.
+    `end_training=False` keeps the process group alive for other collective work after training; call
+    `result.accelerator.end_training()` then.
+
+        result = train(model, make_loader(train_set, config, train=True), config=config, loss_fn=loss_fn,
+                       eval_loader=make_loader(val_set, config, train=False), metrics_fn=metrics_fn)
+        print(result.metrics["eval_loss"])
+    """
+    spec = RunSpec(model, train_loader, config, loss_fn, eval_loader, metrics_fn, optimizer, scheduler, tuple(hooks),
+                   accelerator, processing_class, tuple(extra_configs), final_eval_loaders)
+    if config.overfit_batches:  # debug mode: N fixed batches, repeated, until the loss is near zero
+        overfit_config, overfit_loader = overfit_setup(config, train_loader, accelerator)
+        spec = dataclasses.replace(spec, config=overfit_config, train_loader=overfit_loader, eval_loader=None,
+                                   final_eval_loaders=None)
+    recorder = ConfusionRecorder(spec.metrics_fn)  # the observer keeps each evaluation's confusion matrix
+    session = Session(dataclasses.replace(spec, metrics_fn=recorder))
+    observer = Observer(session, recorder)
+    state = session.start([*spec.hooks, *_builtin_hooks(session.config), observer])
+    meter = StepMeter(session.accelerator)
+    started = time.perf_counter()
+    with observer.probe(state.step) as probe:
+        run_loop(session, state, meter, probe)
+    return session.finish(state, meter, time.perf_counter() - started, end_training)
+
+
+def _builtin_hooks(config: TrainConfig) -> list:
+    if config.early_stopping_patience is None:
+        return []
+    return [EarlyStopping(config.best_metric_name, "max" if config.best_is_greater else "min",
+                          config.early_stopping_patience, config.early_stopping_threshold)]

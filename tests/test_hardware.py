@@ -158,8 +158,10 @@ from accel_train import build_accelerator, parse_config
 from accel_train.core.accelerator import usable_cores
 (config,) = parse_config(argv=sys.argv[1:])
 accelerator = build_accelerator(config)
-print("THREADS", json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads(),
-                             "cores": usable_cores()}))
+# one write per line: two processes printing at once must not interleave inside a line
+sys.stdout.write("THREADS " + json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads(),
+                                         "cores": usable_cores()}) + chr(10))
+sys.stdout.flush()
 """
 
 

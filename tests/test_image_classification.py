@@ -45,7 +45,7 @@ def colour_folder(root, counts, classes=("red", "green", "blue"), size=16, seed=
     """<root>/<split>/<class>/*.png: noisy images of one colour per class (easy to learn, hard to fake)."""
     rng = np.random.default_rng(seed)
     for split, n in counts.items():
-        for cls, colour in zip(classes, COLOURS, strict=True):
+        for cls, colour in zip(classes, COLOURS, strict=False):
             folder = root / split / cls
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):

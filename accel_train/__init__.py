@@ -16,8 +16,9 @@ and `errors.py` at the bottom. Nothing inside the package imports this module.
 from .config import TrainConfig, parse_config, save_config
 from .core.accelerator import build_accelerator, precision_in_effect
 from .core.data import LengthGroupedSampler, make_loader, seed_worker
-from .core.evaluation import default_loss, evaluate_model, gather_outputs
+from .core.evaluation import evaluate_model, gather_outputs
 from .core.hooks import EarlyStopping, Hook
+from .core.loss import default_loss
 from .core.optim import (
                          StepPlan,
                          build_optimizer,

@@ -69,6 +69,14 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     sgd_momentum: float = field(default=0.9, metadata={"help": "Momentum for optim=sgd."})
+    scale_lr: Literal["none", "linear", "sqrt"] = field(
+        default="none",
+        metadata={"help": "Scale --learning_rate with the global batch size against --scale_lr_reference_batch: "
+                          "linear (Goyal et al. 2017) or sqrt; none (default) uses it as given."},
+    )
+    scale_lr_reference_batch: int = field(
+        default=256, metadata={"help": "The global batch size at which --learning_rate is meant (--scale_lr)."}
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm; <= 0 turns it off."})
     label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing for cross-entropy."})
 
@@ -247,7 +255,7 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:
             raise bad(name, getattr(cfg, name), "must be an integer >= 1.")
-    for name in ("logging_steps", "save_steps"):
+    for name in ("logging_steps", "save_steps", "scale_lr_reference_batch"):
         if getattr(cfg, name) < 1:
             raise bad(name, getattr(cfg, name), "must be >= 1.")
     if cfg.cpu_threads is not None and cfg.cpu_threads < 1:

@@ -4,11 +4,10 @@ package, and each of them breaks on a small package that violates it (so a contr
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from conftest import ROOT
 
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "

@@ -1,6 +1,7 @@
 """The loop in one process: accumulation equivalence (5a), bf16 on CPU (5e), schedules, run-directory contents."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, build_scheduler, make_plan, train
-from accel_train.core.loop import _window_scale
+from accel_train.core.loss import Window
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 
@@ -42,9 +43,19 @@ def test_accumulation_equals_one_big_batch(tmp_path, num_samples):
 
 
 def test_window_scale_rescales_only_the_short_last_window():
-    # 10 micro-batches, accumulation 4: windows of 4, 4, 2
-    assert [_window_scale(i, 10, 4) for i in range(10)] == [1.0] * 8 + [2.0, 2.0]
-    assert [_window_scale(i, 6, 1) for i in range(6)] == [1.0] * 6
+    # accumulation 4: Accelerate divided each micro-batch's mean by 4; a window of 2 micro-batches is rescaled
+    # by 4 / 2 so its gradient is the mean over the 2 it had, a full window is left alone
+    accelerator = SimpleNamespace(gradient_accumulation_steps=4, num_processes=1,
+                                  distributed_type=SimpleNamespace(value="NO"))
+    for micro_batches, factor in ((2, 2.0), (4, 1.0), (3, 4 / 3)):
+        model = torch.nn.Linear(2, 1)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        window = Window(accelerator)
+        for _ in range(micro_batches):
+            window.add({"loss": torch.tensor(1.0), "objective": torch.tensor(1.0)})
+        assert window.scale_gradients(model) is None
+        assert all(torch.allclose(p.grad, torch.full_like(p, factor)) for p in model.parameters())
 
 
 def test_bf16_on_cpu_really_runs_in_bf16(tmp_path):

@@ -3,7 +3,8 @@
     loop.py        run_loop: the step loop only
     session.py     Session: one run's prepared objects; start / resume / evaluate / save / finish
     guard.py       non-finite and SIGTERM verdicts, agreed by every rank; locating the first non-finite module
-    evaluation.py  the loss contract, default_loss, gather and evaluate, the confusion matrix
+    loss.py        the loss contract (means, or sums and counts), default_loss, the exact step gradient
+    evaluation.py  gather and evaluate, the confusion matrix
     hooks.py       the hook protocol and EarlyStopping
     optim.py       optimizer, schedule and the step plan, in optimizer steps
     data.py        loaders, worker seeding, length-grouped batches

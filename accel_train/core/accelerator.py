@@ -42,6 +42,9 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
         mixed_precision=config.mixed_precision,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(
+            # a stream is read by every process, each its own shard (datasets.IterableDataset.shard), rather
+            # than by the main process and sent to the others
+            dispatch_batches=False,
             use_seedable_sampler=True,
             data_seed=config.data_seed if config.data_seed is not None else config.seed,
             non_blocking=config.dataloader_pin_memory,
@@ -221,6 +224,9 @@ def _trackers(config: TrainConfig) -> list[str]:
 
 def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None) -> str:
     """The numbers a user should check before trusting a run, printed once on the main process."""
+    epochs = (f"{plan.steps_per_epoch} per epoch, {plan.total_steps} in total ({plan.num_epochs} epoch(s))"
+              if plan.steps_per_epoch is not None else f"{plan.total_steps} in total (--max_steps; a stream of "
+              "unknown length: an epoch ends where it runs out)")
     lines = [
         "accel_train run",
         f"  world size       {accelerator.num_processes} process(es), {accelerator.distributed_type.value}"
@@ -230,11 +236,29 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         f"  batch            {config.per_device_train_batch_size} per device x {accelerator.num_processes} processes"
         f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
         f"  train samples    {num_train_samples if num_train_samples is not None else 'unknown'}",
-        f"  steps            {plan.steps_per_epoch} per epoch, {plan.total_steps} in total"
-        f" ({plan.num_epochs} epoch(s))",
-        f"  schedule         {config.lr_scheduler_type}, peak lr {config.learning_rate:g},"
-        f" {plan.warmup_steps} warmup step(s)",
+        f"  steps            {epochs}",
+        f"  schedule         {config.lr_scheduler_type}, peak lr {config.learning_rate * plan.lr_scale:g}"
+        f"{_scaled(config, plan)}, {plan.warmup_steps} warmup step(s)",
         f"  seed             {config.seed}",
         f"  output           {config.output_dir}",
     ]
+    duplicated = duplicated_samples(plan, config, accelerator.num_processes, num_train_samples)
+    if duplicated:
+        lines.append(f"  note             {duplicated} sample(s) per epoch are trained twice: Accelerate evens out the "
+                     f"last batches of {accelerator.num_processes} processes with samples from the start "
+                     "(even_batches); --dataloader_drop_last drops the incomplete batches instead")
     return "\n".join(lines)
+
+
+def duplicated_samples(plan, config: TrainConfig, num_processes: int, num_train_samples: int | None) -> int:
+    """Samples each epoch trains twice because Accelerate fills every process's last batch (even_batches)."""
+    if num_processes == 1 or config.dataloader_drop_last or plan.batches_per_epoch is None or not num_train_samples:
+        return 0
+    return max(0, plan.batches_per_epoch * num_processes * config.per_device_train_batch_size - num_train_samples)
+
+
+def _scaled(config: TrainConfig, plan) -> str:
+    if plan.lr_scale == 1.0:
+        return ""
+    return (f" (--learning_rate {config.learning_rate:g} x {plan.lr_scale:.4g}: {config.scale_lr} scaling for a global "
+            f"batch of {plan.global_batch_size} against {config.scale_lr_reference_batch})")

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..testing import faults
-from .evaluation import as_loss_output
+from .loss import as_loss_output
 
 
 def is_oom(err: BaseException) -> bool:
@@ -51,7 +51,7 @@ def _fits(accelerator: Accelerator, model: torch.nn.Module, batch: Any, loss_fn:
         # what the optimizer will allocate at its first step (Adam: 2 tensors per parameter)
         held = [torch.empty_like(p) for p in model.parameters() if p.requires_grad for _ in range(optimizer_slots)]
         with accelerator.autocast():
-            loss = as_loss_output(loss_fn(model, send_to_device(_slice(batch, size), accelerator.device)))["loss"]
+            loss = as_loss_output(loss_fn(model, send_to_device(_slice(batch, size), accelerator.device)))["objective"]
         loss.backward()
         return True
     except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised

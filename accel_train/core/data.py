@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
@@ -68,7 +68,8 @@ def make_loader(
     """A DataLoader set up as the config says: batch size, shuffling (train), workers, pinned memory.
 
     Pass `lengths` (one per sample) to group similar lengths into batches. Workers are seeded per process
-    (`process_index`, default: Accelerate's for this process).
+    (`process_index`, default: Accelerate's for this process). An iterable dataset (a stream) is read in its
+    own order: shuffle it yourself (a `datasets.IterableDataset`: `.shuffle(seed=..., buffer_size=...)`).
     """
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
@@ -79,7 +80,7 @@ def make_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train and sampler is None,
+        shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=train and config.dataloader_drop_last,
@@ -88,6 +89,14 @@ def make_loader(
         persistent_workers=config.dataloader_persistent_workers and workers > 0,
         worker_init_fn=functools.partial(seed_worker, rank=_rank(process_index)) if workers > 0 else None,
     )
+
+
+def dataset_size(loader) -> int | None:
+    """The number of samples in a loader's dataset, or None for a stream without a length."""
+    try:
+        return len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
 
 
 def _rank(process_index: int | None) -> int:

@@ -25,7 +25,7 @@ from accelerate.utils import send_to_device
 from ..errors import TrainingDiverged
 from ..rundir.checkpoint import list_checkpoints
 from .accelerator import holds_whole_model
-from .evaluation import as_loss_output
+from .loss import as_loss_output
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Verdict:
     nonfinite_loss: bool = False
     nonfinite_grad: bool = False
     preempt: bool = False
+    empty: bool = False  # a sum loss counted no item in the whole window: there is nothing to step on
     bad_micro_batches: list[int] = field(default_factory=list)  # positions in the window, this rank
 
     @property
@@ -69,20 +70,25 @@ class StepGuard:
     def watch(self, loss: torch.Tensor) -> None:
         self.window.append(torch.isfinite(loss.detach().float()).all())
 
-    def verdict(self, grad_norm: torch.Tensor | None) -> Verdict:
+    def verdict(self, grad_norm: torch.Tensor | None, items: torch.Tensor | None = None) -> Verdict:
+        """The step's decision, agreed by every rank. `grad_norm`: the clipped gradients' norm; `items`: a sum
+        loss's item count over the whole window and all processes (None for mean losses)."""
         finite = torch.stack(self.window) if self.window else torch.ones(1, dtype=torch.bool)
         self.window = []
         device = self.accelerator.device
         grad_bad = torch.zeros((), device=device)
         if self.check_gradients and isinstance(grad_norm, torch.Tensor):
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a DTensor
+                grad_norm = grad_norm.full_tensor()
             grad_bad = (~torch.isfinite(grad_norm.detach().float())).float().to(device)
+        empty = (items <= 0).float().to(device) if items is not None else torch.zeros((), device=device)
         flags = torch.stack([(~finite).any().float().to(device), grad_bad,
-                             torch.tensor(float(self.sigterm), device=device)])
+                             torch.tensor(float(self.sigterm), device=device), empty.reshape(())])
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        loss_bad, grad_bad_any, preempt = (v > 0 for v in flags.tolist())  # the step's one host sync
+        loss_bad, grad_bad_any, preempt, nothing = (v > 0 for v in flags.tolist())  # the step's one host sync
         bad = [i for i, ok in enumerate(finite.tolist()) if not ok] if loss_bad else []
-        return Verdict(loss_bad, grad_bad_any, preempt, bad)
+        return Verdict(loss_bad, grad_bad_any, preempt, nothing, bad)
 
 
 def micro_batch_indices(loader, batch_index: int) -> list[int] | None:
@@ -130,7 +136,7 @@ def locate_nonfinite(accelerator: Accelerator, model: torch.nn.Module, batch: An
     report: dict[str, Any] = {}
     try:
         with accelerator.autocast():
-            loss = as_loss_output(loss_fn(bare, send_to_device(batch, accelerator.device)))["loss"]
+            loss = as_loss_output(loss_fn(bare, send_to_device(batch, accelerator.device)))["objective"]
         report["loss_on_rerun"] = float(loss.detach().float())
         if loss.requires_grad:
             with warnings.catch_warnings():  # inputs that need no gradient are fine here

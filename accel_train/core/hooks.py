@@ -49,8 +49,25 @@ def call_hooks(hooks, event: str, *args) -> bool:
     return stop
 
 
-def hook_key(hook: Any, index: int) -> str:
-    return f"{index}:{type(hook).__name__}"
+def hook_keys(hooks) -> list[str]:
+    """A stable name for each hook's checkpointed state: its `state_key` attribute, else its class name (the
+    second hook of a class gets "#2", and so on). Adding another hook does not move any other hook's state."""
+    keys, seen = [], {}
+    for hook in hooks:
+        base = getattr(hook, "state_key", None) or type(hook).__name__
+        seen[base] = seen.get(base, 0) + 1
+        keys.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return keys
+
+
+def saved_hook_state(saved: dict[str, Any], key: str) -> Any:
+    """The state saved under `key`, also from checkpoints that keyed hooks by position ("<index>:<class>")."""
+    if key in saved:
+        return saved[key]
+    base, _, nth = key.partition("#")
+    legacy = [v for k, v in saved.items() if k.partition(":")[2] == base and k.partition(":")[0].isdigit()]
+    position = int(nth or 1) - 1
+    return legacy[position] if position < len(legacy) else None
 
 
 class EarlyStopping:

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from .evaluation import as_loss_output, batch_size_of
+from ..errors import DataError
 from .guard import StepGuard, on_nonfinite
 from .hooks import call_hooks
+from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .optim import steps_on_evaluation
 from .session import Session
@@ -29,38 +30,43 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     None unless a diagnostics flag is set) is told when a step's gradients are complete and when it is taken."""
     acc, model, optimizer, scheduler = session.accelerator, session.model, session.optimizer, session.scheduler
     config, plan, loader = session.config, session.plan, session.train_loader
-    gas = config.gradient_accumulation_steps
+    window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
     stop = call_hooks(session.hooks, "on_train_start", state)
     model.train()
     with StepGuard(acc, check_gradients=acc.scaler is None) as guard:
         while state.step < plan.total_steps and not stop:
             _seed_epoch(loader, config, state.epoch)
             batches = acc.skip_first_batches(loader, state.batch_in_epoch) if state.batch_in_epoch else loader
+            fed = False
             for batch, waited in _timed(batches):
-                n = batch_size_of(batch)
+                fed, n = True, batch_size_of(batch)
                 with acc.accumulate(model), meter.flops.measure(n):  # MFU: GPU, counted once
-                    out = as_loss_output(session.loss_fn(model, batch))
-                    # accelerator.backward divides by gas; the epoch's last window may be shorter: rescale it so
-                    # every step's gradient is the mean over the micro-batches it really had.
-                    acc.backward(out["loss"] * _window_scale(state.batch_in_epoch, plan.batches_per_epoch, gas))
-                guard.watch(out["loss"])
+                    out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
+                    acc.backward(out["objective"])  # Accelerate divides by the accumulation count
+                window.add(out)
+                guard.watch(out["objective"])
                 meter.add_micro_batch(out, n, _real_tokens(batch), waited)
                 state.batch_in_epoch += 1
                 state.samples_in_epoch += n * acc.num_processes
                 state.samples_seen += n * acc.num_processes
-                if not acc.sync_gradients:
+                if not acc.sync_gradients:  # Accelerate also syncs at the loader's real end: a short last window
                     continue
+                # The step gradient: the mean over this window's micro-batches, or sums over all its items (loss.py).
+                items = window.scale_gradients(model)
+                window.reset()
                 if probe is not None:
                     probe.before_clip(state.step + 1)  # per-layer gradient norms, activation statistics
                 # Clip (or, with max_grad_norm <= 0, only measure): the norm also reveals non-finite gradients.
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
                 grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-                verdict = guard.verdict(grad_norm)  # agreed by every rank: non-finite values, SIGTERM
+                verdict = guard.verdict(grad_norm, items)  # agreed by every rank: non-finite, empty, SIGTERM
                 if verdict.nonfinite:
                     on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
+                if verdict.nonfinite or verdict.empty:
+                    _skip_optimizer_step(acc)
                 else:
                     optimizer.step()
-                if acc.optimizer_step_was_skipped:
+                if acc.optimizer_step_was_skipped and not (verdict.nonfinite or verdict.empty):
                     state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
                 elif not steps_on_evaluation(scheduler):
                     scheduler.step()
@@ -68,7 +74,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                 state.step += 1
                 if probe is not None:
                     probe.after_step(state.step)  # profiler step, memory snapshot
-                epoch_end = state.batch_in_epoch == plan.batches_per_epoch
+                epoch_end = acc.gradient_state.end_of_dataloader  # the loader's real end, whatever its __len__
                 if epoch_end:
                     state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
                 stop = session.after_step(state, meter, epoch_end, grad_norm)
@@ -76,6 +82,18 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     session.preempt(state)
                 if stop or state.step >= plan.total_steps:
                     break
+            if not fed:
+                raise DataError(f"the training loader yielded no batch in epoch {state.epoch} (after "
+                                f"{state.batch_in_epoch} batches of it were consumed): an iterable dataset that "
+                                "ran dry, or a loader whose length is wrong. Check the dataset, or set --max_steps "
+                                "to what it can feed.")
+
+
+def _skip_optimizer_step(accelerator) -> None:
+    """Drop this step's update. Under fp16 the loss scaler unscaled the gradients for clipping and must still be
+    updated, or its next unscale_() fails ("unscale_() has already been called")."""
+    if accelerator.scaler is not None:
+        accelerator.scaler.update()
 
 
 def _seed_epoch(loader, config, epoch: int) -> None:
@@ -87,12 +105,6 @@ def _seed_epoch(loader, config, epoch: int) -> None:
     # On Accelerate's prepared loader, an attribute set lands on the wrapper; the DataLoader that draws the
     # base seed is the wrapped one.
     getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-
-
-def _window_scale(batch_index: int, batches_per_epoch: int, gas: int) -> float:
-    """gas / (micro-batches in this accumulation window): 1 except in a short last window of an epoch."""
-    start = (batch_index // gas) * gas
-    return gas / min(gas, batches_per_epoch - start)
 
 
 def _timed(loader):

@@ -16,10 +16,11 @@ from accelerate import Accelerator
 class StepMeter:
     """Training loss, throughput and data-wait time between two log events.
 
-    Losses are summed on the device and reduced across processes only when a record is made, so the
-    loop does not synchronise with the device at every step. Scalars a loss function returns under "log"
-    ({"itc_loss": ..., "itm_weight": ...}; the same names on every process) are averaged over the interval's
-    micro-batches and all processes, and recorded beside the loss.
+    Losses are summed on the device and reduced across processes only when a record is made, so the loop does
+    not synchronise with the device at every step. The logged loss is the mean of the micro-batches' means, or,
+    for a sum loss, Σ sums / Σ items over the interval and all processes (then "num_items" is logged too).
+    Scalars a loss function returns under "log" ({"itc_loss": ..., "itm_weight": ...}; the same names on every
+    process) are averaged over the interval's micro-batches and all processes, and recorded beside the loss.
     """
 
     def __init__(self, accelerator: Accelerator):
@@ -29,6 +30,7 @@ class StepMeter:
 
     def reset(self) -> None:
         self.loss_sum: torch.Tensor | None = None
+        self.items: torch.Tensor | None = None  # a sum loss's items in the interval
         self.terms: dict[str, torch.Tensor] = {}  # the loss function's "log" scalars, summed
         self.micro_batches = 0
         self.samples = 0
@@ -42,8 +44,10 @@ class StepMeter:
 
     def add_micro_batch(self, out: Mapping[str, Any], samples: int, tokens, waited: float) -> None:
         """`out`: the loss function's output (as_loss_output): its "loss" and optional "log" scalars."""
-        loss = out["loss"].detach().float()
+        loss = (out["objective"] if "items" in out else out["loss"]).detach().float()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        if "items" in out:
+            self.items = out["items"] if self.items is None else self.items + out["items"]
         for name, value in (out.get("log") or {}).items():
             value = torch.as_tensor(value).detach().float().reshape(())
             self.terms[name] = self.terms[name] + value if name in self.terms else value
@@ -58,17 +62,23 @@ class StepMeter:
         acc = self.accelerator
         names = sorted(self.terms)
         sums = [0.0 if self.loss_sum is None else self.loss_sum, *(self.terms[n] for n in names)]
-        counts = [self.micro_batches, self.samples, float(self.tokens)]
+        counts = [self.micro_batches, self.samples, float(self.tokens), -1.0 if self.items is None else self.items]
         local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=acc.device).reshape(())
                              for v in (*sums, *counts)])
         total = (acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local).tolist()
-        micro, samples, tokens = total[-3:]
+        micro, samples, tokens, items = total[-4:]
+        if self.items is not None:  # a sum loss: token-weighted over the interval and every process
+            loss = total[0] / items if items > 0 else math.nan
+        else:
+            loss = total[0] / micro if micro else math.nan
         record = {
-            "loss": total[0] / micro if micro else math.nan,
+            "loss": loss,
             "samples_per_second": samples / elapsed,
             "data_wait_fraction": self.data_wait / elapsed,
         }
-        record.update({name: value / micro for name, value in zip(names, total[1:-3], strict=True)} if micro else {})
+        record.update({name: value / micro for name, value in zip(names, total[1:-4], strict=True)} if micro else {})
+        if self.items is not None:
+            record["num_items"] = items
         if tokens:
             record["tokens_per_second"] = tokens / elapsed
         mfu = self.flops.mfu(samples / elapsed / max(acc.num_processes, 1))  # per device

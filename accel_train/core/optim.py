@@ -25,15 +25,38 @@ ParamGroups = Iterable[torch.nn.Parameter | dict[str, Any]]
 class StepPlan:
     """How long the run is, derived once from the config and the prepared loader."""
 
-    batches_per_epoch: int  # micro-batches per process per epoch
-    steps_per_epoch: int  # optimizer steps per epoch
+    batches_per_epoch: int | None  # micro-batches per process per epoch (None: a stream without a length)
+    steps_per_epoch: int | None  # optimizer steps per epoch
     total_steps: int
     warmup_steps: int
     global_batch_size: int
-    num_epochs: int  # epochs started (the last may be partial)
+    num_epochs: int | None  # epochs started (the last may be partial)
+    lr_scale: float = 1.0  # --scale_lr: the factor applied to every param group's learning rate
+
+    @property
+    def peak_lr_note(self) -> str:
+        return "" if self.lr_scale == 1.0 else f" (x {self.lr_scale:.4g} by --scale_lr)"
 
 
-def make_plan(config: TrainConfig, batches_per_epoch: int, num_processes: int) -> StepPlan:
+def lr_scale(config: TrainConfig, global_batch_size: int) -> float:
+    """--scale_lr: linear (Goyal et al. 2017) or sqrt scaling of the learning rate with the global batch size
+    against --scale_lr_reference_batch; 1 when off."""
+    ratio = global_batch_size / config.scale_lr_reference_batch
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.scale_lr]
+
+
+def make_plan(config: TrainConfig, batches_per_epoch: int | None, num_processes: int) -> StepPlan:
+    gas = config.gradient_accumulation_steps
+    global_batch = config.per_device_train_batch_size * num_processes * gas
+    if batches_per_epoch is None:  # a stream: only --max_steps says how long the run is
+        if config.max_steps <= 0:
+            raise ConfigError("the training loader has no length (an iterable dataset or a stream): give --max_steps "
+                              "so the run and its schedule have a length, or give the dataset a __len__.")
+        warmup = config.warmup_for(config.max_steps)
+        if warmup > config.max_steps:
+            raise ConfigError(f"warmup ({warmup} steps) is longer than training ({config.max_steps} optimizer "
+                              "steps). Lower --warmup_steps or train longer.")
+        return StepPlan(None, None, config.max_steps, warmup, global_batch, None, lr_scale(config, global_batch))
     if batches_per_epoch == 0:
         raise ConfigError(
             "the training data loader is empty on this process: the dataset has fewer samples than "
@@ -41,7 +64,6 @@ def make_plan(config: TrainConfig, batches_per_epoch: int, num_processes: int) -
             + (" with --dataloader_drop_last" if config.dataloader_drop_last else "")
             + ". Use a smaller batch size or more data."
         )
-    gas = config.gradient_accumulation_steps
     # Accelerate syncs at the end of the loader, so a last, shorter accumulation window is a step too.
     steps_per_epoch = math.ceil(batches_per_epoch / gas)
     if config.max_steps > 0:
@@ -59,8 +81,9 @@ def make_plan(config: TrainConfig, batches_per_epoch: int, num_processes: int) -
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         warmup_steps=warmup,
-        global_batch_size=config.per_device_train_batch_size * num_processes * gas,
+        global_batch_size=global_batch,
         num_epochs=math.ceil(total / steps_per_epoch),
+        lr_scale=lr_scale(config, global_batch),
     )
 
 
@@ -103,14 +126,13 @@ def layerwise_lr_decay_groups(
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
-def batches_per_process(loader, num_processes: int) -> int:
+def batches_per_process(loader, num_processes: int) -> int | None:
     """Micro-batches each process gets from `loader` once prepared: Accelerate deals whole batches round-robin
-    and evens them out (drop_last: the incomplete round is dropped)."""
+    and evens them out (drop_last: the incomplete round is dropped). None for a loader without a length."""
     try:
         batches = len(loader)
     except TypeError:
-        raise ConfigError("the training loader has no length (an iterable dataset): give it a length or "
-                          "use --max_steps with a map-style dataset.") from None
+        return None  # a stream: make_plan asks for --max_steps
     if num_processes == 1:
         return batches
     return batches // num_processes if loader.drop_last else math.ceil(batches / num_processes)
@@ -155,14 +177,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan:
     """A schedule over `plan.total_steps` optimizer steps with `plan.warmup_steps` of linear warmup.
 
     transformers' schedulers take the warmup themselves; torch's (step, multistep, exponential,
-    cosine_annealing) get a linear warmup in front through SequentialLR. Under DeepSpeed with a scheduler in
-    its JSON, DeepSpeed's is used, told the same total and warmup steps.
+    cosine_annealing) get a linear warmup in front through SequentialLR. `step` and `multistep` count optimizer
+    steps (step_size, milestones); `step_size_epochs` / `milestones_epochs` give them in epochs instead. Under
+    DeepSpeed with a scheduler in its JSON, DeepSpeed's is used, told the same total and warmup steps.
     """
     if "scheduler" in deepspeed_config(accelerator):
         from accelerate.utils import DummyScheduler
 
         return DummyScheduler(optimizer, total_num_steps=plan.total_steps, warmup_num_steps=plan.warmup_steps)
-    name, kwargs = config.lr_scheduler_type, config.scheduler_kwargs
+    name, kwargs = config.lr_scheduler_type, epochs_to_steps(config.scheduler_kwargs, plan)
     if name == "constant" and plan.warmup_steps:
         name = "constant_with_warmup"  # transformers' "constant" silently ignores the warmup asked for
     if name == "reduce_lr_on_plateau":
@@ -204,6 +227,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan:
     return torch_sched.SequentialLR(optimizer, [warmup, main], milestones=[plan.warmup_steps])
 
 
+def epochs_to_steps(kwargs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
+    """`step_size_epochs` / `milestones_epochs` in --lr_scheduler_kwargs as optimizer steps (step_size, milestones)."""
+    epochs = {k: kwargs[k] for k in ("step_size_epochs", "milestones_epochs") if k in kwargs}
+    if not epochs:
+        return kwargs
+    if plan.steps_per_epoch is None:
+        raise ConfigError(f"--lr_scheduler_kwargs {sorted(epochs)}: a stream has no epochs; give step_size / "
+                          "milestones in optimizer steps.")
+    out = {k: v for k, v in kwargs.items() if k not in epochs}
+    if "step_size_epochs" in epochs:
+        out["step_size"] = max(1, round(epochs["step_size_epochs"] * plan.steps_per_epoch))
+    if "milestones_epochs" in epochs:
+        out["milestones"] = [round(e * plan.steps_per_epoch) for e in epochs["milestones_epochs"]]
+    return out
+
+
 def steps_on_evaluation(scheduler) -> bool:
     """ReduceLROnPlateau steps on an evaluation metric, every other schedule on optimizer steps."""
     return isinstance(getattr(scheduler, "scheduler", scheduler), torch_sched.ReduceLROnPlateau)
@@ -211,3 +250,70 @@ def steps_on_evaluation(scheduler) -> bool:
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
+
+
+# What the optimizer and schedule are built from: saved with every checkpoint, compared on resume.
+HYPERPARAMETERS = ("optim", "learning_rate", "scale_lr", "scale_lr_reference_batch", "weight_decay", "adam_beta1",
+                   "adam_beta2", "adam_epsilon", "sgd_momentum", "lr_scheduler_type", "lr_scheduler_kwargs")
+_SET_IN_GROUPS = {"adam_epsilon": "eps", "sgd_momentum": "momentum"}
+
+
+def run_hyperparameters(config: TrainConfig, plan: StepPlan) -> dict[str, Any]:
+    """The hyperparameters this run's optimizer and schedule are built with (saved in train_state.json)."""
+    values = {name: getattr(config, name) for name in HYPERPARAMETERS}
+    values.update(peak_lr=config.learning_rate * plan.lr_scale, total_steps=plan.total_steps,
+                  warmup_steps=plan.warmup_steps)
+    return values
+
+
+def apply_hyperparameters(optimizer, scheduler, saved: dict[str, Any], current: dict[str, Any],
+                          engine_owned: bool = False) -> list[str]:
+    """After a checkpoint's optimizer and schedule state were loaded (which brings back the values they were
+    built with), make them follow this run's hyperparameters where those differ; return one line per change.
+    A change the loaded state cannot follow is a ConfigError naming each field. `saved` empty: a checkpoint from
+    before hyperparameters were recorded (nothing is compared)."""
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
+    if not changed:
+        return []
+    inner = getattr(scheduler, "scheduler", scheduler)
+    refused = [k for k in ("optim", "lr_scheduler_type", "lr_scheduler_kwargs") if k in changed]
+    if not isinstance(inner, (torch_sched.LambdaLR, torch_sched.ReduceLROnPlateau)):
+        # torch's step / multistep / ... schedules keep their step counts in their saved state
+        refused += [k for k in ("total_steps", "warmup_steps") if k in changed]
+    if "weight_decay" in changed and not changed["weight_decay"][0]:
+        refused.append("weight_decay")  # from 0: which groups should decay cannot be told from the loaded state
+    if engine_owned:
+        refused = list(changed)
+    if refused:
+        raise ConfigError(
+            "resuming with changed " + ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in refused)
+            + ": the checkpoint's optimizer and schedule state was built for the old value(s) and cannot follow. "
+            "Resume with the old values, or start a new run in another --output_dir.")
+    groups = optimizer.param_groups
+    if "peak_lr" in changed:
+        ratio = changed["peak_lr"][1] / changed["peak_lr"][0]
+        for group in groups:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= ratio
+        for schedule in (inner, *getattr(inner, "_schedulers", ())):
+            if hasattr(schedule, "base_lrs"):
+                schedule.base_lrs = [lr * ratio for lr in schedule.base_lrs]
+    if "weight_decay" in changed:
+        ratio = changed["weight_decay"][1] / changed["weight_decay"][0]
+        for group in groups:
+            group["weight_decay"] = group.get("weight_decay", 0.0) * ratio  # no-decay groups stay at 0
+    for name in ("adam_beta1", "adam_beta2"):
+        if name in changed:
+            for group in groups:
+                if "betas" in group:
+                    betas = list(group["betas"])
+                    betas[name == "adam_beta2"] = changed[name][1]
+                    group["betas"] = tuple(betas)
+    for name, key in _SET_IN_GROUPS.items():
+        if name in changed:
+            for group in groups:
+                if key in group:
+                    group[key] = changed[name][1]
+    return [f"{k} {old!r} -> {new!r}: applied to the loaded optimizer and schedule"
+            for k, (old, new) in changed.items() if k != "peak_lr"]

@@ -34,10 +34,21 @@ from ..rundir.outdir import check_output_dir, start_run_dir
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import fit_micro_batch
-from .evaluation import MetricsFn, default_loss, evaluate_model
-from .hooks import call_hooks, hook_key
+from .data import dataset_size
+from .evaluation import MetricsFn, evaluate_model
+from .hooks import call_hooks, hook_keys, saved_hook_state
+from .loss import default_loss
 from .meter import StepMeter, peak_memory
-from .optim import batches_per_process, build_optimizer, build_scheduler, current_lr, make_plan, steps_on_evaluation
+from .optim import (
+    apply_hyperparameters,
+    batches_per_process,
+    build_optimizer,
+    build_scheduler,
+    current_lr,
+    make_plan,
+    run_hyperparameters,
+    steps_on_evaluation,
+)
 from .state import TrainResult, TrainState
 
 
@@ -77,15 +88,20 @@ class Session:
             config, train_loader = fit_micro_batch(acc, model, train_loader, loss_fn, config, optimizer)
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
-        scheduler = spec.scheduler or build_scheduler(optimizer, config, plan, acc)
+        scheduler = _schedule(optimizer, config, plan, spec, acc)
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
-        if len(train_loader) != plan.batches_per_epoch:
+        if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
         self.accelerator, self.config, self.plan = acc, config, plan
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
         self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
+        if steps_on_evaluation(scheduler) and (self.eval_loader is None or config.eval_strategy == "no"):
+            raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
+                              "this run has none: the rate would never change. Give an evaluation loader and "
+                              "--eval_strategy steps or epoch, or choose another schedule.")
         self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
         self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
@@ -95,6 +111,8 @@ class Session:
         # Bookkeeping between steps; start() sets it from the state it starts at.
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
+        self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
+        self.notes: list[str] = []  # what the start-up report must say beyond the plan (resume changes)
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -108,13 +126,16 @@ class Session:
         start_run_dir(acc, self.config, self.existing, self.extra_configs)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
+        state.hyperparameters = run_hyperparameters(self.config, self.plan)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
+        report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader))
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
-                      startup_report(acc, self.config, self.plan, _num_samples(self.train_loader)))
+                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]))
         return state
 
     def resume(self) -> TrainState:
-        """Load a checkpoint and re-derive the data position from the samples consumed in the current epoch."""
+        """Load a checkpoint, re-derive the data position from the samples consumed in the current epoch, and
+        start a new timeline there: newer checkpoints are moved aside, changed hyperparameters are applied."""
         acc, config, plan = self.accelerator, self.config, self.plan
         path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
         manifest = ckpt.verify_checkpoint(path)
@@ -131,17 +152,41 @@ class Session:
                 f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
                 f"of batches of {per_batch} for this world size; resume with the original world size.")
         acc.load_state(str(path))
+        self.notes += apply_hyperparameters(self.optimizer, self.scheduler, state.hyperparameters,
+                                            run_hyperparameters(config, plan),
+                                            engine_owned=acc.distributed_type.value == "DEEPSPEED")
         state.batch_in_epoch = state.samples_in_epoch // per_batch
         state.world_size = acc.num_processes
-        for i, hook in enumerate(self.hooks):
-            if hasattr(hook, "load_state_dict") and hook_key(hook, i) in state.hooks:
-                hook.load_state_dict(state.hooks[hook_key(hook, i)])
+        self._restore_hooks(state)
+        self._check_best(state)
+        self.verified.add(path.name)
+        if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
+            moved = ckpt.supersede_newer(config.output_dir, state.step)
+            if moved:
+                self.notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
+                                  f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")
+        acc.wait_for_everyone()
         if manifest.get("world_size") != acc.num_processes:
             acc.print(f"note: {path} was written by {manifest.get('world_size')} process(es), resuming on "
                       f"{acc.num_processes}; the data position is re-derived from the samples consumed. Random "
                       "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
         acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
         return state
+
+    def _restore_hooks(self, state: TrainState) -> None:
+        for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True):
+            saved = saved_hook_state(state.hooks, key)
+            if hasattr(hook, "load_state_dict") and saved is not None:
+                hook.load_state_dict(saved)
+
+    def _check_best(self, state: TrainState) -> None:
+        """A best value is compared only with values of the same metric in the same direction."""
+        name, greater = self.config.best_metric_name, self.config.best_is_greater
+        if state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
+            self.notes.append(f"the checkpoint's best model was chosen by {state.best_metric_name} "
+                              f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by "
+                              f"{name}: the best is tracked afresh")
+            state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
 
     # --------------------------------------------------------------------------------------- between steps
     def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:
@@ -174,9 +219,11 @@ class Session:
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         steps, self.last_log_step = state.step - self.last_log_step, state.step
-        if steps and not math.isnan(record["loss"]):  # the run's train_loss weights intervals by their steps
-            state.loss_sum += record["loss"] * steps
-            state.loss_steps += steps
+        # The run's train_loss weights intervals by their steps (means) or their items (sums).
+        weight = record.get("num_items", steps)
+        if weight and not math.isnan(record["loss"]):
+            state.loss_sum += record["loss"] * weight
+            state.loss_steps += weight
         record.update(learning_rate=current_lr(self.optimizer), epoch=self.epoch_float(state))
         if state.skipped_steps:
             record["skipped_steps"] = state.skipped_steps
@@ -186,6 +233,8 @@ class Session:
         return call_hooks(self.hooks, "on_log", state, record)
 
     def epoch_float(self, state: TrainState) -> float:
+        if self.plan.batches_per_epoch is None:  # a stream: epochs are counted as they end
+            return float(state.epoch)
         return round(state.epoch + state.batch_in_epoch / self.plan.batches_per_epoch, 4)
 
     def evaluate(self, state: TrainState) -> tuple[dict[str, float], bool]:
@@ -200,11 +249,7 @@ class Session:
             return metrics, False
         if name not in metrics:
             raise ConfigError(f"--metric_for_best_model {name}: the evaluation returned only {sorted(metrics)}.")
-        value, best = metrics[name], state.best_metric
-        improved = best is None or (value > best if self.config.best_is_greater else value < best)
-        if improved:
-            state.best_metric = value
-        return metrics, improved
+        return metrics, state.update_best(name, self.config.best_is_greater, float(metrics[name]))
 
     def save(self, state: TrainState, best: bool = False) -> bool:
         """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop."""
@@ -214,12 +259,15 @@ class Session:
             return False
         if best:
             state.best_checkpoint = checkpoint_name(state.step)
-        state.hooks = {hook_key(h, i): h.state_dict() for i, h in enumerate(self.hooks) if hasattr(h, "state_dict")}
+        state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
+                       if hasattr(hook, "state_dict")}
         path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
                                     dataclasses.asdict(state), self.shapes)
         self.last_save = state.step
+        self.verified.add(path.name)
         if self.accelerator.is_main_process:
-            ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint)
+            ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint,
+                                    self.verified)
         self.accelerator.wait_for_everyone()
         return call_hooks(self.hooks, "on_save", state, path)
 
@@ -296,8 +344,12 @@ def _enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) 
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _num_samples(loader) -> int | None:
-    try:
-        return len(loader.dataset)
-    except (TypeError, AttributeError):
-        return None
+def _schedule(optimizer, config: TrainConfig, plan, spec: RunSpec, accelerator):
+    """The run's schedule: the caller's, or one built for the plan; --scale_lr applied to the optimizer first."""
+    if plan.lr_scale != 1.0:
+        if spec.scheduler is not None:
+            raise ConfigError("--scale_lr scales the optimizer's learning rates before the schedule is built; with a "
+                              "scheduler of your own, scale the rates yourself and leave --scale_lr none.")
+        for group in optimizer.param_groups:
+            group["lr"] *= plan.lr_scale
+    return spec.scheduler or build_scheduler(optimizer, config, plan, accelerator)

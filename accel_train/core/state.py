@@ -19,15 +19,27 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per process
     samples_seen: int = 0  # samples consumed, all processes
     samples_in_epoch: int = 0  # samples consumed in this epoch, all processes
-    loss_sum: float = 0.0  # sum over logged intervals of (mean loss x steps), for the run's train_loss
-    loss_steps: int = 0
+    loss_sum: float = 0.0  # sum over logged intervals of (mean loss x weight), for the run's train_loss
+    loss_steps: float = 0  # the weights: an interval's steps (mean losses) or its items (sum losses)
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
-    best_metric: float | None = None
+    best_metric: float | None = None  # never NaN or inf: a non-finite evaluation is never the best
+    best_metric_name: str | None = None  # the metric best_metric is a value of, and its direction: a resumed run
+    best_greater: bool | None = None  # watching another metric (or direction) does not compare across them
     best_checkpoint: str | None = None
     world_size: int = 1
     global_batch_size: int = 0
-    hooks: dict[str, Any] = field(default_factory=dict)
+    hooks: dict[str, Any] = field(default_factory=dict)  # keyed by hooks.hook_keys: the hook's state_key or class
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  # what the optimizer and schedule were built with
+
+    def update_best(self, name: str, greater: bool, value: float) -> bool:
+        """Record `value` of metric `name` if it is the best so far; a non-finite value never is."""
+        if not math.isfinite(value):
+            return False
+        if self.best_metric is not None and not (value > self.best_metric if greater else value < self.best_metric):
+            return False
+        self.best_metric, self.best_metric_name, self.best_greater = value, name, greater
+        return True
 
     @property
     def train_loss(self) -> float:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..core.accelerator import precision_in_effect
+from ..core.data import dataset_size
 from ..core.evaluation import confusion_matrix
 from ..rundir.layout import OBSERVABILITY_FILES, REPORT_DIR
 from ..rundir.metrics_log import say
@@ -148,7 +149,7 @@ class Observer:
                          "accel_train": metadata.version("accel_train")},
             "model": {"class": type(bare).__name__, "parameters": sum(p.numel() for p in bare.parameters()),
                       "trainable": sum(p.numel() for p in bare.parameters() if p.requires_grad)},
-            "plan": asdict(self.session.plan), "num_train_samples": _num_samples(self.session.train_loader),
+            "plan": asdict(self.session.plan), "num_train_samples": dataset_size(self.session.train_loader),
             "preflight_seconds": round(self.preflight.seconds, 3) if self.preflight else None,
         }
 
@@ -166,10 +167,3 @@ def _class_names(model, metrics_fn, classes: int) -> list[str]:
     id2label = getattr(getattr(model, "config", None), "id2label", None) or {}
     names = [id2label.get(i, id2label.get(str(i))) for i in range(classes)]
     return [str(n) if n is not None else str(i) for i, n in enumerate(names)]
-
-
-def _num_samples(loader) -> int | None:
-    try:
-        return len(loader.dataset)
-    except (TypeError, AttributeError):
-        return None

@@ -27,8 +27,7 @@ from accelerate import Accelerator
 
 from ..errors import CheckpointError
 from ..testing import faults
-from .layout import CHECKPOINT_PREFIX as PREFIX
-from .layout import checkpoint_name, checkpoints_dir
+from .layout import SUPERSEDED_DIR, checkpoint_name, checkpoint_step, checkpoints_dir
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
@@ -154,12 +153,39 @@ def verify_checkpoint(path: Path) -> dict:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (manifest present), oldest first."""
+    """Complete checkpoints of the current timeline (named step-<8 digits>, manifest present), oldest first.
+    Other directories (step-00000012.bak, superseded/) are not checkpoints of this run and are left alone."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [p for p in root.iterdir()
+             if p.is_dir() and checkpoint_step(p.name) is not None and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: checkpoint_step(p.name))
+
+
+def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
+    """Move the checkpoints newer than `step` (complete or not) into checkpoints/superseded/: a run that resumed
+    from step `step` starts a new timeline, and `latest` must never resume the abandoned one. Nothing is deleted.
+    Main process only; returns the new locations."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    moved = []
+    for path in sorted(root.iterdir()):
+        newer = checkpoint_step(path.name)
+        if not path.is_dir() or newer is None or newer <= step:
+            continue
+        target = root / SUPERSEDED_DIR / path.name
+        suffix = 1
+        while target.exists():  # superseded twice at the same step: keep both
+            target = root / SUPERSEDED_DIR / f"{path.name}-{suffix}"
+            suffix += 1
+        target.parent.mkdir(exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        _fsync_dir(root)
+    return moved
 
 
 def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path:
@@ -214,18 +240,32 @@ def load_train_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {TRAIN_STATE} ({err}).") from None
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, never the `protect`ed (best) one.
+def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | None,
+                       verified: set[str] | None = None) -> list[Path]:
+    """Keep the newest `keep` checkpoints that verify against their manifest and the `protect`ed (best) one;
+    delete the other checkpoints that verify. A checkpoint that does not verify never counts toward `keep` and is
+    never deleted here, so a good checkpoint is never deleted in favour of a corrupt one.
 
-    Main process only. Stale temporary directories of interrupted saves are removed too.
-    """
+    `verified`: names already known good (written or verified by this process); rotation adds the ones it
+    verifies, so each checkpoint is hashed at most once per run. Main process only. Stale temporary directories
+    of interrupted saves are removed too."""
     root = checkpoints_dir(output_dir)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     if keep is None:
         return []
-    complete = list_checkpoints(output_dir)
-    doomed = [p for p in complete[:-keep] if p.name != protect] if len(complete) > keep else []
+    verified = set() if verified is None else verified
+    good = []
+    for path in reversed(list_checkpoints(output_dir)):  # newest first: verify only as far as needed
+        if path.name not in verified:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError:
+                continue
+            verified.add(path.name)
+        good.append(path)
+    doomed = [p for p in good[keep:] if p.name != protect]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+        verified.discard(path.name)
     return doomed

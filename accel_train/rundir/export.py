@@ -27,3 +27,15 @@ def export_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: s
     if processing_class is not None and accelerator.is_main_process:
         processing_class.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load the model.safetensors a run exported for a plain nn.Module (or the file itself) into `model`, strictly.
+
+    Tied weights (an output layer sharing the embedding's matrix) are stored once, since safetensors refuses
+    tensors that share memory; `safetensors.torch.load_model` restores every name that shares it, where
+    `model.load_state_dict(load_file(path))` reports the second name as missing."""
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    load_model(model, str(path / "model.safetensors" if path.is_dir() else path), strict=True)

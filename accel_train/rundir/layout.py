@@ -6,6 +6,7 @@
       all_results.json     the final metrics, written once at the end
       runs/                tracker logs (TensorBoard)
       checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
+      checkpoints/superseded/      checkpoints of an abandoned timeline (newer than the one a run resumed from)
       report.md, report/   the run report and its plots
       diagnostics/         gradient flow, activation statistics, memory snapshots
       profiler/            torch.profiler traces
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -31,6 +33,9 @@ RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 
 CHECKPOINT_PREFIX = "step-"
+CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")  # step-00000120; step-00000120.bak and the like are not ones
+# Checkpoints of an abandoned timeline (newer than the one a run resumed from) are moved here, never deleted.
+SUPERSEDED_DIR = "superseded"
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -39,3 +44,9 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None for any other name."""
+    match = CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None

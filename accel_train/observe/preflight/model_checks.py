@@ -118,11 +118,14 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
     if end < total and total - end > max(1, 0.02 * total):
         cause = (f" The Accelerator steps the prepared scheduler {per_call} times per optimizer step "
                  "(step_scheduler_with_optimizer=True)." if per_call > 1 else "")
+        accelerator_fix = "build the Accelerator with build_accelerator(config)" if per_call > 1 else ""
+        if getattr(f, "scheduler_built_here", False):  # accel_train built it for the plan: only the stepping is off
+            fix = (accelerator_fix or "check --lr_scheduler_kwargs against the run's length") + "."
+        else:
+            fix = (f"build the schedule for {total} optimizer steps (after sharding and accumulation), or let "
+                   "accel_train build it (pass no scheduler)" + (f", and {accelerator_fix}." if per_call > 1 else "."))
         out.append(Finding("schedule", "error", f"the learning rate reaches 0 after step {end} of {total}: the last "
-                           f"{total - end} steps ({(total - end) / total:.0%}) train nothing.{cause}",
-                           f"build the schedule for {total} optimizer steps (after sharding and accumulation), or let "
-                           "accel_train build it (pass no scheduler)" + (", and build the Accelerator with "
-                           "build_accelerator(config)." if per_call > 1 else ".")))
+                           f"{total - end} steps ({(total - end) / total:.0%}) train nothing.{cause}", fix))
     elif cfg.lr_scheduler_type in DECAY_TO_ZERO and not cfg.lr_scheduler_kwargs and final > 0.1 * peak:
         out.append(Finding("schedule", "warning", f"--lr_scheduler_type {cfg.lr_scheduler_type} should end near 0, "
                            f"but it is still at {final / peak:.0%} of its peak when the run ends: it was built "
@@ -133,14 +136,32 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
         out.append(Finding("schedule", "warning", f"the learning rate reaches its peak after {peak_step} step(s), "
                            f"but the warmup is {plan.warmup_steps} step(s).", "build the schedule with the config's "
                            f"warmup ({plan.warmup_steps} steps), or set --warmup_steps to what it is."))
-    if not math.isclose(peak, cfg.learning_rate, rel_tol=1e-6):
+    if not math.isclose(peak, cfg.learning_rate * plan.lr_scale, rel_tol=1e-6):
         out.append(Finding("schedule", "warning", f"the schedule peaks at {peak:.3g}, --learning_rate is "
-                           f"{cfg.learning_rate:g}.", "build the optimizer with lr=config.learning_rate, or set "
-                           "--learning_rate to the value used."))
+                           f"{cfg.learning_rate:g}{plan.peak_lr_note}.", "build the optimizer with "
+                           "lr=config.learning_rate, or set --learning_rate to the value used."))
+    out += _step_units(cfg, plan)
     if not out:
         out.append(Finding("schedule", "ok", f"{type(base_of(f.scheduler)).__name__} simulated over {total} steps: "
                            f"peak {peak:.3g} after {peak_step} warmup step(s), {final:.3g} when the run ends."))
     return out
+
+
+def _step_units(cfg, plan) -> list[Finding]:
+    """`step` / `multistep` count optimizer steps; a step_size or milestones below one epoch look like epochs."""
+    kwargs = cfg.scheduler_kwargs
+    if cfg.lr_scheduler_type not in ("step", "multistep") or not plan.steps_per_epoch:
+        return []
+    given = [kwargs["step_size"]] if "step_size" in kwargs else list(kwargs.get("milestones", []))
+    if not given or max(given) >= plan.steps_per_epoch:
+        return []
+    key = "step_size" if "step_size" in kwargs else "milestones"
+    in_steps = [g * plan.steps_per_epoch for g in given]
+    return [Finding("schedule", "warning", f"--lr_scheduler_kwargs {key}={given[0] if key == 'step_size' else given} "
+                    f"counts optimizer steps, and one epoch is {plan.steps_per_epoch} steps: the rate changes within "
+                    "the first epoch. Epochs were probably meant.",
+                    f'give {key} in steps ({{"{key}": {in_steps[0] if key == "step_size" else in_steps}}} for that '
+                    f'many epochs) or in epochs ({{"{key}_epochs": {given[0] if key == "step_size" else given}}}).')]
 
 
 def _label_width(f, batch: dict) -> tuple[int | None, str]:

@@ -19,7 +19,11 @@ from ...rundir.layout import CONFIG, HISTORY, REPORT, REPORT_DIR, RESULTS
 from .markdown import render, render_compare
 from .plots import Panel, Series, line_plot, matrix_plot
 
-NOT_METRICS = ("loss", "samples", "runtime")  # eval_* entries that are not quality metrics
+NOT_METRICS = ("loss", "samples", "runtime", "items")  # eval_* entries that are not quality metrics
+# What the loop itself logs in a training record; anything else there is a term the loss function logged.
+TRAIN_KEYS = ("step", "loss", "learning_rate", "epoch", "grad_norm", "samples_per_second", "tokens_per_second",
+              "data_wait_fraction", "mfu", "cpu_peak_rss_mb", "gpu_peak_memory_mb", "skipped_steps",
+              "nonfinite_skips", "num_items")
 
 
 @dataclass
@@ -40,6 +44,12 @@ class RunData:
     def curve(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
         return [s for s, _ in points], [v for _, v in points]
+
+    def loss_terms(self) -> list[str]:
+        """Scalars a loss function logged beside the loss ("log": per-task losses, weights, ...)."""
+        keys = {k for r in self.records if "loss" in r for k, v in r.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return sorted(k for k in keys if k not in TRAIN_KEYS)
 
     def eval_metrics(self) -> list[str]:
         keys = {k for r in self.records for k in r if k.startswith("eval_") and isinstance(r[k], (int, float))}
@@ -101,6 +111,10 @@ def _plot_training(run: RunData, out: Path) -> dict[str, Path]:
                                  "--"))
         plots["learning_rate"] = line_plot(out / "learning_rate.png", [Panel("learning rate", series)],
                                            f"learning rate: {run.name}")
+    terms = run.loss_terms()
+    if terms:
+        plots["loss_terms"] = line_plot(out / "loss_terms.png", [Panel(t, [Series(t, *run.curve(t))]) for t in terms],
+                                        f"terms the loss function logged: {run.name}")
     gn_steps, grad_norm = run.curve("grad_norm")
     if grad_norm:
         clip = run.config.get("max_grad_norm") or 0
@@ -185,6 +199,10 @@ def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
         plots["lr_schedule"] = out / "lr_schedule.png"
     if "confusion_matrix" not in plots and (run.path / "confusion_matrix.png").exists():
         plots["confusion_matrix"] = run.path / "confusion_matrix.png"  # a recipe's own (accel_train.vision)
+    drawn = {p.resolve() for p in plots.values()}
+    for extra in sorted(out.glob("*.png")):  # what a recipe wrote into report/ itself
+        if extra.resolve() not in drawn:
+            plots[f"recipe:{extra.stem}"] = extra
     path = run.path / REPORT
     path.write_text(render(run, {k: p.relative_to(run.path).as_posix() for k, p in plots.items()}))
     return path

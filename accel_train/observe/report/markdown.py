@@ -16,6 +16,7 @@ CAPTIONS = {
     "grad_norm": "Global gradient norm before clipping; above the dotted line the step was clipped.",
     "throughput": "Throughput, the share of time spent waiting for data, and peak memory.",
     "metrics": "Evaluation metrics.",
+    "loss_terms": "Terms the loss function logged beside the loss (per-task losses, weights), interval means.",
     "confusion_matrix": "Confusion matrix of the last evaluation (rows: true class, columns: predicted).",
     "grad_flow": "Gradient RMS per layer (input to output) at recorded steps: a layer far below the others is "
                  "vanishing; one that jumps far above its own past (and its peers) is exploding.",
@@ -163,9 +164,15 @@ def render(run, plots: dict[str, str]) -> str:
     if run.results:
         out += ["## Results", "", *_table(sorted(run.results.items()), ("metric", "value")), ""]
     out += ["## Pre-flight check", "", *_preflight(run), "", "## Curves", ""]
-    for name in ("loss", "learning_rate", "lr_schedule", "grad_norm", "throughput", "metrics", "confusion_matrix"):
+    for name in ("loss", "loss_terms", "learning_rate", "lr_schedule", "grad_norm", "throughput", "metrics",
+                 "confusion_matrix"):
         if name in plots:
             out += [f"![{name}]({plots[name]})", "", f"*{CAPTIONS[name]}*", ""]
+    recipe_plots = sorted(name for name in plots if name.startswith("recipe:"))
+    if recipe_plots:
+        out += ["## Recipe plots", ""]
+        for name in recipe_plots:
+            out += [f"![{name.removeprefix('recipe:')}]({plots[name]})", ""]
     diagnostics = _diagnostics(run, plots)
     if diagnostics or "grad_flow" in plots or "activations" in plots:
         out += ["## Diagnostics", ""]

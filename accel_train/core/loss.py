@@ -1,0 +1,172 @@
+"""The loss contract, the default loss, and the gradient normalisation that makes every optimizer step exact.
+
+A loss function `loss_fn(model, batch)` returns one of
+
+* a scalar tensor, or a mapping with "loss": the MEAN over the micro-batch (classification, contrastive, ...),
+  never divided by the accumulation count;
+* a mapping with "loss_sum" and "num_items": a SUM over items (tokens) and how many items it covers — scalars,
+  or per-sample tensors [B] (then evaluation is exact per sample) — for per-token losses.
+
+Either mapping may carry per-sample tensors for the metrics and scalars under "log" (logged beside the loss).
+
+What an optimizer step's gradient is (the loop applies it after the window's backward passes, before clipping):
+
+* means: the mean over the micro-batches the window really had (a short last window of an epoch, or of a stream,
+  counts its own micro-batches);
+* sums: ∇ Σ sums / N, N the item count of the whole accumulation window on all processes (one all-reduce of one
+  number). Accelerate divides every backward by the accumulation count and DDP averages over processes; both are
+  undone here, so the objective does not depend on how the window was split into micro-batches, processes or an
+  automatic batch size. A window with N = 0 makes no update (the step is skipped, never NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from ..errors import ConfigError
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading dimension of the first tensor in a batch (dict, list/tuple or tensor)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            return value.shape[0]
+        if isinstance(value, (Mapping, list, tuple)):
+            return batch_size_of(value)
+    raise ValueError("cannot find the batch size: the batch holds no tensor")
+
+
+def as_loss_output(output: Any, loss_fn: Any = None) -> dict[str, Any]:
+    """The loss contract, normalised. Every result has "loss" (the micro-batch's mean, for logging and checks)
+    and "objective" (what is back-propagated: the mean, or the sum); a sum also has "items" (its 0-dim count).
+    `loss_fn` only names the function in errors."""
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__ if loss_fn is not None else "loss_fn"
+    if isinstance(output, torch.Tensor):
+        output = {"loss": output}
+    if not isinstance(output, Mapping) or not ({"loss", "loss_sum"} & set(output)):
+        raise TypeError(f"the loss function {name} must return a scalar tensor or a mapping with 'loss' (the "
+                        "mean over the micro-batch) or 'loss_sum' and 'num_items' (a sum over items and their "
+                        f"count); it returned {type(output).__name__}"
+                        + (f" with keys {sorted(output)}" if isinstance(output, Mapping) else "") + ".")
+    out = dict(output)
+    if "loss_sum" in out:
+        total, count = out["loss_sum"], out.get("num_items")
+        if not isinstance(total, torch.Tensor) or count is None:
+            raise TypeError(f"the loss function {name} returned 'loss_sum' as {type(total).__name__} and "
+                            f"'num_items' as {type(count).__name__}: return both, 'loss_sum' as a tensor (per "
+                            "sample [B] or summed) and 'num_items' as its item count (a tensor or an int).")
+        out["objective"] = total.sum()
+        out["items"] = torch.as_tensor(count, device=total.device).sum().float()
+        out["loss"] = out["objective"].detach().float() / out["items"].clamp(min=1)
+        return out
+    if not isinstance(out["loss"], torch.Tensor):
+        raise TypeError(f"the loss function {name} returned 'loss' as {type(out['loss']).__name__} "
+                        f"({out['loss']!r}); return a tensor that carries the graph, e.g. {{'loss': losses.mean()}}.")
+    out["objective"] = out["loss"]
+    return out
+
+
+def default_loss(label_smoothing: float = 0.0) -> Callable:
+    """The loss for transformers models, which take the batch as keyword arguments:
+
+    * per-token integer labels [B, L] (causal LM, seq2seq, token classification): the token cross-entropy as
+      per-sample sums and counts ({"loss_sum", "num_items"}; -100 ignored; for a causal LM the labels are
+      shifted by one as the model's own loss does), so the loop normalises by the tokens of the whole window;
+    * one label per sample: the model's own loss (its mean), or cross-entropy with `label_smoothing`, with
+      per-sample losses so that evaluation is exact.
+    """
+
+    def loss_fn(model, batch):
+        labels = batch.get("labels")
+        if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
+            return token_loss(model, batch, label_smoothing)
+        classification = labels is not None and not labels.is_floating_point() and labels.ndim == 1
+        if label_smoothing and classification:
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            per_sample = torch.nn.functional.cross_entropy(
+                logits.float(), labels, label_smoothing=label_smoothing, reduction="none"
+            )
+            return {"loss": per_sample.mean(), "per_sample_loss": per_sample, "logits": logits}
+        out = model(**batch)
+        result = {"loss": out.loss, "logits": out.logits}
+        if classification and out.logits.ndim == 2 and out.logits.shape[-1] > 1:
+            result["per_sample_loss"] = torch.nn.functional.cross_entropy(
+                out.logits.detach().float(), labels, reduction="none"
+            )
+        return result
+
+    return loss_fn
+
+
+def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float = 0.0) -> dict[str, torch.Tensor]:
+    """Per-sample token cross-entropy sums and counts of a transformers model with per-token labels."""
+    labels = batch["labels"]
+    bare = extract_model_from_parallel(model)
+    encoder_decoder = bool(getattr(getattr(bare, "config", None), "is_encoder_decoder", False))
+    # an encoder-decoder builds its decoder inputs from the labels; other models must not see them (no 2nd loss)
+    inputs = dict(batch) if encoder_decoder else {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    if not encoder_decoder and hasattr(bare, "generate"):  # a causal LM: position t predicts token t + 1
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                               label_smoothing=label_smoothing, reduction="none")
+    counted = labels != -100
+    return {"loss_sum": (losses * counted).sum(dim=1), "num_items": counted.sum(dim=1)}
+
+
+class Window:
+    """What one accumulation window fed back: its micro-batches and, for sums, its item count (on the device).
+    `scale_gradients` turns the gradients Accelerate and DDP left into the exact step gradient (module docstring)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.reset()
+
+    def reset(self) -> None:
+        self.micro_batches = 0
+        self.items: torch.Tensor | None = None  # sums only
+        self.means = 0
+
+    def add(self, out: Mapping[str, Any]) -> None:
+        self.micro_batches += 1
+        if "items" in out and self.accelerator.distributed_type.value == "DEEPSPEED":
+            raise ConfigError("a loss that returns sums ('loss_sum', 'num_items') needs its gradients scaled by the "
+                              "item count of the whole window before the optimizer step, and DeepSpeed steps inside "
+                              "backward: train per-token losses with DDP or FSDP (a preset without DeepSpeed), or "
+                              "return the micro-batch mean as 'loss'.")
+        if "items" in out:
+            self.items = out["items"] if self.items is None else self.items + out["items"]
+        else:
+            self.means += 1
+        if self.items is not None and self.means:
+            raise TypeError("a loss function returned a mean ('loss') for some micro-batches and a sum ('loss_sum') "
+                            "for others in one accumulation window: return one kind.")
+
+    def scale_gradients(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """Scale the accumulated gradients to the step gradient; for sums, return the window's global item count
+        (a 0-dim tensor on the device: no host sync here), else None. Call once the window's gradients are
+        synchronised, before clipping; then `reset`."""
+        acc, gas = self.accelerator, self.accelerator.gradient_accumulation_steps
+        if self.items is None:
+            if self.micro_batches and self.micro_batches != gas:  # a short last window
+                _scale(model, gas / self.micro_batches)
+            return None
+        total = acc.reduce(self.items.detach().clone(), reduction="sum") if acc.num_processes > 1 else self.items
+        _scale(model, torch.where(total > 0, gas * acc.num_processes / total.clamp(min=1), torch.zeros_like(total)))
+        return total
+
+
+def _scale(model: torch.nn.Module, factor: float | torch.Tensor) -> None:
+    """Multiply every gradient by `factor` (a float, or a 0-dim tensor kept on the device)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads and isinstance(factor, torch.Tensor) and any(hasattr(g, "to_local") for g in grads):
+        factor = float(factor)  # FSDP2's DTensor gradients take a number, not a plain tensor
+    for grad in grads:
+        grad.mul_(factor)

@@ -1,0 +1,413 @@
+"""Silent failures an audit found (issue 14), each pinned: checkpoint timelines and rotation, best-model selection,
+resume with a changed config, streams of the wrong length, fp16 with skipped steps, schedules, smaller traps."""
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import toy_train
+from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from accel_train import ConfigError, EarlyStopping, TrainConfig, make_plan, run_cli, train
+from accel_train.core.accelerator import duplicated_samples
+from accel_train.core.hooks import hook_keys, saved_hook_state
+from accel_train.core.loss import as_loss_output
+from accel_train.observe.preflight.model_checks import check_schedule
+from accel_train.rundir.checkpoint import list_checkpoints, resolve_checkpoint, rotate_checkpoints, verify_checkpoint
+from accel_train.rundir.export import load_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUIET = ["--report_to", "none", "--disable_tqdm", "--logging_steps", "1"]
+
+
+def run_toy(capsys, out, *args):
+    reset_accelerate()
+    run_cli(toy_train.main, ["--output_dir", str(out), *QUIET, *args])
+    return capsys.readouterr()
+
+
+def steps(out):
+    return [int(p.name.split("-")[1]) for p in list_checkpoints(out)]
+
+
+# ----------------------------------------------------------------------------------------- 1. checkpoint timelines
+
+
+def test_a_corrupt_newest_checkpoint_never_costs_the_good_ones(tmp_path, capsys):
+    common = ["--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "2", "--max_steps", "12",
+              "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--stop_at_step", "8")
+    assert steps(tmp_path) == [6, 8]
+    weights = tmp_path / "checkpoints" / "step-00000008" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated: step 8 no longer verifies
+    io = run_toy(capsys, tmp_path, *common, "--stop_at_step", "10", "--resume_from_checkpoint", "latest")
+    assert "resumed from" in io.out and "step-00000006" in io.out
+    assert steps(tmp_path) == [8, 10]  # the new timeline's, both good; before: the corrupt 8 survived alone
+    for path in list_checkpoints(tmp_path):
+        verify_checkpoint(path)
+    assert (tmp_path / "checkpoints" / "superseded" / "step-00000008").is_dir()  # moved aside, not deleted
+    assert resolve_checkpoint(tmp_path, "latest").name == "step-00000010"
+
+
+def test_resuming_an_older_checkpoint_starts_a_new_timeline(tmp_path, capsys):
+    common = ["--save_strategy", "steps", "--save_steps", "3", "--max_steps", "12", "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--stop_at_step", "9")
+    assert steps(tmp_path) == [3, 6, 9]
+    older = tmp_path / "checkpoints" / "step-00000003"
+    io = run_toy(capsys, tmp_path, *common, "--stop_at_step", "4", "--resume_from_checkpoint", str(older))
+    assert "2 checkpoint(s) newer than step 3 belong to the abandoned timeline" in io.out
+    assert steps(tmp_path) == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "superseded").iterdir()) == ["step-00000006",
+                                                                                            "step-00000009"]
+    assert resolve_checkpoint(tmp_path, "latest").name == "step-00000004"  # before: step-00000009, abandoned
+
+
+def test_a_directory_that_only_looks_like_a_checkpoint_is_left_alone(tmp_path, capsys):
+    run_toy(capsys, tmp_path, "--save_strategy", "steps", "--save_steps", "4", "--max_steps", "8",
+            "--eval_strategy", "no")
+    backup = tmp_path / "checkpoints" / "step-00000012.bak"
+    shutil.copytree(tmp_path / "checkpoints" / "step-00000008", backup)
+    assert steps(tmp_path) == [4, 8]  # before: ValueError from int("00000012.bak")
+    assert [p.name for p in rotate_checkpoints(tmp_path, 1, None)] == ["step-00000004"]
+    assert backup.is_dir()
+
+
+def test_rotation_counts_only_checkpoints_that_verify(tmp_path, capsys):
+    run_toy(capsys, tmp_path, "--save_strategy", "steps", "--save_steps", "2", "--max_steps", "8",
+            "--eval_strategy", "no")
+    newest = tmp_path / "checkpoints" / "step-00000008" / "optimizer.bin"
+    newest.write_bytes(newest.read_bytes()[:-3] + b"xyz")
+    rotate_checkpoints(tmp_path, 1, None)
+    assert steps(tmp_path) == [6, 8]  # 6 is the newest good one: kept; 8 does not count toward the limit
+
+
+# ------------------------------------------------------------------------------------------ 2. best model
+
+
+def points_run(tmp_path, metrics_values, **overrides):
+    """A tiny classifier evaluated every 2 steps; metrics_fn returns the given values in turn as 'score'."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    values = iter(metrics_values)
+    settings = dict(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8, learning_rate=0.01,
+                    eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=["none"],
+                    disable_tqdm=True, run_report=False, metric_for_best_model="score", greater_is_better=True,
+                    load_best_model_at_end=True, logging_steps=2)
+    config = TrainConfig(**{**settings, **overrides})
+
+    def loss_fn(model, batch):
+        logits = model(batch[0])
+        losses = torch.nn.functional.cross_entropy(logits, batch[1], reduction="none")
+        return {"loss": losses.mean(), "per_sample_loss": losses}
+
+    reset_accelerate()
+    return train(torch.nn.Linear(6, 2), DataLoader(data, batch_size=8, shuffle=True), config=config,
+                 loss_fn=loss_fn, eval_loader=DataLoader(data, batch_size=8), metrics_fn=lambda out: {
+                     "score": next(values)})
+
+
+def test_a_nan_evaluation_is_never_the_best(tmp_path, capsys):
+    result = points_run(tmp_path, [math.nan, 0.5, 0.7, 0.6, 0.7])
+    assert result.state.best_metric == 0.7 and result.state.best_checkpoint == "step-00000006"
+    restored = [line for line in capsys.readouterr().out.splitlines() if "restored the best checkpoint" in line]
+    assert len(restored) == 1 and restored[0].endswith("step-00000006 (eval_score = 0.7)")
+
+
+def test_resuming_with_another_metric_does_not_compare_across_metrics(tmp_path, capsys):
+    # run 1 keeps the lowest score (a stale 1.0 of a lower-is-better metric); run 2 chooses by eval_accuracy
+    points_run(tmp_path, [1.0, 2.0, 3.0, 4.0, 5.0], greater_is_better=False, max_steps=4)
+    capsys.readouterr()
+    result = points_run(tmp_path, [0.9, 0.95, 0.8], resume_from_checkpoint="latest", metric_for_best_model="score",
+                        greater_is_better=True)
+    out = capsys.readouterr().out
+    assert "this run chooses by eval_score: the best is tracked afresh" in out
+    assert result.state.best_metric == 0.95 and result.state.best_checkpoint == "step-00000008"
+
+
+# ---------------------------------------------------------------------------------- 3. resume with a changed config
+
+
+def test_a_changed_learning_rate_is_applied_on_resume_and_said(tmp_path, capsys):
+    common = ["--optim", "sgd", "--lr_scheduler_type", "constant", "--save_strategy", "steps", "--save_steps", "2",
+              "--max_steps", "8", "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--learning_rate", "0.05", "--stop_at_step", "4")
+    io = run_toy(capsys, tmp_path, *common, "--learning_rate", "0.5", "--resume_from_checkpoint", "latest")
+    assert "learning_rate 0.05 -> 0.5: applied to the loaded optimizer and schedule" in io.out
+    rates = {r["step"]: r["learning_rate"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "learning_rate" in r}
+    assert rates[4] == pytest.approx(0.05) and rates[5] == pytest.approx(0.5) and rates[8] == pytest.approx(0.5)
+
+
+def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path, capsys):
+    common = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "8", "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--lr_scheduler_type", "linear", "--stop_at_step", "4")
+    reset_accelerate()
+    with pytest.raises(SystemExit):
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path), *QUIET, *common, "--lr_scheduler_type", "cosine",
+                                 "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert "resuming with changed lr_scheduler_type ('linear' -> 'cosine')" in err and "Traceback" not in err
+
+
+def test_hook_state_follows_its_name_not_its_position():
+    class Counter:
+        def state_dict(self):
+            return {"n": 1}
+
+        def load_state_dict(self, state):
+            raise AssertionError("not this hook's state")
+
+    stopping = EarlyStopping("eval_loss", "min", patience=3)
+    stopping.load_state_dict({"best": 0.25, "bad_evaluations": 2, "stopped_at": None})
+    saved = {key: hook.state_dict() for key, hook in zip(hook_keys([stopping]), [stopping], strict=True)}
+    hooks = [Counter(), EarlyStopping("eval_loss", "min", patience=3)]  # one more hook, in front
+    for key, hook in zip(hook_keys(hooks), hooks, strict=True):
+        if saved_hook_state(saved, key) is not None:
+            hook.load_state_dict(saved_hook_state(saved, key))
+    assert hooks[1].bad_evaluations == 2 and hooks[1].best == 0.25
+    # checkpoints written before: keyed by position ("1:EarlyStopping"), still found by class
+    assert saved_hook_state({"1:EarlyStopping": {"best": 1.0}}, "EarlyStopping") == {"best": 1.0}
+    assert hook_keys([stopping, EarlyStopping()]) == ["EarlyStopping", "EarlyStopping#2"]
+
+
+# -------------------------------------------------------------------------------------- 4. streams
+
+
+class Stream(IterableDataset):
+    """Yields `real` points but claims `claimed` as its length (None: no __len__ at all)."""
+
+    def __init__(self, real: int, claimed=None):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(real, 6, generator=g)
+        self.claimed = claimed
+
+    def __iter__(self):
+        for i, x in enumerate(self.x):
+            yield {"x": x, "labels": (x[0] > 0).long(), "index": i}
+
+    def __len__(self):
+        if self.claimed is None:
+            raise TypeError("no length")
+        return self.claimed
+
+
+def stream_run(tmp_path, dataset, accumulation=1, **overrides):
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
+                    optim="sgd", sgd_momentum=0.0, learning_rate=0.1, lr_scheduler_type="constant", report_to=["none"],
+                    disable_tqdm=True, run_report=False, eval_strategy="no", save_strategy="no", max_grad_norm=0.0,
+                    logging_steps=1)
+    config = TrainConfig(**{**settings, **overrides})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
+
+    reset_accelerate()
+    return train(model, DataLoader(dataset, batch_size=4), config=config, loss_fn=loss_fn)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_shorter_than_its_length_ends_its_epochs_where_it_runs_out(tmp_path):
+    result = stream_run(tmp_path, Stream(12, claimed=20), max_steps=9)  # before: spun forever
+    assert result.state.step == 9 and result.state.epoch == 3  # 3 real batches an epoch
+
+
+def test_a_stream_longer_than_its_length_trains_like_its_real_length(tmp_path):
+    # accumulation 3 over 5 real batches: windows of 3 and 2; before: scales 1, 3, -1.5, ... (gradient ascent)
+    stream = stream_run(tmp_path / "stream", Stream(20, claimed=8), accumulation=3, max_steps=4)
+    reference = stream_run(tmp_path / "map", [{"x": x, "labels": (x[0] > 0).long()} for x in Stream(20).x],
+                           accumulation=3, max_steps=4)
+    assert stream.state.step == 4 and stream.state.epoch == 2  # 2 epochs x (3 + 2 micro-batches)
+    a, b = stream.model.weight, reference.model.weight
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_stream_without_a_length_trains_with_max_steps(tmp_path):
+    with pytest.raises(ConfigError, match="give --max_steps"):
+        stream_run(tmp_path / "a", Stream(12))
+    result = stream_run(tmp_path / "b", Stream(12), max_steps=7)
+    assert result.state.step == 7 and result.state.epoch == 2
+
+
+STREAM_SCRIPT = """
+import json, sys, datasets, torch
+from accel_train import TrainConfig, build_accelerator, make_loader, parse_config, train
+(config,) = parse_config(argv=sys.argv[1:])
+accelerator = build_accelerator(config)
+def rows(shards):
+    for shard in shards:
+        for i in range(6):
+            yield {"x": [float(shard), float(i)] * 3, "index": shard * 100 + i}
+stream = datasets.IterableDataset.from_generator(rows, gen_kwargs={"shards": [0, 1, 2, 3]}).with_format("torch")
+seen = []
+def loss_fn(model, batch):
+    seen.extend(batch["index"].tolist())
+    return model(batch["x"].float()).pow(2).mean()
+result = train(torch.nn.Linear(6, 1), make_loader(stream, config, train=True), config=config, loss_fn=loss_fn,
+               accelerator=accelerator)
+sys.stdout.write("SEEN " + json.dumps({"rank": accelerator.process_index, "seen": seen,
+                                       "step": result.state.step}) + chr(10))
+"""
+
+
+@pytest.mark.slow
+def test_each_process_reads_its_own_shard_of_a_stream(tmp_path):
+    script = tmp_path / "stream.py"
+    script.write_text(STREAM_SCRIPT)
+    proc = launch(script, ["--output_dir", str(tmp_path / "o"), "--max_steps", "6", "--report_to", "none",
+                           "--per_device_train_batch_size", "3",
+                           "--disable_tqdm", "--eval_strategy", "no", "--save_strategy", "no", "--run_report",
+                           "false", "--learning_rate", "0.01"], num_processes=2)
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == 6 for r in ranks)
+    first, second = (set(r["seen"]) for r in sorted(ranks, key=lambda r: r["rank"]))
+    assert first and second and not first & second  # disjoint shards: no sample read by both processes
+    assert {i // 100 for i in first}.isdisjoint({i // 100 for i in second})
+
+
+# -------------------------------------------------------------------------------- 5. fp16 with skipped steps
+
+
+def test_skipping_a_nonfinite_step_under_fp16_keeps_the_loss_scaler_working(tmp_path):
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    # on a GPU Accelerate makes these; on a CPU it trains fp32 without them, so hand it the same scaler calls
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    data = toy_train.Points(64, 0, poison=5)
+    config = TrainConfig(output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=8,
+                         on_nonfinite="skip", report_to=["none"], disable_tqdm=True, run_report=False,
+                         eval_strategy="no", save_strategy="no", logging_steps=1, preflight=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch["x"]).float(), batch["labels"])
+
+    result = train(model, DataLoader(data, batch_size=8), config=config, loss_fn=loss_fn, accelerator=accelerator)
+    assert result.state.step == 8 and result.state.nonfinite_skips == 1  # before: "unscale_() has already been called"
+    assert torch.isfinite(model.weight).all()
+
+
+# ------------------------------------------------------------------------------------------------ 6. schedules
+
+
+def test_reduce_on_plateau_without_evaluations_is_refused(tmp_path, capsys):
+    reset_accelerate()
+    with pytest.raises(SystemExit):
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path), *QUIET, "--lr_scheduler_type", "reduce_on_plateau",
+                                 "--eval_strategy", "no"])
+    err = capsys.readouterr().err
+    assert "reduce_on_plateau changes the learning rate on evaluations, and this run has none" in err
+
+
+def test_a_step_size_that_looks_like_epochs_is_warned_about_and_epochs_are_accepted(tmp_path, capsys):
+    run_toy(capsys, tmp_path / "steps", "--lr_scheduler_type", "step", "--lr_scheduler_kwargs",
+            '{"step_size": 3, "gamma": 0.5}', "--num_train_epochs", "4", "--per_device_train_batch_size", "8",
+            "--run_report", "true")
+    findings = json.loads((tmp_path / "steps" / "report" / "preflight.json").read_text())["findings"]
+    [warning] = [f for f in findings if f["level"] == "warning" and "step_size=3" in f["message"]]
+    assert "one epoch is 12 steps" in warning["message"] and '{"step_size_epochs": 3}' in warning["fix"]
+    run_toy(capsys, tmp_path / "epochs", "--lr_scheduler_type", "step", "--lr_scheduler_kwargs",
+            '{"step_size_epochs": 1, "gamma": 0.5}', "--num_train_epochs", "3", "--per_device_train_batch_size", "8",
+            "--learning_rate", "0.01")
+    rates = {r["step"]: r["learning_rate"] for r in read_jsonl(tmp_path / "epochs" / "metrics.jsonl")
+             if "learning_rate" in r}
+    assert rates[11] == pytest.approx(0.01) and rates[12] == pytest.approx(0.005) and rates[24] == pytest.approx(0.0025)
+
+
+def test_the_preflight_does_not_advise_building_what_accel_train_built():
+    config = TrainConfig(max_steps=20, learning_rate=1e-2, report_to=["none"])
+    plan = make_plan(config, batches_per_epoch=10, num_processes=2)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    from accelerate.scheduler import AcceleratedScheduler
+
+    from accel_train import build_scheduler
+
+    scheduler = AcceleratedScheduler(build_scheduler(optimizer, config, plan), optimizer, step_with_optimizer=True)
+    accelerator = SimpleNamespace(num_processes=2, distributed_type=SimpleNamespace(value="MULTI_CPU"))
+    session = SimpleNamespace(accelerator=accelerator, config=config, plan=plan, optimizer=optimizer,
+                              scheduler=scheduler, scheduler_built_here=True)
+    [finding] = check_schedule(session)
+    assert finding.level == "error" and "build_accelerator" in finding.fix
+    assert "let accel_train build it" not in finding.fix
+
+
+# ------------------------------------------------------------------------------------------------ 7. --scale_lr
+
+
+@pytest.mark.parametrize("rule, factor", [("linear", 0.125), ("sqrt", 0.125 ** 0.5)])
+def test_scale_lr_follows_the_global_batch_and_is_reported(tmp_path, capsys, rule, factor):
+    io = run_toy(capsys, tmp_path, "--scale_lr", rule, "--scale_lr_reference_batch", "64", "--learning_rate", "0.08",
+                 "--lr_scheduler_type", "constant", "--per_device_train_batch_size", "8", "--max_steps", "2",
+                 "--eval_strategy", "no")
+    assert f"peak lr {0.08 * factor:g} (--learning_rate 0.08 x {factor:.4g}: {rule} scaling for a global batch of 8" \
+           in io.out
+    rates = [r["learning_rate"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "learning_rate" in r]
+    assert rates and all(r == pytest.approx(0.08 * factor) for r in rates)
+
+
+# ------------------------------------------------------------------------------------------------ 8. smaller
+
+
+def test_a_float_loss_is_refused_naming_the_loss_function():
+    def my_loss(model, batch):
+        return {"loss": 0.3}
+
+    with pytest.raises(TypeError, match=r"the loss function .*my_loss returned 'loss' as float \(0.3\)"):
+        as_loss_output(my_loss(None, None), my_loss)
+
+
+def test_duplicated_samples_under_even_batches_are_counted():
+    # 37 samples, 4 per device, 2 processes: 5 batches each = 40 samples trained, 3 of them twice
+    config = TrainConfig(per_device_train_batch_size=4, report_to=["none"])
+    plan = make_plan(config, batches_per_epoch=5, num_processes=2)
+    assert duplicated_samples(plan, config, 2, 37) == 3
+    assert duplicated_samples(plan, config, 1, 37) == 0
+    dropped = TrainConfig(per_device_train_batch_size=4, dataloader_drop_last=True, report_to=["none"])
+    assert duplicated_samples(plan, dropped, 2, 37) == 0
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight  # tied, as a language model's output layer often is
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
+def test_a_tied_plain_module_exports_and_loads_back(tmp_path):
+    config = TrainConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=["none"],
+                         disable_tqdm=True, run_report=False, eval_strategy="no", save_strategy="no")
+    ids = torch.randint(0, 10, (8,))
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[0])
+
+    reset_accelerate()
+    torch.manual_seed(0)
+    trained = train(Tied(), DataLoader(TensorDataset(ids), batch_size=4), config=config, loss_fn=loss_fn).model
+    with pytest.raises(RuntimeError, match="Missing key"):  # why the README points to load_weights
+        Tied().load_state_dict(load_file(tmp_path / "model.safetensors"))
+    loaded = Tied()
+    load_weights(loaded, tmp_path)
+    assert torch.equal(loaded.out.weight, trained.out.weight) and loaded.out.weight is loaded.embed.weight
+
+
+@pytest.mark.slow
+def test_a_launched_two_process_run_reports_its_duplicated_samples(tmp_path):
+    proc = launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(tmp_path), "--num_samples", "37",
+                                                     "--per_device_train_batch_size", "4", "--max_steps", "1",
+                                                     *QUIET], num_processes=2)
+    assert "3 sample(s) per epoch are trained twice" in proc.stdout + proc.stderr
+

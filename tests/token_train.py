@@ -1,0 +1,120 @@
+"""A tiny causal LM (GPT-2 from a config) on sequences of very different lengths, trained by the public API with the
+default loss (per-token sums and counts). Run in-process or through the launcher by the token-loss tests.
+
+With `--optim sgd --sgd_momentum 0 --learning_rate 1 --max_grad_norm 0 --max_steps 1` the first step moves every
+parameter by exactly minus its gradient, which the tests compare with the one-big-batch token-mean gradient.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, train
+
+VOCAB = 32
+
+
+@dataclass(frozen=True)
+class TokenArgs:
+    num_sequences: int = 16
+    eval_sequences: int = 12
+    mask_all: bool = False  # every label is -100: no token counts
+    save_initial: bool = False  # write the initial weights (the tests compute the reference gradient from them)
+    sort_by_length: bool = False  # micro-batches of similar lengths, as length-grouped batching makes them
+    stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
+
+
+class StopAt:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, state, path):
+        return state.step == self.step
+
+
+def tiny_lm(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(config)
+
+
+def sequences(n: int, seed: int, sort_by_length: bool = False) -> list[list[int]]:
+    """Lengths from 3 to 40 tokens: a token in a short sequence must not weigh more than one in a long one."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3 + int(torch.randint(0, 38, (1,), generator=g)) for _ in range(n)]
+    if sort_by_length:
+        lengths.sort()
+    return [torch.randint(1, VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+class Sequences(Dataset):
+    def __init__(self, rows: list[list[int]]):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def collate(mask_all: bool = False):
+    """Right padding with 0; labels -100 on padding (and everywhere with mask_all)."""
+
+    def fn(rows):
+        longest = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        if mask_all:
+            labels[:] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return fn
+
+
+def reference_gradient(model, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """∇ (Σ token losses / number of tokens) over all rows in one batch: the step gradient to match."""
+    batch = collate()(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum")
+    (loss / (labels != -100).sum()).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def main(argv=None):
+    quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False, "save_strategy": "no"}
+    config, args = parse_config((TrainConfig, TokenArgs), argv, defaults=quiet)
+    accelerator = build_accelerator(config)
+    model = tiny_lm()
+    out = Path(config.output_dir)
+    if args.save_initial and accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone() for k, v in model.state_dict().items()}, str(out / "initial.safetensors"))
+    rows = sequences(args.num_sequences, 0, args.sort_by_length)
+    train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
+                              collate_fn=collate(args.mask_all))
+    eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),
+                             batch_size=config.per_device_eval_batch_size, collate_fn=collate())
+    result = train(model, train_loader, config=config, eval_loader=eval_loader, accelerator=accelerator,
+                   hooks=[StopAt(args.stop_at_step)], extra_configs=[args])
+    if accelerator.is_main_process:
+        (out / "token_results.json").write_text(json.dumps(result.metrics))
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -22,6 +22,7 @@ from accelerate.utils import GradientAccumulationPlugin
 from . import checkpoint as ckpt
 from .batch_size import find_micro_batch, with_micro_batch
 from .config import TrainConfig
+from .deploy import export_formats_at_end
 from .diagnostics import StepGuard, fault_point, fetch_batch, locate_nonfinite, micro_batch_indices, write_report
 from .errors import ConfigError, Preempted, TrainingDiverged
 from .hooks import EarlyStopping, call_hooks, hook_key
@@ -372,6 +373,8 @@ class Run:
         if acc.is_main_process:
             (Path(cfg.output_dir) / "all_results.json").write_text(json.dumps(metrics, indent=2))
             self.log.write("final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        if cfg.export_formats:  # last: a failed export leaves the weights and results saved
+            export_formats_at_end(acc, self.model, cfg.output_dir, cfg.export_formats, processing_class, self.eval_loader)
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 

@@ -22,6 +22,7 @@ from accelerate.utils import set_seed
 
 from accel_train import (ConfigError, ModelError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli,
                          train)
+from accel_train.deploy import RecordModelFactory
 from accel_train.vision import (ClassificationMetrics, EvalTransform, ImageDataArguments, ImageDataset, MixupCutmix,
                                 SmallResNet, TrainAugmentation, channel_mean_std, image_processor, load_image_data,
                                 parse_overrides, processor_size, save_confusion_matrix)
@@ -164,9 +165,11 @@ def main(argv=None) -> dict[str, float]:
                                  process_index=accelerator.process_index) for name, ds in image_sets.items()}
     eval_split = data.eval_split  # validation, else test; a test split besides validation is evaluated at the end
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
+    # model_factory.json: how `accel-train export` rebuilds a SmallResNet (transformers models have config.json)
+    record = RecordModelFactory(model, config.output_dir, accelerator.is_main_process)
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn,
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   processing_class=processor, extra_configs=[data_args, aug_args, model_args])
+                   processing_class=processor, extra_configs=[data_args, aug_args, model_args], hooks=[record])
     return report(result, eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
 
 

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
 from accel_train.contrastive import (ContrastiveLoss, ContrastiveMetrics, DualEncoder, StepClock, accumulation_refusal,
                                      build_text_tower, build_vision_tower, tower_param_groups)
+from accel_train.deploy import RecordModelFactory
 from accel_train.vision import (EvalTransform, ImageTextArguments, ImageTextCollator, ImageTextDataset,
                                 TrainAugmentation, channel_mean_std, image_processor, load_image_text_data,
                                 parse_overrides, processor_size)
@@ -176,7 +177,8 @@ def main(argv=None) -> dict[str, float]:
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=ContrastiveMetrics(),
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   optimizer=tower_param_groups(model, lrs, wds), hooks=[loss_fn.clock], processing_class=tokenizer,
+                   optimizer=tower_param_groups(model, lrs, wds), processing_class=tokenizer,
+                   hooks=[loss_fn.clock, RecordModelFactory(model, config.output_dir, accelerator.is_main_process)],
                    extra_configs=[data_args, model_args, towers])
     return report(result, image_processor(size, mean, std) if processor is None else processor, config.output_dir)
 

@@ -173,19 +173,13 @@ def _export_at_end(accelerator, model, output_dir: Path, formats, processing_cla
 
 
 def _end_sample(eval_loader: Any, processing_class: Any) -> Sample:
-    is_image_processor = hasattr(processing_class, "image_mean")
-    tokenizer = None if is_image_processor else processing_class
+    """The first evaluation batch (read from the loader Accelerate wraps: no collective), else made-up inputs."""
+    processor = processing_class if hasattr(processing_class, "image_mean") else None
+    tokenizer = None if processor is not None else processing_class
     pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     if eval_loader is not None:
-        loader = getattr(eval_loader, "base_dataloader", eval_loader)  # iterate locally: no collective
-        batch = next(iter(loader), None)
+        batch = next(iter(getattr(eval_loader, "base_dataloader", eval_loader)), None)
         if isinstance(batch, dict):
-            rows = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim and k != "labels"}
-            main = rows.get("input_ids", rows.get("pixel_values"))
-            names = [k for k, v in rows.items() if main is not None and v.shape[0] == main.shape[0]]
-            if names:
-                return sample_from_batch(batch, names, processing_class if is_image_processor else None, pad)
-    size = None
-    if is_image_processor:
-        size = (processing_class.size or {}).get("height")
-    return synthetic_sample(tokenizer, size, 3, processing_class if is_image_processor else None)
+            return sample_from_batch(batch, image_processor=processor, pad_token_id=pad)
+    size = (processor.size or {}).get("height") if processor is not None else None
+    return synthetic_sample(tokenizer, size, 3, processor)

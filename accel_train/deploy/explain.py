@@ -66,10 +66,10 @@ def capture_error(err: Exception, model: nn.Module, what: str, fmt: str) -> Expo
     if calls:
         filename, lineno, function, code = calls[-1]
         modules = modules_at(model, filename, int(lineno))
-        where = (f" in {', '.join(modules) or function} ({Path(filename).name}:{lineno}: `{code.strip()}`)")
+        where = (f"; in module {', '.join(modules) or function}, {Path(filename).name}:{lineno}: `{code.strip()}`")
     advice = ADVICE if any(mark in text for mark in _DATA_DEPENDENT) else (
         "Try another --format (torchscript traces Python control flow into one path, checked on other inputs).")
-    return ExportError(f"--format {fmt}: cannot capture {what}{where}: {first[:300]}. {advice}")
+    return ExportError(f"--format {fmt}: cannot capture {what}: {first[:300].rstrip('.')}{where}. {advice}")
 
 
 @dataclass(frozen=True)

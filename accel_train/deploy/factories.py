@@ -24,7 +24,7 @@ def dual_encoder(text_config: Mapping[str, Any], vision: Mapping[str, Any], embe
     if not text_pooler and getattr(text, "pooler", None) is not None:
         text.pooler = None  # the recipe drops it too: the dual encoder mean-pools
     if "small_resnet" in vision:
-        tower: nn.Module = SmallResNet(0, **vision["small_resnet"])
+        tower: nn.Module = SmallResNet(**{"num_labels": 0, **vision["small_resnet"]})
     elif "transformers" in vision:
         tower = PooledVision(_from_config(vision["transformers"]))
     else:

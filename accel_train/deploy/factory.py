@@ -72,7 +72,8 @@ class ModelFactory:
         try:
             model = obj(**self.kwargs)
         except TypeError as err:
-            raise ExportError(f"factory {self.target}(**{self.kwargs}): {err}.") from None
+            raise ExportError(f"factory {self.target} with the kwargs {sorted(self.kwargs)}: {err}. Fix "
+                              f"{FACTORY_FILE} or --factory_kwargs.") from None
         if not isinstance(model, nn.Module):
             raise ExportError(f"factory {self.target} returned {type(model).__name__}, not a torch.nn.Module.")
         return model

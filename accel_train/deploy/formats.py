@@ -13,20 +13,21 @@
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..config import EXPORT_FORMATS as FORMATS
 from ..errors import ExportError
 from .explain import ModuleTrail, capture_error
 from .targets import ExportTarget
 
-FORMATS = ("torchscript", "exported_program", "onnx")
 SUFFIX = {"torchscript": ".pt", "exported_program": ".pt2", "onnx": ".onnx"}
 INSTALL_HINT = "pip install 'accel_train[deploy]' (or: pip install onnx onnxscript onnxruntime)"
 ONNX_MAX_INLINE_BYTES = 1 << 30  # protobuf's 2 GiB limit, with room: larger models keep weights beside the file
@@ -59,16 +60,17 @@ def write_artifact(fmt: str, target: ExportTarget, example: Inputs, checks: Sequ
 
 
 def _torchscript(target: ExportTarget, example: Inputs, checks: Sequence[Inputs], path: Path) -> dict[str, Any]:
-    with ModuleTrail(target.module) as trail:
+    with ModuleTrail(target.module.model) as trail:
         try:
             traced = torch.jit.trace(target.module, tuple(example), check_inputs=[tuple(c) for c in checks],
                                      check_tolerance=1e-5)
         except torch.jit.TracingCheckError as err:
-            notes = "; ".join(str(n) for n in trail.user_notes()[:3]) or "no tracer warning points at a module"
+            notes = [n for n in trail.user_notes() if not n.in_library] or trail.user_notes()
+            where = "; ".join(str(n) for n in notes[:3]) or "no tracer warning points at a module"
             raise ExportError(
                 f"--format torchscript: the trace of {target.model_class} froze a decision that does not hold for "
                 f"other inputs (re-tracing with other shapes gave another graph or other values). Where the tracer "
-                f"warned: {notes}. Use --format exported_program (it refuses what it cannot capture, naming the "
+                f"warned: {where}. Use --format exported_program (it refuses what it cannot capture, naming the "
                 f"line), or make that code shape- and value-independent. ({str(err).splitlines()[0][:200]})"
             ) from None
         except Exception as err:  # noqa: BLE001 - anything trace cannot handle becomes a message naming the model
@@ -86,7 +88,7 @@ def capture(target: ExportTarget, example: Inputs, fmt: str = "exported_program"
         try:
             return torch.export.export(target.module, tuple(example), dynamic_shapes=(specs,))
         except Exception as err:  # noqa: BLE001 - torch raises several types; each becomes a message
-            raise capture_error(err, target.module, target.model_class, fmt) from None
+            raise capture_error(err, target.module.model, target.model_class, fmt) from None
 
 
 def dim_max(program: torch.export.ExportedProgram, target: ExportTarget) -> dict[str, int]:
@@ -117,7 +119,7 @@ def _onnx(target: ExportTarget, example: Inputs, path: Path, opset: int | None) 
                                               output_names=target.output_names, opset_version=opset, dynamo=True,
                                               external_data=not inline, verbose=False)
         except Exception as err:  # noqa: BLE001
-            raise capture_error(err, target.module, target.model_class, "onnx") from None
+            raise capture_error(err, target.module.model, target.model_class, "onnx") from None
     onnx_program.save(str(path), external_data=not inline)
     model = onnx.load(str(path), load_external_data=False)
     _name_dynamic_axes(model, target)
@@ -143,15 +145,15 @@ def _name_dynamic_axes(model: Any, target: ExportTarget) -> None:
 
 @contextmanager
 def _quiet():
-    """torch.export / torch.onnx log their progress and optional-dependency notes (torchvision ops): keep the
-    export's own output readable. Errors still raise."""
+    """torch.export / torch.onnx log their progress and optional-dependency notes (torchvision ops), and a failed
+    torch.export prints its partial graph: keep the export's own output readable. Errors still raise."""
     loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._export",
                                                     "torch.fx.experimental.symbolic_shapes", "torch._dynamo")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -125,14 +125,21 @@ def _rows(sample: Sample, rows: list[int], extra: int, trim: bool = False) -> tu
 
 def sample_from_batch(batch: Mapping[str, Any], names: Sequence[str] | None = None, image_processor: Any = None,
                       pad_token_id: int = 0, source: str = "the run's evaluation data") -> Sample:
-    """Model-ready rows from a loader batch: the tensors named in `names` (default: every tensor but labels);
-    uint8 ``pixel_values`` are rescaled and standardised as `image_processor` says (else per channel)."""
-    wanted = names or [k for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"]
-    missing = [k for k in wanted if not isinstance(batch.get(k), torch.Tensor)]
-    if missing:
-        raise ExportError(f"example inputs ({source}): the batch has no tensor {missing[0]!r} (it has "
+    """Model-ready rows from a loader batch: the tensors named in `names` (default: every per-row tensor but the
+    labels; an image-text batch's ``caption_input_ids`` [B, K, L] give each image's first caption as
+    ``input_ids``); uint8 ``pixel_values`` are rescaled and standardised as `image_processor` says."""
+    rows = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim and k != "labels"}
+    for key in ("input_ids", "attention_mask"):
+        caption = rows.pop(f"caption_{key}", None)
+        if caption is not None and caption.ndim == 3 and key not in rows:
+            rows[key] = caption[:, 0]
+    lead = rows.get("input_ids", rows.get("pixel_values"))
+    wanted = list(names or [k for k, v in rows.items() if lead is None or v.shape[0] == lead.shape[0]])
+    missing = [k for k in wanted if k not in rows]
+    if missing or not wanted:
+        raise ExportError(f"example inputs ({source}): the batch has no tensor {missing[:1] or 'to use'} (it has "
                           f"{sorted(batch)}); pass inputs that name the model's arguments.")
-    tensors = {k: batch[k].detach().cpu()[:SAMPLE_ROWS] for k in wanted}
+    tensors = {k: rows[k].detach().cpu()[:SAMPLE_ROWS] for k in wanted}
     if "pixel_values" in tensors:
         tensors["pixel_values"] = normalize_pixels(tensors["pixel_values"], image_processor)
     return Sample(tensors, source, pad_token_id)

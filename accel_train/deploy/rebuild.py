@@ -101,7 +101,12 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     else:
         raise ExportError(f"{directory}: no {WEIGHTS} (the run saves it at the end; a checkpoint holds it too).")
     tied = {k for k in getattr(model, "all_tied_weights_keys", None) or {}}
-    result = model.load_state_dict(state, strict=True)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shapes differ: name the first one
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
+        raise ExportError(f"{directory}: the weights do not fit the rebuilt {type(model).__name__}: {first} Was the "
+                          f"model built with other arguments? Check {FACTORY_FILE} / --factory.") from None
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         details = (f"{len(missing)} missing, e.g. {missing[:2]}" if missing else "") + (

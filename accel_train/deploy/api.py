@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,7 +179,7 @@ def _end_sample(eval_loader: Any, processing_class: Any) -> Sample:
     pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     if eval_loader is not None:
         batch = next(iter(getattr(eval_loader, "base_dataloader", eval_loader)), None)
-        if isinstance(batch, dict):
+        if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
             return sample_from_batch(batch, image_processor=processor, pad_token_id=pad)
     size = (processor.size or {}).get("height") if processor is not None else None
     return synthetic_sample(tokenizer, size, 3, processor)

@@ -65,8 +65,9 @@ def capture_error(err: Exception, model: nn.Module, what: str, fmt: str) -> Expo
     where = ""
     if calls:
         filename, lineno, function, code = calls[-1]
-        modules = modules_at(model, filename, int(lineno))
-        where = (f"; in module {', '.join(modules) or function}, {Path(filename).name}:{lineno}: `{code.strip()}`")
+        modules = ", ".join(modules_at(model, filename, int(lineno))) or function
+        code = code.split("  #")[0].strip()  # the line without its comment
+        where = f"; in module {modules}, {Path(filename).name}:{lineno}: `{code}`"
     advice = ADVICE if any(mark in text for mark in _DATA_DEPENDENT) else (
         "Try another --format (torchscript traces Python control flow into one path, checked on other inputs).")
     return ExportError(f"--format {fmt}: cannot capture {what}: {first[:300].rstrip('.')}{where}. {advice}")
@@ -119,8 +120,8 @@ class ModuleTrail:
             text = str(message).split(". ")[0]
             module = self._stack[-1] if self._stack else "<root>"
             note = TracerNote(module, str(filename), int(lineno), text)
-            if note not in self.notes:
-                self.notes.append(note)
+            if all((n.filename, n.lineno) != (note.filename, note.lineno) for n in self.notes):
+                self.notes.append(note)  # the first module that ran the line; its twins would repeat it
 
     def user_notes(self) -> list[TracerNote]:
         """Warnings from the user's code first: those from torch and transformers are usually benign."""

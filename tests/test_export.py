@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, make_rows, reset_accelerate
+from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, launch, make_rows, reset_accelerate
 from PIL import Image
 from torch import nn
 
@@ -169,6 +169,18 @@ def test_the_contrastive_towers_export_alone_and_give_the_models_embeddings(fmt,
     assert_round_trip(vision, fmt, ["pixel_values"], [images], [out["image_embeds"]])
     meta = json.loads((tmp_path / "export.json").read_text())
     assert [a["outputs"] for a in meta["artifacts"]] == [["text_embeds"], ["image_embeds"]]
+    if fmt != "onnx":  # each artifact carries its own tower's weights only (ONNX prunes unused ones itself)
+        assert saved_parts(fmt, text.path) == {"text", "text_projection", "logit_scale"}
+        assert saved_parts(fmt, vision.path) == {"vision", "vision_projection", "logit_scale"}
+
+
+def saved_parts(fmt, path):
+    """The DualEncoder attributes whose weights an artifact holds."""
+    if fmt == "torchscript":
+        names = [n for n, _ in torch.jit.load(str(path)).named_parameters()]
+    else:
+        names = list(torch.export.load(str(path)).state_dict)
+    return {n.split(".")[1] for n in names}
 
 
 # ------------------------------------------------------------------------------------------- what fails
@@ -374,3 +386,16 @@ def test_cli_on_a_directory_without_a_model_says_what_is_missing(tmp_path, capsy
     err = capsys.readouterr().err
     assert "accel-train export error" in err and "no config.json and no model_factory.json" in err
     assert "--factory" in err
+
+
+@pytest.mark.slow
+def test_export_formats_under_two_processes_export_once_on_the_main_process(image_run, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(ROOT / "recipes" / "image_classification.py",
+                  ["--data_dir", str(image_run.parent / "data"), "--output_dir", str(out), *QUIET,
+                   "--config_overrides", '{"widths": [4, 8], "blocks_per_stage": 1}', "--num_train_epochs", "1",
+                   "--per_device_train_batch_size", "3", "--save_strategy", "no", "--export_formats", "torchscript"],
+                  num_processes=2)
+    assert proc.stdout.count("accel-train export: torchscript") == 1  # the main process exported, once
+    (record,) = json.loads((out / "export" / "torchscript" / "export.json").read_text())["artifacts"]
+    assert record["verified"] and record["max_abs_diff"] <= 1e-5

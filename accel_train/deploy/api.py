@@ -33,14 +33,14 @@ class ExportResult:
     format: str
     name: str
     path: Path
-    bytes: int
+    size_bytes: int
     max_abs_diff: float | None
     verified: bool
 
     def summary(self) -> str:
         check = (f"max |difference| {self.max_abs_diff:.2e} vs the trained model" if self.verified
                  else "not verified (onnxruntime not installed)")
-        return f"{self.format}: {self.path} ({self.bytes / 1e6:.2f} MB), {check}"
+        return f"{self.format}: {self.path} ({self.size_bytes / 1e6:.2f} MB), {check}"
 
 
 def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, sample: Sample, *,
@@ -58,18 +58,23 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt}: unknown; choose one of {', '.join(FORMATS)}.")
     output_dir = Path(output_dir)
+    training = model.training
     model.eval()
     results, records = [], []
-    for target in export_targets(model, sample):
-        example, checks = views(target.sample)
-        path = output_dir / f"{target.name}{SUFFIX[fmt]}"
-        with torch.no_grad():
-            info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
-        verdict = verify_artifact(fmt, path, target, checks, tolerance)
-        result = ExportResult(fmt, target.name, path, path.stat().st_size, verdict["max_abs_diff"], verdict["verified"])
-        results.append(result)
-        records.append(_record(target, example, result, verdict, info))
-        print(f"accel-train export: {result.summary()}", flush=True)
+    try:
+        for target in export_targets(model, sample):
+            example, checks = views(target.sample)
+            path = output_dir / f"{target.name}{SUFFIX[fmt]}"
+            with torch.no_grad():
+                info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
+            verdict = verify_artifact(fmt, path, target, checks, tolerance)
+            result = ExportResult(fmt, target.name, path, path.stat().st_size, verdict["max_abs_diff"],
+                                  verdict["verified"])
+            results.append(result)
+            records.append(_record(target, example, result, verdict, info))
+            print(f"accel-train export: {result.summary()}", flush=True)
+    finally:
+        model.train(training)
     _write_metadata(output_dir, fmt, source, sample, tolerance, records)
     return results
 
@@ -77,7 +82,7 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
 def _record(target, example, result: ExportResult, verdict: dict, info: dict) -> dict[str, Any]:
     axes = target.sample.dynamic_axes()
     return {
-        "name": target.name, "file": result.path.name, "bytes": result.bytes, "model_class": target.model_class,
+        "name": target.name, "file": result.path.name, "bytes": result.size_bytes, "model_class": target.model_class,
         "inputs": [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "example_shape": list(t.shape),
                     "dynamic_axes": {str(a): label for a, label in axes[n].items()}}
                    for n, t in zip(target.input_names, example, strict=True)],
@@ -139,7 +144,7 @@ def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path,
     if not formats:
         return []
     results: list[ExportResult] = []
-    error: ExportError | None = None
+    error: Exception | None = None
     if accelerator.is_main_process:
         if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             print(f"accel-train export: skipped under {accelerator.distributed_type.value} (sharded weights); run "
@@ -148,12 +153,14 @@ def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path,
             try:
                 results = _export_at_end(accelerator, model, Path(output_dir), formats, processing_class,
                                          eval_loader, tolerance)
-            except ExportError as err:
+            except Exception as err:  # noqa: BLE001 - raised below, after the barrier every process reaches
                 error = err
     accelerator.wait_for_everyone()  # the other processes must not tear down the group while the main exports
-    if error is not None:
+    if isinstance(error, ExportError):
         raise ExportError(f"{error} The trained model is saved in {output_dir}; retry with `accel-train export "
-                          f"{output_dir} --format FORMAT` once fixed.")
+                          f"{output_dir} --format FORMAT` once fixed.") from None
+    if error is not None:
+        raise error
     return results
 
 

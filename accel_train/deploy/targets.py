@@ -4,11 +4,13 @@ of tensors out.
 Every format wants plain tensors at its boundary, while a transformers model takes keyword arguments and returns
 a ModelOutput. `Positional` adapts one to the other, with the input order and output names written to
 export.json. A dual encoder (``accel_train.contrastive.DualEncoder``: a text tower and a vision tower) is exported
-as two artifacts, each producing its L2-normalised embeddings: a serving stack embeds texts and images apart.
+as two artifacts, each running the model's own forward with one kind of input and producing its L2-normalised
+embeddings (a serving stack embeds texts and images apart); each carries only its tower's weights.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,29 +44,6 @@ class Positional(nn.Module):
         return tuple(out)
 
 
-class TextTower(nn.Module):
-    """A dual encoder's text side: `forward(input_ids, attention_mask)` -> L2-normalised text embeddings."""
-
-    def __init__(self, dual: nn.Module):
-        super().__init__()
-        self.dual = dual
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        features = self.dual.encode_text(input_ids, attention_mask)
-        return nn.functional.normalize(self.dual.text_projection(features), dim=-1)
-
-
-class VisionTower(nn.Module):
-    """A dual encoder's image side: `forward(pixel_values)` -> L2-normalised image embeddings."""
-
-    def __init__(self, dual: nn.Module):
-        super().__init__()
-        self.dual = dual
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return nn.functional.normalize(self.dual.vision_projection(self.dual.vision(pixel_values)), dim=-1)
-
-
 @dataclass
 class ExportTarget:
     """One artifact to write: `module(*sample tensors in input_names order)` returns `output_names`."""
@@ -92,13 +71,11 @@ def export_targets(model: nn.Module, sample: Sample) -> list[ExportTarget]:
     """The artifacts for `model` (in eval mode): one, or a text and a vision tower for a dual encoder."""
     name = type(model).__name__
     if is_dual_encoder(model):
-        towers = [("text_tower", TextTower(model), ["input_ids", "attention_mask"], "text_embeds"),
-                  ("vision_tower", VisionTower(model), ["pixel_values"], "image_embeds")]
-        targets = []
-        for tower, module, inputs, output in towers:
-            if all(k in sample.tensors for k in inputs):
-                targets.append(ExportTarget(tower, Positional(module, inputs), inputs, [output],
-                                            sample.select(inputs), f"{name}.{tower}"))
+        towers = [("text_tower", ["input_ids", "attention_mask"], "text_embeds", ("vision", "vision_projection")),
+                  ("vision_tower", ["pixel_values"], "image_embeds", ("text", "text_projection"))]
+        targets = [ExportTarget(tower, Positional(_without(model, dropped), inputs, [output]), inputs, [output],
+                                sample.select(inputs), f"{name}.{tower}")
+                   for tower, inputs, output, dropped in towers if all(k in sample.tensors for k in inputs)]
         if not targets:
             raise ExportError(f"{name}: the example inputs ({sorted(sample.tensors)}) feed neither tower; a text "
                               "tower needs input_ids and attention_mask, a vision tower pixel_values.")
@@ -109,6 +86,14 @@ def export_targets(model: nn.Module, sample: Sample) -> list[ExportTarget]:
     outputs = _output_names(out)
     keys = outputs if isinstance(out, Mapping) else None
     return [ExportTarget("model", Positional(model, inputs, keys), inputs, outputs, sample.select(inputs), name)]
+
+
+def _without(model: nn.Module, names: Sequence[str]) -> nn.Module:
+    """A view of `model` sharing its weights, with the submodules `names` replaced by nn.Identity: the tower
+    runs the model's own forward, and the artifact carries only the weights that tower uses."""
+    view = copy.copy(model)
+    view._modules = {k: nn.Identity() if k in names else v for k, v in model._modules.items()}
+    return view
 
 
 def _forward_inputs(model: nn.Module, sample: Sample) -> list[str]:

@@ -37,8 +37,9 @@ import image_classification  # noqa: E402
 import nlp_finetune  # noqa: E402
 
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
-FORMAT_CASES = [pytest.param(f, marks=pytest.mark.skipif(f == "onnx" and not HAS_ONNX, reason="pip install "
-                                                                        "'accel_train[deploy]'")) for f in FORMATS]
+# ONNX: the optional packages, and the slowest exporter (several seconds even for a tiny model)
+ONNX_MARKS = [pytest.mark.skipif(not HAS_ONNX, reason="pip install 'accel_train[deploy]'"), pytest.mark.slow]
+FORMAT_CASES = [pytest.param(f, marks=ONNX_MARKS if f == "onnx" else ()) for f in FORMATS]
 QUIET = ["--report_to", "none", "--disable_tqdm", "--no_preflight", "--run_report", "false", "--cpu_threads", "1"]
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(
     "the a delivery arrived two days late and box was damaged great service i am not sure how feel about new "

@@ -3,6 +3,8 @@
     accel-train launch [accelerate launch flags] SCRIPT [script flags]
     accel-train report RUN_DIR                      rebuild RUN_DIR/report.md and its plots
     accel-train compare RUN_DIR RUN_DIR ... [-o DIR] overlay the curves of several runs (default DIR: compare)
+    accel-train export RUN_DIR_OR_CHECKPOINT --format torchscript|exported_program|onnx [--output DIR]
+                                                    export the trained model for inference, verified against it
 
 `launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
 joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
@@ -107,7 +109,31 @@ def _compare(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"launch": _launch, "report": _report, "compare": _compare}
+def _export(argv: Sequence[str]) -> int:
+    from .deploy import DEFAULT_TOLERANCE, FORMATS, ModelFactory, export_run
+
+    parser = argparse.ArgumentParser(prog="accel-train export", description=(
+        "Export a trained model as TorchScript, a torch.export ExportedProgram or ONNX, load it back and compare it "
+        "with the model on held-out inputs at other shapes. Writes the artifact and export.json (docs/deploy.md)."))
+    parser.add_argument("source", help="a run's --output_dir, or one of its checkpoints/step-N directories")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="the artifact's format")
+    parser.add_argument("--output", default=None, help="directory to write into (default: RUN_DIR/export/FORMAT)")
+    parser.add_argument("--inputs", default=None, help="example inputs: a .safetensors of input tensors (rows "
+                        "first) or a text file, one text per line (default: what the run kept, else made up)")
+    parser.add_argument("--factory", default=None, help="module:callable that builds the untrained model, for a "
+                        "plain nn.Module whose run recorded no model_factory.json")
+    parser.add_argument("--factory_kwargs", default=None, help="JSON keyword arguments for --factory")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help="largest |artifact - model| accepted (default %(default)g)")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    args = parser.parse_args(argv)
+    factory = ModelFactory.parse(args.factory, args.factory_kwargs) if args.factory else None
+    export_run(args.source, args.format, args.output, factory=factory, inputs=args.inputs, tolerance=args.tolerance,
+               opset=args.opset)
+    return 0
+
+
+COMMANDS = {"launch": _launch, "report": _report, "compare": _compare, "export": _export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from .errors import ConfigError
 
 TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "reduce_on_plateau")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd")
+EXPORT_FORMATS = ("torchscript", "exported_program", "onnx")  # accel_train.deploy writes them
 
 
 def _transformers_schedulers() -> tuple[str, ...]:
@@ -165,6 +166,11 @@ class TrainConfig:
         metadata={"help": "Trackers: tensorboard (default), wandb, mlflow, trackio, aim, ... or none."},
     )
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    export_formats: list[str] | None = field(
+        default=None, metadata={"help": f"After the final safetensors export, also export the model as any of "
+                                        f"{', '.join(EXPORT_FORMATS)} into output_dir/export/FORMAT, verified "
+                                        "against it (docs/deploy.md)."}
+    )
 
     # --- run report, pre-flight check, diagnostics (accel_train/observe.py and the modules it names)
     preflight: bool = field(
@@ -304,6 +310,9 @@ def _validate(cfg: TrainConfig) -> None:
                   "choose default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs.")
     if cfg.dataloader_persistent_workers and cfg.dataloader_num_workers == 0:
         raise ConfigError("--dataloader_persistent_workers needs --dataloader_num_workers > 0.")
+    for fmt in cfg.export_formats or ():
+        if fmt not in EXPORT_FORMATS:
+            raise bad("export_formats", fmt, f"unknown format; choose from {', '.join(EXPORT_FORMATS)}.")
 
 
 # ----------------------------------------------------------------------------------------------- parsing

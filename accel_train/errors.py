@@ -38,6 +38,12 @@ class ModelError(UserError):
     kind = "model error"
 
 
+class ExportError(ModelError):
+    """A model that cannot be exported, or an exported artifact that does not compute what the model computes."""
+
+    kind = "export error"
+
+
 class TrainingDiverged(UserError):
     """A non-finite loss or gradient under --on_nonfinite stop (or too many skipped steps)."""
 

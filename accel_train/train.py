@@ -5,6 +5,7 @@
     state = session.start(hooks)                 resume or fresh; run directory, log, start-up report
     run_loop(session, state, meter, probe)       the step loop (core/loop.py)
     session.finish(state, meter, runtime)        final evaluation, the finish seam, results written once
+    export_formats_at_end(...)                   --export_formats: TorchScript / ExportedProgram / ONNX, verified
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .core.loop import run_loop
 from .core.meter import StepMeter
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
+from .deploy import export_formats_at_end
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
 
@@ -77,7 +79,14 @@ def train(
     started = time.perf_counter()
     with observer.probe(state.step) as probe:
         run_loop(session, state, meter, probe)
-    return session.finish(state, meter, time.perf_counter() - started, end_training)
+    formats = session.config.export_formats
+    result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
+    if formats:  # after all_results.json and the weights: a failed export loses neither
+        export_formats_at_end(session.accelerator, session.model, session.config.output_dir, formats,
+                              session.processing_class, session.eval_loader)
+        if end_training:
+            session.accelerator.end_training()
+    return result
 
 
 def _builtin_hooks(config: TrainConfig) -> list:

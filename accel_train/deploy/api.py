@@ -1,0 +1,192 @@
+"""Export a trained model, verify the artifact, write export.json: from a live model, a run directory, or at the
+end of training."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ExportError
+from .factory import ModelFactory, describe_model
+from .formats import FORMATS, SUFFIX, write_artifact
+from .inputs import Sample, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
+from .rebuild import load_trained_model
+from .targets import export_targets
+from .verify import verify_artifact
+
+DEFAULT_TOLERANCE = 1e-4
+EXPORT_DIR = "export"
+SAMPLE_FILE = "example_inputs.safetensors"  # the run's own evaluation inputs, kept for later exports
+
+
+@dataclass
+class ExportResult:
+    """One written artifact: its path and size, and the verification (max |artifact - model| over the checks)."""
+
+    format: str
+    name: str
+    path: Path
+    size_bytes: int
+    max_abs_diff: float | None
+    verified: bool
+
+    def summary(self) -> str:
+        check = (f"max |difference| {self.max_abs_diff:.2e} vs the trained model" if self.verified
+                 else "not verified (onnxruntime not installed)")
+        return f"{self.format}: {self.path} ({self.size_bytes / 1e6:.2f} MB), {check}"
+
+
+def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, sample: Sample, *,
+                           tolerance: float = DEFAULT_TOLERANCE, opset: int | None = None,
+                           source: str = "a live model") -> list[ExportResult]:
+    """Export `model` (one artifact, or one per tower of a dual encoder) as `fmt` into `output_dir`, verify each
+    against the model on held-out rows of `sample` at other shapes, and write ``output_dir/export.json``.
+
+        results = export_model_artifacts(model, "onnx", "runs/demo/export/onnx", sample)
+        print(results[0].max_abs_diff)
+
+    The model is exported in eval mode; pass it in fp32 on the CPU for a portable artifact. Raises ExportError
+    when the model cannot be captured (naming the module) or an artifact differs by more than `tolerance`.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt}: unknown; choose one of {', '.join(FORMATS)}.")
+    output_dir = Path(output_dir)
+    training = model.training
+    model.eval()
+    results, records = [], []
+    try:
+        for target in export_targets(model, sample):
+            example, checks = views(target.sample)
+            path = output_dir / f"{target.name}{SUFFIX[fmt]}"
+            with torch.no_grad():
+                info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
+            verdict = verify_artifact(fmt, path, target, checks, tolerance)
+            result = ExportResult(fmt, target.name, path, path.stat().st_size, verdict["max_abs_diff"],
+                                  verdict["verified"])
+            results.append(result)
+            records.append(_record(target, example, result, verdict, info))
+            print(f"accel-train export: {result.summary()}", flush=True)
+    finally:
+        model.train(training)
+    _write_metadata(output_dir, fmt, source, sample, tolerance, records)
+    return results
+
+
+def _record(target, example, result: ExportResult, verdict: dict, info: dict) -> dict[str, Any]:
+    axes = target.sample.dynamic_axes()
+    return {
+        "name": target.name, "file": result.path.name, "bytes": result.size_bytes, "model_class": target.model_class,
+        "inputs": [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "example_shape": list(t.shape),
+                    "dynamic_axes": {str(a): label for a, label in axes[n].items()}}
+                   for n, t in zip(target.input_names, example, strict=True)],
+        "outputs": target.output_names, "example_shapes": shape_text(example), **verdict, **info,
+    }
+
+
+def _write_metadata(output_dir: Path, fmt: str, source: str, sample: Sample, tolerance: float,
+                    records: list[dict]) -> None:
+    meta = {"format": fmt, "source": source, "example_inputs": sample.source, "torch_version": torch.__version__,
+            "tolerance": tolerance, "artifacts": records}
+    try:
+        import onnxruntime
+
+        meta["onnxruntime_version"] = onnxruntime.__version__ if fmt == "onnx" else None
+    except ImportError:
+        pass
+    (output_dir / "export.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}, indent=2))
+
+
+def export_run(path: str | Path, fmt: str, output: str | Path | None = None, *,
+               factory: ModelFactory | None = None, inputs: str | Path | None = None,
+               tolerance: float = DEFAULT_TOLERANCE, opset: int | None = None) -> list[ExportResult]:
+    """`accel-train export`: rebuild the model a run saved (run directory or checkpoint, see `rebuild.py`), export
+    it as `fmt` and verify it. Output: `output`, default ``RUN_DIR/export/FORMAT`` (a checkpoint's:
+    ``RUN_DIR/export/step-N/FORMAT``).
+
+    Example inputs, best first: `inputs` (.safetensors of named input tensors, or a text file with one text per
+    line), the evaluation inputs the run kept (``RUN_DIR/export/example_inputs.safetensors``, written when it
+    ended with --export_formats), else inputs made from the run's tokenizer / image processor.
+    """
+    trained = load_trained_model(path, factory)
+    default = trained.run_dir / EXPORT_DIR / (trained.checkpoint.name if trained.checkpoint else "") / fmt
+    kept = trained.run_dir / EXPORT_DIR / SAMPLE_FILE
+    if inputs:
+        sample = sample_from_file(Path(inputs), trained.tokenizer)
+    elif kept.is_file():
+        sample = sample_from_file(kept)
+    else:
+        channels = getattr(getattr(trained.model, "config", None), "num_channels", 3)
+        wants_images = trained.image_processor is not None or trained.tokenizer is None
+        sample = synthetic_sample(trained.tokenizer, trained.image_size if wants_images else None, channels,
+                                  trained.image_processor)
+    source = f"{trained.checkpoint or trained.run_dir} ({trained.built_by})"
+    return export_model_artifacts(trained.model, fmt, Path(output) if output else default, sample,
+                                  tolerance=tolerance, opset=opset, source=source)
+
+
+def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path, formats: Sequence[str],
+                          processing_class: Any = None, eval_loader: Any = None,
+                          tolerance: float = DEFAULT_TOLERANCE) -> list[ExportResult]:
+    """--export_formats: after the final safetensors export, export the trained model in each format into
+    ``output_dir/export/FORMAT`` and verify it, on the main process (every process calls this; the others wait).
+
+    The example inputs are the first evaluation batch (kept as export/example_inputs.safetensors for later
+    `accel-train export` runs), else made from `processing_class`. A plain module's factory is recorded too.
+    Sharded models (FSDP, DeepSpeed) are skipped with a note: export them from the run directory afterwards.
+    """
+    if not formats:
+        return []
+    results: list[ExportResult] = []
+    error: Exception | None = None
+    if accelerator.is_main_process:
+        if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            print(f"accel-train export: skipped under {accelerator.distributed_type.value} (sharded weights); run "
+                  f"`accel-train export {output_dir} --format FORMAT` after training.", flush=True)
+        else:
+            try:
+                results = _export_at_end(accelerator, model, Path(output_dir), formats, processing_class,
+                                         eval_loader, tolerance)
+            except Exception as err:  # noqa: BLE001 - raised below, after the barrier every process reaches
+                error = err
+    accelerator.wait_for_everyone()  # the other processes must not tear down the group while the main exports
+    if isinstance(error, ExportError):
+        raise ExportError(f"{error} The trained model is saved in {output_dir}; retry with `accel-train export "
+                          f"{output_dir} --format FORMAT` once fixed.") from None
+    if error is not None:
+        raise error
+    return results
+
+
+def _export_at_end(accelerator, model, output_dir: Path, formats, processing_class, eval_loader, tolerance):
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    exported = copy.deepcopy(bare).to("cpu", torch.float32).eval()  # a portable fp32 CPU artifact
+    factory = describe_model(exported)
+    if factory is not None:
+        factory.save(output_dir)
+    sample = _end_sample(eval_loader, processing_class)
+    sample.save(output_dir / EXPORT_DIR / SAMPLE_FILE)
+    results = []
+    for fmt in formats:
+        results += export_model_artifacts(exported, fmt, output_dir / EXPORT_DIR / fmt, sample, tolerance=tolerance,
+                                          source=f"{output_dir} (the trained model at the end of training)")
+    return results
+
+
+def _end_sample(eval_loader: Any, processing_class: Any) -> Sample:
+    """The first evaluation batch (read from the loader Accelerate wraps: no collective), else made-up inputs."""
+    processor = processing_class if hasattr(processing_class, "image_mean") else None
+    tokenizer = None if processor is not None else processing_class
+    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
+    if eval_loader is not None:
+        batch = next(iter(getattr(eval_loader, "base_dataloader", eval_loader)), None)
+        if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
+            return sample_from_batch(batch, image_processor=processor, pad_token_id=pad)
+    size = (processor.size or {}).get("height") if processor is not None else None
+    return synthetic_sample(tokenizer, size, 3, processor)

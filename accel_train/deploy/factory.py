@@ -1,0 +1,157 @@
+"""How to rebuild a plain `nn.Module` from a run directory: a `module:callable` and its JSON keyword arguments.
+
+A transformers model rebuilds from the config.json that `save_pretrained` writes beside its weights. A plain
+module (the image recipe's SmallResNet, the contrastive recipe's DualEncoder, your own) has no such file, so a
+run records one, ``model_factory.json``::
+
+    {"factory": "accel_train.tasks.vision.models:SmallResNet",
+     "kwargs": {"num_labels": 10, "widths": [16, 32, 64], ...}}
+
+`accel-train export` calls ``factory(**kwargs)`` and loads the saved weights into the result (strictly: every
+parameter must match). Recipes record it with the `RecordModelFactory` hook, which describes SmallResNet and
+DualEncoder by itself; for your own module pass ``factory=ModelFactory("my_pkg.models:build", {...})`` to the
+hook, or give ``--factory my_pkg.models:build --factory_kwargs '{...}'`` to `accel-train export`.
+
+This module imports no model code: models are recognised by their attributes, and built through the string.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import ExportError
+
+FACTORY_FILE = "model_factory.json"
+DUAL_ENCODER_FACTORY = "accel_train.deploy.factories:dual_encoder"
+SMALL_RESNET_FACTORY = "accel_train.tasks.vision.models:SmallResNet"
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """`target` ("package.module:callable", dots allowed after the colon) called with JSON-able `kwargs`."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module, _, name = self.target.partition(":")
+        if not module or not name:
+            raise ExportError(f"factory {self.target!r}: expected 'package.module:callable', e.g. "
+                              f"{SMALL_RESNET_FACTORY!r}.")
+        try:
+            json.dumps(self.kwargs)
+        except TypeError as err:
+            raise ExportError(f"factory {self.target}: its kwargs must be JSON ({err}).") from None
+
+    @classmethod
+    def parse(cls, target: str, kwargs_json: str | None = None) -> ModelFactory:
+        """From the command line: `--factory module:callable --factory_kwargs '{"num_labels": 3}'`."""
+        try:
+            kwargs = json.loads(kwargs_json) if kwargs_json else {}
+        except json.JSONDecodeError as err:
+            raise ExportError(f"--factory_kwargs {kwargs_json!r}: not JSON ({err}).") from None
+        if not isinstance(kwargs, dict):
+            raise ExportError(f"--factory_kwargs {kwargs_json!r}: must be a JSON object of keyword arguments.")
+        return cls(target, kwargs)
+
+    def build(self) -> nn.Module:
+        module_name, _, attr = self.target.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as err:
+            raise ExportError(f"factory {self.target}: cannot import it ({err}). Is its package installed and on "
+                              "PYTHONPATH?") from None
+        try:
+            model = obj(**self.kwargs)
+        except TypeError as err:
+            raise ExportError(f"factory {self.target} with the kwargs {sorted(self.kwargs)}: {err}. Fix "
+                              f"{FACTORY_FILE} or --factory_kwargs.") from None
+        if not isinstance(model, nn.Module):
+            raise ExportError(f"factory {self.target} returned {type(model).__name__}, not a torch.nn.Module.")
+        return model
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / FACTORY_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"factory": self.target, "kwargs": self.kwargs}, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ModelFactory | None:
+        path = Path(directory) / FACTORY_FILE
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return cls(data["factory"], data.get("kwargs", {}))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ExportError(f"{path}: unreadable ({err}); expected {{\"factory\": \"module:callable\", "
+                              "\"kwargs\": {...}}.") from None
+
+
+def describe_model(model: nn.Module) -> ModelFactory | None:
+    """A factory that rebuilds `model`'s architecture: SmallResNet and DualEncoder (with a SmallResNet or a
+    transformers vision tower) are recognised; anything else gives None."""
+    if _is(model, "SmallResNet"):
+        return ModelFactory(SMALL_RESNET_FACTORY, small_resnet_kwargs(model))
+    if _is(model, "DualEncoder"):
+        text = model.text
+        if _is(model.vision, "SmallResNet"):
+            vision: dict[str, Any] = {"small_resnet": small_resnet_kwargs(model.vision)}
+        elif _is(model.vision, "PooledVision") and hasattr(model.vision.model, "config"):
+            vision = {"transformers": model.vision.model.config.to_dict()}
+        else:
+            return None
+        return ModelFactory(DUAL_ENCODER_FACTORY, {
+            "text_config": text.config.to_dict(), "text_pooler": getattr(text, "pooler", None) is not None,
+            "vision": vision, "embed_dim": model.text_projection.out_features,
+            "max_logit_scale": round(math.exp(model.max_log_scale), 6)})
+    return None
+
+
+def small_resnet_kwargs(model: nn.Module) -> dict[str, Any]:
+    """SmallResNet's constructor arguments, read back from its layers (a stage starts at a stride-2 block)."""
+    stem = model.stem[0]
+    blocks = list(model.blocks)
+    starts = [i for i, block in enumerate(blocks) if i == 0 or block.conv1.stride[0] == 2]
+    head = model.head
+    return {"num_labels": head.out_features if isinstance(head, nn.Linear) else 0,
+            "widths": [blocks[i].conv1.out_channels for i in starts],
+            "blocks_per_stage": len(blocks) // len(starts), "in_channels": stem.in_channels,
+            "stem_stride": stem.stride[0]}
+
+
+def _is(model: nn.Module, class_name: str) -> bool:
+    cls = type(model)
+    return cls.__name__ == class_name and cls.__module__.startswith("accel_train.")
+
+
+class RecordModelFactory:
+    """Hook: write ``output_dir/model_factory.json`` when training starts (main process), so that
+    `accel-train export` rebuilds the model from the run directory or any of its checkpoints.
+
+    Transformers models need nothing (their config.json is saved with the weights): then the hook does nothing.
+
+        hooks=[RecordModelFactory(model, config.output_dir, accelerator.is_main_process)]
+    """
+
+    def __init__(self, model: nn.Module, output_dir: str | Path, main_process: bool = True,
+                 factory: ModelFactory | None = None):
+        self.output_dir, self.main_process = Path(output_dir), main_process
+        self.factory = factory or describe_model(model)
+        if self.factory is None and not hasattr(model, "config"):
+            raise ExportError(f"RecordModelFactory: cannot describe {type(model).__name__} by itself; pass "
+                              "factory=ModelFactory('package.module:callable', {...}) that rebuilds it.")
+
+    def on_train_start(self, state) -> None:
+        if self.factory is not None and self.main_process:
+            self.factory.save(self.output_dir)

@@ -1,0 +1,149 @@
+"""Rebuild a trained model from what a run saved: its run directory or one of its checkpoints.
+
+* ``RUN_DIR`` (a run's --output_dir): the final weights, ``model.safetensors`` (sharded: with its index), and
+  beside them either config.json (a transformers model, `save_pretrained`) or model_factory.json (a plain module,
+  see `factory.py`).
+* ``RUN_DIR/checkpoints/step-N``: Accelerate state; the model's weights are its ``model.safetensors`` and the
+  checkpoint is verified against its manifest first. How to build the architecture comes from the run directory
+  two levels up (config.json exists once the run finished; model_factory.json from its start).
+
+The tokenizer and image processor saved in the run directory come along: they make the example inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ExportError
+from ..rundir.checkpoint import verify_checkpoint
+from .factory import FACTORY_FILE, ModelFactory
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class TrainedModel:
+    """A rebuilt model (fp32, CPU, eval mode) and what came with it."""
+
+    model: nn.Module
+    run_dir: Path
+    checkpoint: Path | None
+    built_by: str  # "BertForSequenceClassification (config.json)" or the factory target
+    tokenizer: Any = None
+    image_processor: Any = None  # the saved preprocessor_config.json's values (size, mean, std, rescale_factor)
+
+    @property
+    def image_size(self) -> int | None:
+        """The side of the square images the model takes: the saved processor's, else the model config's."""
+        size = getattr(self.image_processor, "size", None) or {}
+        if size.get("height") or size.get("shortest_edge"):
+            return int(size.get("height") or size.get("shortest_edge"))
+        value = getattr(getattr(self.model, "config", None), "image_size", None)
+        return value if isinstance(value, int) else None
+
+
+def load_trained_model(path: str | Path, factory: ModelFactory | None = None) -> TrainedModel:
+    """Rebuild the model saved at `path` (a run directory or a checkpoint directory) with its weights loaded
+    strictly. `factory` overrides how the architecture is built. Raises ExportError saying what is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such directory (give a run's --output_dir or one of its checkpoints).")
+    checkpoint = path if (path / "manifest.json").is_file() or path.parent.name == "checkpoints" else None
+    run_dir = path.parent.parent if checkpoint else path
+    if checkpoint:
+        try:
+            verify_checkpoint(checkpoint)
+        except CheckpointError as err:
+            raise ExportError(f"{checkpoint}: {err}") from None
+    factory = factory or ModelFactory.load(run_dir)
+    if factory is not None:
+        model, built_by = factory.build(), factory.target
+    else:
+        model, built_by = _transformers_model(run_dir, checkpoint)
+    _load_weights(model, checkpoint or run_dir)
+    model = model.to("cpu", torch.float32).eval()
+    return TrainedModel(model, run_dir, checkpoint, built_by, _tokenizer(run_dir), _image_processor(run_dir))
+
+
+def _transformers_model(run_dir: Path, checkpoint: Path | None) -> tuple[nn.Module, str]:
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        when = " (a transformers run writes config.json when it finishes)" if checkpoint else ""
+        raise ExportError(
+            f"{run_dir}: cannot tell how to build the model: no config.json{when} and no {FACTORY_FILE}. Pass "
+            "--factory package.module:callable [--factory_kwargs JSON] that builds the untrained model.")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(run_dir)
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise ExportError(f"{config_file}: architectures {names} names no transformers model class; pass --factory.")
+    return cls(config), f"{names[0]} (config.json)"
+
+
+def _load_weights(model: nn.Module, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    if (directory / WEIGHTS).is_file():
+        state = load_file(str(directory / WEIGHTS))
+    elif (directory / WEIGHTS_INDEX).is_file():
+        shards = sorted(set(json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+        state = {k: v for shard in shards for k, v in load_file(str(directory / shard)).items()}
+    else:
+        raise ExportError(f"{directory}: no {WEIGHTS} (the run saves it at the end; a checkpoint holds it too).")
+    tied = {k for k in getattr(model, "all_tied_weights_keys", None) or {}}
+    # a plain module's tied weights: the file holds one name of each group sharing memory (safetensors refuses
+    # shared tensors); loading it fills the others, which are the same Parameter
+    sharing: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        sharing.setdefault(tensor.data_ptr(), []).append(name)
+    tied |= {n for names in sharing.values() if len(names) > 1 and any(m in state for m in names) for n in names}
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shapes differ: name the first one
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
+        raise ExportError(f"{directory}: the weights do not fit the rebuilt {type(model).__name__}: {first} Was the "
+                          f"model built with other arguments? Check {FACTORY_FILE} / --factory.") from None
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        details = (f"{len(missing)} missing, e.g. {missing[:2]}" if missing else "") + (
+            f"{'; ' if missing else ''}{len(result.unexpected_keys)} unexpected, e.g. {result.unexpected_keys[:2]}"
+            if result.unexpected_keys else "")
+        raise ExportError(f"{directory / WEIGHTS}: the weights do not fit the rebuilt {type(model).__name__} "
+                          f"({details}). Was the model built with other arguments? Check {FACTORY_FILE} / --factory.")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _tokenizer(run_dir: Path) -> Any:
+    if not (run_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(run_dir)
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{run_dir}: the saved tokenizer does not load ({err}).") from None
+
+
+def _image_processor(run_dir: Path) -> Any:
+    """The saved preprocessor_config.json as attributes; read directly, since the processor class the
+    transformers Auto API picks may need torchvision."""
+    path = run_dir / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    values = json.loads(path.read_text())
+    size = values.get("crop_size") if values.get("do_center_crop") else values.get("size")
+    if isinstance(size, int):
+        size = {"height": size, "width": size}
+    return SimpleNamespace(size=size, image_mean=values.get("image_mean"), image_std=values.get("image_std"),
+                           rescale_factor=values.get("rescale_factor", 1 / 255))

@@ -105,7 +105,7 @@ def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
     policy = plugin.auto_wrap_policy
     if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
         return None
-    names = list(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
+    names = sorted(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     if embedding is None:
         return names

@@ -162,6 +162,31 @@ def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
     assert ds["train_batch_size"] == "auto"  # Accelerate's to fill, from the prepared loader
 
 
+def test_preflight_simulates_a_deepspeed_json_schedule_as_the_engine_steps_it():
+    """DeepSpeed's WarmupDecayLR trains its first two steps at warmup_min_lr and stops short of 0; the pre-flight
+    shows that, not the config's schedule (a 2-process ZeRO-2 run logged exactly these rates)."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from accel_train.observe.preflight.model_checks import simulate_schedule
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)
+    schedule = lr_schedules.WarmupDecayLR(optimizer, total_num_steps=12, warmup_min_lr=0, warmup_max_lr=3e-3,
+                                          warmup_num_steps=2, warmup_type="linear")
+    lrs = simulate_schedule(schedule, 12)[0]
+    assert lrs[:5] == pytest.approx([0.0, 0.0, 0.0015, 0.003, 0.0027]) and lrs[12] == pytest.approx(0.0003)
+    assert schedule.last_batch_iteration == -1  # simulated on a copy: the schedule itself has not moved
+
+
+def test_a_stale_deepspeed_build_lock_is_removed(tmp_path):
+    from deepspeed_ops import remove_stale_locks
+
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "lock").write_text("")
+    (tmp_path / "fused_adam" / "fused_adam.so").write_text("built")
+    assert remove_stale_locks(tmp_path) == [tmp_path / "fused_adam" / "lock"]
+    assert sorted(p.name for p in (tmp_path / "fused_adam").iterdir()) == ["fused_adam.so"]
+    assert remove_stale_locks(tmp_path / "missing") == []
+
+
 # ------------------------------------------------------------------------------ real launches on 2 gloo processes
 
 

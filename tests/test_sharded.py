@@ -179,11 +179,11 @@ def test_preflight_simulates_a_deepspeed_json_schedule_as_the_engine_steps_it():
 def test_a_stale_deepspeed_build_lock_is_removed(tmp_path):
     from deepspeed_ops import remove_stale_locks
 
-    (tmp_path / "fused_adam").mkdir()
-    (tmp_path / "fused_adam" / "lock").write_text("")
-    (tmp_path / "fused_adam" / "fused_adam.so").write_text("built")
-    assert remove_stale_locks(tmp_path) == [tmp_path / "fused_adam" / "lock"]
-    assert sorted(p.name for p in (tmp_path / "fused_adam").iterdir()) == ["fused_adam.so"]
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    (tmp_path / "deepspeed_shm_comm" / "op.so").write_text("built")
+    assert remove_stale_locks(tmp_path) == [tmp_path / "deepspeed_shm_comm" / "lock"]
+    assert sorted(p.name for p in (tmp_path / "deepspeed_shm_comm").iterdir()) == ["op.so"]
     assert remove_stale_locks(tmp_path / "missing") == []
 
 

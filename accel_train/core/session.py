@@ -354,6 +354,9 @@ def _schedule(optimizer, config: TrainConfig, plan, spec: RunSpec, accelerator):
         if spec.scheduler is not None:
             raise ConfigError("--scale_lr scales the optimizer's learning rates before the schedule is built; with a "
                               "scheduler of your own, scale the rates yourself and leave --scale_lr none.")
-        for group in optimizer.param_groups:
-            group["lr"] *= plan.lr_scale
+        # DeepSpeed's DummyOptim holds plain groups; its own lr is filled already scaled (sharded.py)
+        groups = getattr(optimizer, "param_groups", None) or getattr(optimizer, "params", [])
+        for group in groups:
+            if isinstance(group, dict) and "lr" in group:
+                group["lr"] *= plan.lr_scale
     return spec.scheduler or build_scheduler(optimizer, config, plan, accelerator)

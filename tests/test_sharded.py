@@ -156,7 +156,8 @@ def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
     plan = make_plan(config, batches_per_epoch=50, num_processes=8)
     fill_deepspeed_config(plugin, config, plan)
     ds = plugin.hf_ds_config.config
-    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.0}
+    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.0,
+                                         "torch_adam": True}
     assert ds["scheduler"]["params"] == {"warmup_max_lr": 2e-4, "warmup_num_steps": 10, "total_num_steps": 150}
     assert ds["gradient_clipping"] == 0.5
     assert ds["train_batch_size"] == "auto"  # Accelerate's to fill, from the prepared loader

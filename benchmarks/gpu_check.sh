@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: the presets that fit one GPU run the NLP recipe for a few dozen steps; prints samples/s, MFU, peak GPU
 # memory, the precision actually in effect, fp16 loss-scaler skipped steps, and each precision's speed-up over fp32.
-# FSDP runs with one process, saves a sharded checkpoint, resumes from it and exports the gathered model.
+# FSDP2 (the shipped fsdp.yaml, unchanged) runs with one process, saves a sharded checkpoint, resumes from it and
+# exports the gathered model, which must load with from_pretrained; with deepspeed installed, the ZeRO-2 and ZeRO-3
+# presets run too. The table names the back-end each run really had (a refused one fails loudly).
 #
 #   bash benchmarks/gpu_check.sh [--model_name_or_path DIR] [any recipe flag ...]
 #
@@ -33,6 +35,13 @@ run single_gpu_fp16 --config_file accelerate_configs/single_gpu_fp16.yaml recipe
 run fsdp_1gpu --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/nlp_finetune.py "${COMMON[@]}"
 run fsdp_1gpu_resume --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/nlp_finetune.py \
     "${COMMON[@]}" --resume_from_checkpoint "$OUT/fsdp_1gpu/checkpoints/step-$(printf %08d "$HALF")"
+if python3 -c "import deepspeed" 2>/dev/null; then
+  run deepspeed_zero2 --config_file accelerate_configs/deepspeed_zero2.yaml --num_processes 1 recipes/nlp_finetune.py \
+      "${COMMON[@]}"
+  run deepspeed_zero3 --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision bf16 \
+      recipes/nlp_finetune.py \
+      "${COMMON[@]}"
+fi
 if [ "${COMPILE:-0}" = 1 ]; then  # static shapes (max-length padding) so the graph compiles once
   run bf16_static "${BF16[@]}" --pad_to_max_length --max_seq_length 64 --no_group_by_length
   run bf16_static_compile "${BF16[@]}" --pad_to_max_length --max_seq_length 64 --no_group_by_length --torch_compile
@@ -45,9 +54,10 @@ rows, base = [], None
 for name in names:
     log = (out / f"{name}.log").read_text(errors="replace") if (out / f"{name}.log").exists() else ""
     precision = re.search(r"precision\s+(.+)", log)
+    backend = re.search(r"world size\s+\d+ process\(es\), (\w+)", log)
     speed = re.search(r"speed\s+(.+)", log)
     if not (out / name / "all_results.json").exists():
-        rows.append(f"| {name} | (failed) | | | | | | |")
+        rows.append(f"| {name} | (failed) | | | | | | | | |")
         continue
     res = json.loads((out / name / "all_results.json").read_text())
     logs = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
@@ -55,19 +65,25 @@ for name in names:
     mfu = [r["mfu"] for r in logs[1:] if "mfu" in r]
     if name == "fp32":
         base = sps
-    rows.append((name, precision.group(1) if precision else "?", speed.group(1) if speed else "?", sps,
+    rows.append((name, backend.group(1) if backend else "?", precision.group(1) if precision else "?",
+                 speed.group(1) if speed else "?", sps,
                  statistics.median(mfu) if mfu else None, res.get("train_gpu_peak_memory_mb", 0),
                  res.get("train_skipped_steps", 0), res.get("train_steps", 0), "resumed from" in log))
-print("\n| run | precision in effect | speed settings | samples/s | vs fp32 | MFU | peak GPU MB | fp16 skipped steps | steps |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("\n| run | back-end | precision in effect | speed settings | samples/s | vs fp32 | MFU | peak GPU MB | fp16 skipped "
+      "steps | steps |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for row in rows:
     if isinstance(row, str):
         print(row); continue
-    name, prec, speed, sps, mfu, mem, skipped, steps, resumed = row
+    name, backend, prec, speed, sps, mfu, mem, skipped, steps, resumed = row
     ratio = f"{sps / base:.2f}x" if base else "-"
-    print(f"| {name}{' (resumed)' if resumed else ''} | {prec} | {speed} | {sps:.0f} | {ratio} | "
+    print(f"| {name}{' (resumed)' if resumed else ''} | {backend} | {prec} | {speed} | {sps:.0f} | {ratio} | "
           f"{f'{mfu:.1%}' if mfu is not None else '-'} | {mem:.0f} | {skipped} | {steps} |")
-exported = out / "fsdp_1gpu" / "model.safetensors"
-print(f"\nFSDP export gathered to a full state dict: {exported.exists()} ({exported})")
+for name in ("fsdp_1gpu", "deepspeed_zero2", "deepspeed_zero3"):
+    if (out / name / "model.safetensors").exists():
+        from transformers import AutoModelForSequenceClassification
+        model = AutoModelForSequenceClassification.from_pretrained(out / name)
+        print(f"{name}: the exported model loads with from_pretrained ({sum(p.numel() for p in model.parameters()):,} "
+              "parameters)")
 PY
 exit $status

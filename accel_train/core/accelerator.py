@@ -18,6 +18,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
+from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
 WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -58,6 +59,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
         kwargs_handlers=list(kwargs_handlers) or None,
     )
     check_world_size(accelerator, config.expected_world_size)
+    check_engine(accelerator)  # FSDP / DeepSpeed asked for but not running: refused, never silent DDP
     check_precision(accelerator)
     _set_tf32(accelerator, config.tf32)
     set_cpu_threads(accelerator, config.cpu_threads)

@@ -179,12 +179,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, plan:
     transformers' schedulers take the warmup themselves; torch's (step, multistep, exponential,
     cosine_annealing) get a linear warmup in front through SequentialLR. `step` and `multistep` count optimizer
     steps (step_size, milestones); `step_size_epochs` / `milestones_epochs` give them in epochs instead. Under
-    DeepSpeed with a scheduler in its JSON, DeepSpeed's is used, told the same total and warmup steps.
+    DeepSpeed with a scheduler in its JSON, DeepSpeed's is used, told the same total and warmup steps (core/sharded.py
+    fills them); with only an optimizer in its JSON, this schedule is built over DeepSpeed's optimizer.
     """
-    if "scheduler" in deepspeed_config(accelerator):
+    engine_config = deepspeed_config(accelerator)
+    if "scheduler" in engine_config or "optimizer" in engine_config:
         from accelerate.utils import DummyScheduler
 
-        return DummyScheduler(optimizer, total_num_steps=plan.total_steps, warmup_num_steps=plan.warmup_steps)
+        # DeepSpeed's own optimizer exists only inside deepspeed.initialize: this schedule is built over it there
+        build = None if "scheduler" in engine_config else (lambda real: build_scheduler(real, config, plan))
+        return DummyScheduler(optimizer, total_num_steps=plan.total_steps, warmup_num_steps=plan.warmup_steps,
+                              lr_scheduler_callable=build)
     name, kwargs = config.lr_scheduler_type, epochs_to_steps(config.scheduler_kwargs, plan)
     if name == "constant" and plan.warmup_steps:
         name = "constant_with_warmup"  # transformers' "constant" silently ignores the warmup asked for

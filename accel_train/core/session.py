@@ -49,6 +49,7 @@ from .optim import (
     run_hyperparameters,
     steps_on_evaluation,
 )
+from .sharded import check_engine, engine_notes, prepare_engine
 from .state import TrainResult, TrainState
 
 
@@ -77,6 +78,8 @@ class Session:
     def __init__(self, spec: RunSpec):
         config = spec.config
         acc = spec.accelerator or build_accelerator(config)
+        if spec.accelerator is not None:
+            check_engine(acc)
         self.existing = check_output_dir(config, acc.process_index)
         acc.wait_for_everyone()  # every rank has looked before the main process writes anything
         model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
@@ -88,6 +91,7 @@ class Session:
             config, train_loader = fit_micro_batch(acc, model, train_loader, loss_fn, config, optimizer)
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
+        prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
         scheduler = _schedule(optimizer, config, plan, spec, acc)
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
@@ -112,7 +116,7 @@ class Session:
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
-        self.notes: list[str] = []  # what the start-up report must say beyond the plan (resume changes)
+        self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -350,6 +354,9 @@ def _schedule(optimizer, config: TrainConfig, plan, spec: RunSpec, accelerator):
         if spec.scheduler is not None:
             raise ConfigError("--scale_lr scales the optimizer's learning rates before the schedule is built; with a "
                               "scheduler of your own, scale the rates yourself and leave --scale_lr none.")
-        for group in optimizer.param_groups:
-            group["lr"] *= plan.lr_scale
+        # DeepSpeed's DummyOptim holds plain groups; its own lr is filled already scaled (sharded.py)
+        groups = getattr(optimizer, "param_groups", None) or getattr(optimizer, "params", [])
+        for group in groups:
+            if isinstance(group, dict) and "lr" in group:
+                group["lr"] *= plan.lr_scale
     return spec.scheduler or build_scheduler(optimizer, config, plan, accelerator)

@@ -50,7 +50,7 @@ def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1) -> l
     """The learning rate of each param group after k optimizer steps, k = 0..total_steps (k = 0: the first
     step's; k: what the loop logs at step k, and what step k + 1 uses), from a copy of `scheduler` whose
     optimizer holds stand-ins for the parameters (no copy of the model or its optimizer state). None for a
-    schedule that steps on metrics (ReduceLROnPlateau) or that an engine owns (DeepSpeed)."""
+    schedule that steps on metrics (ReduceLROnPlateau), or whose optimizer is not a torch optimizer."""
     inner = base_of(scheduler)
     optimizer = getattr(inner, "optimizer", None)
     plateau = isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -74,16 +74,18 @@ def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1) -> l
 
 
 def _steps_per_call(f) -> int:
-    """Accelerate's default steps a prepared scheduler once per process unless split_batches is set."""
+    """Accelerate's default steps a prepared scheduler once per process unless split_batches is set. DeepSpeed's
+    engine steps its scheduler once per optimizer step (Accelerate's wrapper of it does nothing)."""
+    if f.accelerator.distributed_type.value == "DEEPSPEED":
+        return 1
     return (f.accelerator.num_processes if getattr(f.scheduler, "step_with_optimizer", False)
             and not getattr(f.scheduler, "split_batches", False) else 1)
 
 
 def run_schedule(f) -> list[list[float]] | None:
-    """The schedule as the run will really step it, simulated (see simulate_schedule); None when it steps on
-    metrics or an engine (DeepSpeed) owns it."""
-    if f.accelerator.distributed_type.value == "DEEPSPEED":
-        return None
+    """The schedule as the run will really step it, simulated (see simulate_schedule): under DeepSpeed the engine's
+    own scheduler (a JSON one, e.g. WarmupDecayLR with its "auto" values filled, or accel_train's built over
+    DeepSpeed's optimizer); None when it steps on metrics."""
     return simulate_schedule(f.scheduler, f.plan.total_steps, _steps_per_call(f))
 
 

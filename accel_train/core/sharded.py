@@ -1,0 +1,159 @@
+"""FSDP and DeepSpeed: refuse a sharded back-end that was asked for but is not running, and adapt a run to the one
+that is, before `accelerator.prepare`.
+
+Accelerate enables FSDP and DeepSpeed only for GPU-like process groups (CUDA, XPU, NPU, ...). Launched with the
+fsdp / deepspeed presets on CPU processes, it trains plain DDP and says nothing: full copies of the model on every
+process, none of the memory the preset was chosen for. `check_engine` turns that into a LaunchError.
+
+What `prepare_engine` adapts, and why:
+
+* FSDP2 with the transformer-layer wrap: Accelerate (>= 1.14) makes every `_no_split_modules` class an FSDP unit
+  and then shards the input embedding once more. Where one of those classes holds the embedding (BERT's
+  BertEmbeddings), the second `fully_shard` meets parameters that are already DTensors, which torch reads as
+  tensor parallelism ("DeviceMesh._concatenate ... value was None"). Such classes are left out of the per-layer
+  units; the embedding still gets its own unit from Accelerate.
+* DeepSpeed with an optimizer or scheduler in its JSON: Accelerate fills "auto" for the learning rate and weight
+  decay only (betas and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and
+  divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
+  Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
+  optimizer steps; Accelerate only fills what is still "auto".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from ..config import TrainConfig
+from ..errors import LaunchError
+
+SHARDED_TYPES = ("FSDP", "DEEPSPEED")
+_NAMES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
+
+
+def requested_engine() -> str | None:
+    """"FSDP" or "DEEPSPEED" when the launcher (a preset, `accelerate config`, `--use_fsdp`, `--use_deepspeed`) asked
+    for a sharded back-end, else None."""
+    for name in SHARDED_TYPES:
+        if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("1", "true", "yes"):
+            return name
+    return None
+
+
+def check_engine(accelerator: Accelerator) -> None:
+    """Raise a LaunchError when FSDP or DeepSpeed was asked for and the prepared state is another type, or when the
+    run is FSDP1 (see `refuse_fsdp1`)."""
+    wanted, running = requested_engine(), accelerator.distributed_type.value
+    if wanted is not None and running != wanted:
+        name = _NAMES[wanted]
+        if not _machine_has_accelerator():
+            reason = (f"Accelerate enables {name} only on GPU-like devices (CUDA, XPU, NPU, ...) and this machine "
+                      "has none")
+        elif accelerator.device.type == "cpu":
+            reason = ("ACCELERATE_USE_CPU is set (`--cpu`, `use_cpu: true` or `accel-train launch --cpu`), which runs "
+                      f"the processes on the CPU, where Accelerate turns {name} off")
+        else:
+            reason = f"Accelerate did not enable it on {accelerator.device.type} devices"
+        raise LaunchError(
+            f"{name} was requested by the launcher (ACCELERATE_USE_{wanted}), but this run would be "
+            f"{running} ({accelerator.num_processes} process(es), device {accelerator.device}): {reason}. It would "
+            "train with a full, unsharded copy of the model on every process. On CPU, use "
+            "accelerate_configs/cpu_multiprocess.yaml (DDP, the same result for a model that fits); for sharding, "
+            "launch the preset on GPUs without --cpu (README, 'Choosing hardware').")
+    if running == "FSDP":
+        refuse_fsdp1(accelerator)
+
+
+def refuse_fsdp1(accelerator: Accelerator) -> None:
+    """FSDP1 is not supported: with Accelerate >= 1.7 its `load_state` restores no optimizer state in a fresh process
+    (the template it loads into is built from an optimizer that has none yet), so a resumed run silently restarts
+    Adam's moments; on CPU its export crashes in `get_state_dict`."""
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 2) == 1:
+        raise LaunchError(
+            "FSDP version 1 is not supported by accel_train: resuming from its checkpoints silently drops the "
+            "optimizer state (Accelerate loads it into an optimizer that has no state yet), so a resumed run is not "
+            "the run it continues. Use FSDP2: fsdp_version: 2 in the config (accelerate_configs/fsdp.yaml).")
+
+
+def _machine_has_accelerator() -> bool:
+    device_api = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if device_api is not None:
+        return device_api.is_available()
+    return torch.cuda.is_available()
+
+
+def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: TrainConfig, plan) -> None:
+    """Adapt the Accelerate plugin of a sharded run to `model`, `config` and `plan` (module docstring). Call it
+    before `accelerator.prepare`; nothing happens for DDP or a single device."""
+    running = accelerator.distributed_type.value
+    if running == "FSDP" and accelerator.is_fsdp2:
+        carve_out_embedding(accelerator.state.fsdp_plugin, model)
+    elif running == "DEEPSPEED":
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
+
+
+def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
+    """With the transformer-layer wrap, set the plugin's classes to wrap to the model's `_no_split_modules` (or the
+    configured classes) minus those whose modules hold the input embedding; return the classes, or None when the
+    plugin does not wrap by transformer layer."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = plugin.auto_wrap_policy
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
+        return None
+    names = sorted(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    if embedding is None:
+        return names
+    holders = {type(m).__name__ for m in model.modules() if any(sub is embedding for sub in m.modules())}
+    plugin.transformer_cls_names_to_wrap = [name for name in names if name not in holders]
+    return plugin.transformer_cls_names_to_wrap
+
+
+def engine_notes(accelerator: Accelerator) -> list[str]:
+    """What the start-up report must add when a DeepSpeed JSON, not the config, chose the optimizer or schedule."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return []
+    ds, notes = accelerator.state.deepspeed_plugin.deepspeed_config, []
+    if "optimizer" in ds:
+        notes.append(f"the optimizer is DeepSpeed's {ds['optimizer'].get('type')} from its JSON config (--optim is "
+                     "not used; its \"auto\" values come from --learning_rate, --adam_beta1/2, --adam_epsilon, "
+                     "--weight_decay)")
+    if "scheduler" in ds:
+        notes.append(f"the schedule is DeepSpeed's {ds['scheduler'].get('type')} from its JSON config, not "
+                     "--lr_scheduler_type (the pre-flight simulates it as the engine steps it)")
+    return notes
+
+
+def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
+    """What each "auto" of a DeepSpeed JSON's optimizer, scheduler and clipping means for this run, in optimizer
+    steps. DeepSpeed's warmup needs at least one step (it rejects 0)."""
+    peak = config.learning_rate * plan.lr_scale
+    return {
+        "optimizer.params.lr": peak,
+        "optimizer.params.betas": [config.adam_beta1, config.adam_beta2],
+        "optimizer.params.eps": config.adam_epsilon,
+        "optimizer.params.weight_decay": config.weight_decay,
+        "optimizer.params.momentum": config.sgd_momentum,
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": peak,
+        "scheduler.params.warmup_num_steps": max(1, plan.warmup_steps),
+        "scheduler.params.total_num_steps": plan.total_steps,
+        "gradient_clipping": config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
+    }
+
+
+def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
+    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
+    Values the JSON sets explicitly are left as they are."""
+    filled = {}
+    for key, value in deepspeed_values(config, plan).items():
+        node, leaf = plugin.hf_ds_config.find_config_node(key)
+        if node is not None and node.get(leaf) == "auto":
+            node[leaf] = value
+            filled[key] = value
+    return filled

@@ -1,0 +1,63 @@
+"""Test-only shim: run a script under Accelerate's real FSDP / DeepSpeed code paths on CPU processes over gloo.
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 tests/sharded_cpu.py \
+        recipes/nlp_finetune.py --model_name_or_path ...
+
+Accelerate turns FSDP and DeepSpeed on only for GPU-like process groups (MULTI_GPU, MULTI_XPU, ...): on a machine
+without an accelerator the presets train plain DDP, and accel_train refuses that (core/sharded.py). CI has no GPU, so
+to test the sharded paths this shim tells Accelerate's `PartialState` that the launched processes form a GPU-like
+group whose backend is gloo and whose device is the CPU. Everything after that (fully_shard, DeepSpeed's engine,
+sharded checkpoints, state-dict gathering) is the code a GPU run takes, on CPU tensors.
+
+It patches two private methods of `accelerate.state.PartialState`, so it is pinned to the Accelerate version it was
+written against and refuses any other: re-check `_prepare_backend` and `set_device` before raising the pin. It lives
+under tests/ and is applied only by the test launches; the package never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import accelerate
+import torch
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+
+PINNED_ACCELERATE = "1.15.0"
+
+
+def apply() -> None:
+    """Patch PartialState so that a launched process without an accelerator joins a GPU-like gloo group on CPU."""
+    if accelerate.__version__ != PINNED_ACCELERATE:
+        raise SystemExit(f"tests/sharded_cpu.py patches accelerate {PINNED_ACCELERATE} internals, found "
+                         f"{accelerate.__version__}: re-check PartialState._prepare_backend / set_device and update "
+                         "the pin.")
+    if torch.cuda.is_available():
+        raise SystemExit("tests/sharded_cpu.py is for machines without a GPU; launch the script directly on GPUs.")
+    prepare_backend, set_device = PartialState._prepare_backend, PartialState.set_device
+
+    def gloo_as_gpu(self, cpu=False, sagemaker_dp=False, backend=None):
+        if not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_GPU
+        return prepare_backend(self, cpu, sagemaker_dp, backend)
+
+    def cpu_device(self):
+        if self.device is None and self.backend == "gloo" and self.distributed_type == DistributedType.MULTI_GPU:
+            self.device = torch.device("cpu")
+            return
+        set_device(self)
+
+    PartialState._prepare_backend = gloo_as_gpu
+    PartialState.set_device = cpu_device
+    # accel_train joins GPU-less launches into a MULTI_CPU group unless the launcher said otherwise
+    os.environ["ACCELERATE_USE_CPU"] = "false"
+
+
+if __name__ == "__main__":
+    apply()
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")

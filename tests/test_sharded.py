@@ -1,0 +1,245 @@
+"""FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 through the shipped presets, on 2 CPU processes over gloo.
+
+Accelerate enables FSDP and DeepSpeed only on GPU-like devices, so on CPU the presets are refused (tested here
+without the shim); with tests/sharded_cpu.py (test-only) Accelerate takes its real sharded code paths on CPU tensors.
+For each back-end, one tiny BERT run of the NLP recipe: the start-up report names the back-end, the final parameters
+equal 2-process DDP, the checkpoints are sharded and covered by the manifest, SIGKILL + resume equals the
+uninterrupted run bitwise (optimizer state included: Adam's moments decide the next steps), and the exported model
+loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, free_port, launch, make_rows, read_jsonl, subprocess_env
+from safetensors.torch import load_file
+
+from accel_train import LaunchError, TrainConfig, build_accelerator
+from accel_train.core.optim import make_plan
+from accel_train.core.sharded import carve_out_embedding, check_engine, fill_deepspeed_config
+from accel_train.rundir.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
+
+RECIPE = ROOT / "recipes" / "nlp_finetune.py"
+SHIM = ROOT / "tests" / "sharded_cpu.py"
+PRESETS = ROOT / "accelerate_configs"
+LAUNCH_TIMEOUT = 420  # seconds per launch: a hung collective or a stale DeepSpeed build lock fails, never hangs CI
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+# back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP)
+BACKENDS = {
+    "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6),
+    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6),
+    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded_data")
+    files = {}
+    for split, n, seed in (("train", 96, 0), ("dev", 40, 1)):
+        files[split] = root / f"toy.{split}"
+        files[split].write_text("".join(f"{y} {t}\n" for y, t in make_rows(n, seed)))
+    return files
+
+
+def recipe_args(tiny_bert, data, out: Path) -> list[str]:
+    """12 optimizer steps of 2 x 4 samples; checkpoints every 3 steps."""
+    return ["--model_name_or_path", str(tiny_bert), "--train_file", str(data["train"]), "--validation_file",
+            str(data["dev"]), "--num_train_epochs", "1", "--per_device_train_batch_size", "4",
+            "--learning_rate", "3e-3", "--warmup_steps", "0.1", "--max_seq_length", "32", "--save_strategy", "steps",
+            "--save_steps", "3", "--eval_strategy", "epoch", "--logging_steps", "1", "--report_to", "none",
+            "--disable_tqdm", "--cpu_threads", "1", "--output_dir", str(out)]
+
+
+def extensions_env() -> dict[str, str]:
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_ops():
+    """DeepSpeed's CPU ops, built once (.ci/run builds them before the tests; this is for local runs)."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (.ci/run installs it: DS_BUILD_OPS=0 pip install deepspeed)")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_ops.py")], cwd=ROOT, text=True,
+                          capture_output=True, env=subprocess_env(**extensions_env()), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def sharded_launch(preset: str, args: list[str], fault: str | None = None, shim: bool = True):
+    """`accelerate launch` of the recipe with a shipped preset on 2 processes, in fp32 (the presets' bf16 would not
+    compare with DDP), through the shim unless `shim=False`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(PRESETS / preset),
+           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           *([str(SHIM)] if shim else []), str(RECIPE), *args]
+    env = subprocess_env(**extensions_env(), **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def ok(proc) -> str:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tiny_bert, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    launch(RECIPE, recipe_args(tiny_bert, data, out), num_processes=2, timeout=LAUNCH_TIMEOUT)
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    """The exported model as `from_pretrained` loads it (transformers may save LayerNorm weights under their
+    original gamma / beta names and renames them on load)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------ in-process: refusals and fills
+
+
+def test_fsdp_asked_on_cpu_is_refused_not_run_as_ddp(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(LaunchError, match=r"FSDP was requested .* but this run would be NO .* only on GPU-like"):
+        build_accelerator(TrainConfig(output_dir=str(tmp_path)))
+
+
+def test_fsdp1_is_refused_with_the_reason():
+    from accelerate.utils import DistributedType
+
+    fake = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(fsdp_version=1)))
+    with pytest.raises(LaunchError, match="silently drops the optimizer state"):
+        check_engine(fake)
+
+
+def test_fsdp2_wraps_the_layers_but_not_the_module_holding_the_embedding(tiny_bert):
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    assert set(model._no_split_modules) == {"BertEmbeddings", "BertLayer"}
+    plugin = SimpleNamespace(auto_wrap_policy=transformer_auto_wrap_policy, transformer_cls_names_to_wrap=None)
+    assert carve_out_embedding(plugin, model) == ["BertLayer"]
+    assert plugin.transformer_cls_names_to_wrap == ["BertLayer"]
+    size_based = SimpleNamespace(auto_wrap_policy=None, transformer_cls_names_to_wrap=None)
+    assert carve_out_embedding(size_based, model) is None and size_based.transformer_cls_names_to_wrap is None
+
+
+def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    ds = json.loads((PRESETS / "deepspeed" / "zero3.json").read_text())
+    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                                                           "total_num_steps": "auto"}}
+    ds["optimizer"]["params"]["eps"] = 1e-6  # set explicitly: kept
+    plugin = SimpleNamespace(hf_ds_config=HfDeepSpeedConfig(ds))
+    config = TrainConfig(learning_rate=2e-4, adam_beta2=0.98, max_grad_norm=0.5, warmup_steps=10, output_dir="x")
+    plan = make_plan(config, batches_per_epoch=50, num_processes=8)
+    fill_deepspeed_config(plugin, config, plan)
+    ds = plugin.hf_ds_config.config
+    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.0,
+                                         "torch_adam": True}
+    assert ds["scheduler"]["params"] == {"warmup_max_lr": 2e-4, "warmup_num_steps": 10, "total_num_steps": 150}
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["train_batch_size"] == "auto"  # Accelerate's to fill, from the prepared loader
+
+
+def test_preflight_simulates_a_deepspeed_json_schedule_as_the_engine_steps_it():
+    """DeepSpeed's WarmupDecayLR trains its first two steps at warmup_min_lr and stops short of 0; the pre-flight
+    shows that, not the config's schedule (a 2-process ZeRO-2 run logged exactly these rates)."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from accel_train.observe.preflight.model_checks import simulate_schedule
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)
+    schedule = lr_schedules.WarmupDecayLR(optimizer, total_num_steps=12, warmup_min_lr=0, warmup_max_lr=3e-3,
+                                          warmup_num_steps=2, warmup_type="linear")
+    lrs = simulate_schedule(schedule, 12)[0]
+    assert lrs[:5] == pytest.approx([0.0, 0.0, 0.0015, 0.003, 0.0027]) and lrs[12] == pytest.approx(0.0003)
+    assert schedule.last_batch_iteration == -1  # simulated on a copy: the schedule itself has not moved
+
+
+def test_a_stale_deepspeed_build_lock_is_removed(tmp_path):
+    from deepspeed_ops import remove_stale_locks
+
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    (tmp_path / "deepspeed_shm_comm" / "op.so").write_text("built")
+    assert remove_stale_locks(tmp_path) == [tmp_path / "deepspeed_shm_comm" / "lock"]
+    assert sorted(p.name for p in (tmp_path / "deepspeed_shm_comm").iterdir()) == ["op.so"]
+    assert remove_stale_locks(tmp_path / "missing") == []
+
+
+# ------------------------------------------------------------------------------ real launches on 2 gloo processes
+
+
+@pytest.mark.slow
+def test_presets_are_refused_on_cpu_instead_of_training_ddp(tiny_bert, data, tmp_path):
+    """Without the shim, the fsdp preset on CPU processes would be plain DDP: a LaunchError names why, before any
+    file is written."""
+    out = tmp_path / "run"
+    proc = sharded_launch("fsdp.yaml", recipe_args(tiny_bert, data, out), shim=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert "FSDP was requested by the launcher (ACCELERATE_USE_FSDP), but this run would be MULTI_CPU" in output
+    assert "only on GPU-like devices" in output and "cpu_multiprocess.yaml" in output
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_sharded_backend_equals_ddp_resumes_exactly_and_exports(backend, tiny_bert, data, tmp_path, ddp_reference,
+                                                                 request):
+    preset, distributed_type, shards, tolerance = BACKENDS[backend]
+    if distributed_type == "DEEPSPEED":
+        request.getfixturevalue("deepspeed_ops")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    output = ok(sharded_launch(preset, recipe_args(tiny_bert, data, full)))
+    assert f"world size       2 process(es), {distributed_type}, device cpu" in output
+
+    # the same parameters as 2-process DDP, through the exported model
+    model = exported(full)
+    assert max_diff(model, exported(ddp_reference)) <= tolerance
+    assert set(model) >= set(load_file(ddp_reference / "model.safetensors"))
+    lr_full = [(r["step"], r["learning_rate"]) for r in read_jsonl(full / "metrics.jsonl") if "learning_rate" in r]
+    lr_ddp = [(r["step"], r["learning_rate"]) for r in read_jsonl(ddp_reference / "metrics.jsonl")
+              if "learning_rate" in r]
+    assert [s for s, _ in lr_full] == [s for s, _ in lr_ddp] == list(range(1, 13))  # the schedule spans the run
+    assert [lr for _, lr in lr_full] == pytest.approx([lr for _, lr in lr_ddp], abs=1e-12)
+
+    # sharded checkpoints, every file in the manifest
+    checkpoint = list_checkpoints(full)[-1]
+    sharded = sorted(checkpoint.glob(shards))
+    assert len(sharded) == 2, sorted(p.name for p in checkpoint.rglob("*"))
+    files = read_manifest(checkpoint)["files"]
+    assert {str(p.relative_to(checkpoint)) for p in sharded} <= set(files)
+    verify_checkpoint(checkpoint)
+
+    # SIGKILL after step 7 (the last checkpoint is step 6), resume: the uninterrupted run, bitwise
+    killed = sharded_launch(preset, recipe_args(tiny_bert, data, cut), fault="kill_after_step:7")
+    assert killed.returncode != 0, (killed.stdout + killed.stderr)[-3000:]
+    assert [p.name for p in list_checkpoints(cut)] == ["step-00000003", "step-00000006"]
+    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), "--resume_from_checkpoint", "latest"]))
+    assert "resumed from" in output and "step-00000006" in output
+    assert max_diff(load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")) == 0.0
+    losses = [[(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] for out in (full, cut)]
+    assert losses[0] == losses[1]
+    assert json.loads((cut / "all_results.json").read_text())["train_steps"] == 12

@@ -114,6 +114,7 @@ class Session:
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.notes: list[str] = []  # what the start-up report must say beyond the plan (resume changes)
+        self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -310,7 +311,14 @@ class Session:
             metrics["train_skipped_steps"] = state.skipped_steps
         if state.nonfinite_skips:
             metrics["train_nonfinite_skips"] = state.nonfinite_skips
+        before = dict(metrics)
         call_hooks(self.hooks, "on_finish", self, metrics)
+        # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during
+        # training logged, and the evaluations the finish seam added (a recipe's test split)
+        final = {**self.unlogged, **{k: v for k, v in metrics.items() if k.startswith(("eval_", "test_"))
+                                     and (k not in before or before[k] is not v)}}
+        if final:
+            self.log.log({**final, "epoch": self.epoch_float(state)}, state.step, final=True)
         call_hooks(self.hooks, "on_train_end", state, metrics)
         export_model(acc, self.model, cfg.output_dir, self.processing_class)
         if acc.num_processes > 1:  # timings and peak memory differ by rank: every rank returns the main one's
@@ -337,8 +345,7 @@ class Session:
             fresh.update(evaluate_model(self.accelerator, self.model, loader, self.loss_fn, self.metrics_fn,
                                         prefix=name))
         metrics.update(fresh)
-        if fresh:  # metrics.jsonl and the trackers get the final evaluation too, marked "final"
-            self.log.log({**fresh, "epoch": self.epoch_float(state)}, state.step, final=True)
+        self.unlogged = fresh  # finish() logs them
         return metrics
 
 

@@ -121,12 +121,10 @@ def _do_flags(flags: dict[str, bool]) -> list[str]:
 def did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
     """' Did you mean --x (for --y)?' for the unknown flags that resemble a known one; '' when none does."""
     known = sorted(set(known))
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
     hints = []
-    for arg in unknown:
-        if not arg.startswith("--"):
-            continue
-        flag = arg.split("=", 1)[0]
+    for flag in flags:
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
         if close:
-            hints.append(f"{close[0]} (for {flag})" if len(unknown) > 1 else close[0])
+            hints.append(f"{close[0]} (for {flag})" if len(flags) > 1 else close[0])
     return f" Did you mean {', '.join(hints)}?" if hints else ""

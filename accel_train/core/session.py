@@ -315,8 +315,8 @@ class Session:
         call_hooks(self.hooks, "on_finish", self, metrics)
         # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during
         # training logged, and the evaluations the finish seam added (a recipe's test split)
-        final = {**self.unlogged, **{k: v for k, v in metrics.items() if k.startswith(("eval_", "test_"))
-                                     and (k not in before or before[k] is not v)}}
+        final = {**self.unlogged, **{k: v for k, v in metrics.items()
+                                     if k.startswith(("eval_", "test_")) and k not in before}}
         if final:
             self.log.log({**final, "epoch": self.epoch_float(state)}, state.step, final=True)
         call_hooks(self.hooks, "on_train_end", state, metrics)

@@ -1,14 +1,17 @@
 """`accel-train`: the command-line companion of the package.
 
-    accel-train launch [accelerate launch flags] SCRIPT [script flags]
+    accel-train launch [--preset NAME] [accelerate launch flags] SCRIPT [script flags]
     accel-train report RUN_DIR                      rebuild RUN_DIR/report.md and its plots
-    accel-train compare RUN_DIR RUN_DIR ... [-o DIR] overlay the curves of several runs (default DIR: compare)
+    accel-train compare RUN_DIR RUN_DIR ... [-o DIR] [--x step|samples]
+                                                    overlay the curves of several runs (default DIR: compare)
     accel-train export RUN_DIR_OR_CHECKPOINT --format torchscript|exported_program|onnx [--output DIR]
                                                     export the trained model for inference, verified against it
 
 `launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
 joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
-processes were requested so that a run that comes up with fewer fails at start.
+processes were requested so that a run that comes up with fewer fails at start. `--preset NAME` names one of
+the shipped presets (accelerate_configs/NAME.yaml: cpu, cpu_multiprocess, single_gpu_bf16, ...) from any
+working directory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,48 @@ import yaml
 from .errors import LaunchError, UserError
 
 _ENGINE_FLAGS = ("--multi_gpu", "--use_fsdp", "--use_deepspeed", "--use_megatron_lm", "--tpu")
+# The shipped presets, in the source checkout beside the package (pip install -e .).
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+LAUNCH_HELP = """usage: accel-train launch [--preset NAME] [accelerate launch flags] SCRIPT [script flags]
+
+`accelerate launch` without the CPU traps:
+  --cpu --num_processes N   N > 1 starts N processes joined in one gloo group (`accelerate launch --cpu` runs one)
+  --preset NAME             a shipped preset by name, from any directory: {presets}
+  --config_file FILE        an `accelerate config` file (what --preset names)
+Every process is told how many processes were requested, so a run that comes up with fewer fails at start.
+Every other `accelerate launch` flag is passed on (`accelerate launch --help` lists them); the script's own
+flags follow the script (`python SCRIPT --help` lists them).
+
+  accel-train launch --cpu --num_processes 2 recipes/nlp_finetune.py
+  accel-train launch --preset single_gpu_bf16 recipes/nlp_finetune.py --num_train_epochs 3
+"""
+
+
+def presets() -> list[str]:
+    """The names of the shipped presets (accelerate_configs/*.yaml)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_preset(name: str) -> Path:
+    """The config file of preset `name`. A DeepSpeed JSON it names relative to the checkout is made absolute in a
+    copy, so the preset works from any directory."""
+    path = PRESETS_DIR / f"{Path(name).stem}.yaml"
+    if not path.is_file():
+        raise LaunchError(f"--preset {name}: no such preset; choose one of {', '.join(presets()) or '(none found)'} "
+                          f"(looked in {PRESETS_DIR}), or give an `accelerate config` file with --config_file.")
+    config = yaml.safe_load(path.read_text()) or {}
+    deepspeed = config.get("deepspeed_config") or {}
+    json_file = deepspeed.get("deepspeed_config_file")
+    if json_file and not Path(json_file).is_absolute():
+        found = next((p for p in (PRESETS_DIR / json_file, PRESETS_DIR.parent / json_file) if p.is_file()), None)
+        if found is not None:
+            import tempfile
+
+            deepspeed["deepspeed_config_file"] = str(found)
+            copy = Path(tempfile.mkdtemp(prefix="accel-train-preset-")) / path.name
+            copy.write_text(yaml.safe_dump(config, sort_keys=False))
+            return copy
+    return path
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -48,14 +93,34 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return value
 
 
+def _take_preset(launcher: list[str]) -> list[str]:
+    """--preset NAME (or --preset=NAME) replaced by --config_file PATH."""
+    out, i = [], 0
+    while i < len(launcher):
+        arg = launcher[i]
+        if arg == "--preset" or arg.startswith("--preset="):
+            name = arg.split("=", 1)[1] if "=" in arg else (launcher[i + 1] if i + 1 < len(launcher) else "")
+            if not name:
+                raise LaunchError(f"--preset needs a name: {', '.join(presets())}.")
+            out += ["--config_file", str(resolve_preset(name))]
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def plan_launch(argv: Sequence[str], has_gpu: bool) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` argv and the extra environment for an `accel-train launch` argv."""
     launcher, script = split_launch_args(argv)
+    launcher = _take_preset(launcher)
     config_file = _flag_value(launcher, "--config_file", "--config-file")
     file_cfg: dict = {}
     if config_file:
         if not Path(config_file).is_file():
-            raise LaunchError(f"--config_file {config_file}: no such file (presets live in accelerate_configs/).")
+            hint = (f" From another directory, name the preset: --preset {Path(config_file).stem}."
+                    if Path(config_file).stem in presets() else f" Shipped presets: --preset {', '.join(presets())}.")
+            raise LaunchError(f"--config_file {config_file}: no such file.{hint}")
         file_cfg = yaml.safe_load(Path(config_file).read_text()) or {}
     num = _flag_value(launcher, "--num_processes", "--num-processes")
     num_processes = int(num) if num else int(file_cfg.get("num_processes", 1))
@@ -75,6 +140,9 @@ def plan_launch(argv: Sequence[str], has_gpu: bool) -> tuple[list[str], dict[str
 
 
 def _launch(argv: Sequence[str]) -> int:
+    if _wants_help(argv):
+        print(LAUNCH_HELP.format(presets=", ".join(presets()) or "(none found)"))
+        return 0
     import torch
     from accelerate.commands.accelerate_cli import main as accelerate_main
 
@@ -85,6 +153,15 @@ def _launch(argv: Sequence[str]) -> int:
     sys.argv = ["accelerate", *args]
     accelerate_main()
     return 0
+
+
+def _wants_help(argv: Sequence[str]) -> bool:
+    """No arguments, or -h / --help before the script (after it, the flag is the script's)."""
+    try:
+        launcher, _ = split_launch_args(argv)
+    except LaunchError:
+        launcher = list(argv)
+    return not argv or any(a in ("-h", "--help") for a in launcher)
 
 
 def _report(argv: Sequence[str]) -> int:
@@ -103,8 +180,10 @@ def _compare(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="accel-train compare", description="Overlay the curves of several runs.")
     parser.add_argument("run_dirs", nargs="+", help="the --output_dir of each run")
     parser.add_argument("-o", "--output_dir", default="compare", help="where to write compare.md and the plots")
+    parser.add_argument("--x", default="step", choices=("step", "samples"),
+                        help="x axis: optimizer steps, or samples seen (runs with different global batches line up)")
     args = parser.parse_args(argv)
-    path = compare_runs(args.run_dirs, args.output_dir)
+    path = compare_runs(args.run_dirs, args.output_dir, x=args.x)
     print(f"accel-train: wrote {path}")
     return 0
 

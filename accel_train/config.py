@@ -12,20 +12,35 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from transformers import HfArgumentParser
 
 from .errors import ConfigError
+from .hf_flags import ALIASES, did_you_mean, translate
 
 TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "reduce_on_plateau")
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd")
 EXPORT_FORMATS = ("torchscript", "exported_program", "onnx")  # accel_train.deploy writes them
+# Metrics where lower is better, matched as whole words of the name (eval_mse, eval_i2t_median_rank, ...).
+LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "perplexity", "ppl", "error", "wer", "cer", "median_rank")
+# YAML keys naming files or folders: a relative path there that the current directory does not have is found from
+# the YAML file's folder (output_dir is not: runs go where the command is run).
+PATH_KEY_SUFFIXES = ("_file", "_dir", "_path", "_name_or_path")
+NOT_PATH_KEYS = ("output_dir",)
+
+
+def greater_is_better_for(metric: str) -> bool:
+    """The direction of a metric, read from its name: lower is better for losses and errors (loss, mse, mae,
+    rmse, perplexity, error, wer, cer, median_rank), higher for everything else (accuracy, f1, recall, ...)."""
+    name = f"_{metric.lower()}_"
+    return not any(f"_{word}_" in name for word in LOWER_IS_BETTER)
 
 
 def _transformers_schedulers() -> tuple[str, ...]:
@@ -36,7 +51,12 @@ def _transformers_schedulers() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything the loop needs. Field names are `TrainingArguments`' where the concept is the same."""
+    """Everything the loop needs. Field names are `TrainingArguments`' where the concept is the same.
+
+    `origin` says how the user sets a field ("code": `TrainConfig(name=value)`; "flags": `--name value`, for a
+    config from `parse_config`), so that messages name the right one. `replace(**changes)` keeps it."""
+
+    origin: ClassVar[str] = "code"
 
     # --- where the run lives
     output_dir: str = field(default="outputs/run",
@@ -152,7 +172,8 @@ class TrainConfig:
         default=None, metadata={"help": "e.g. eval_accuracy; default eval_loss when best/early stopping is used."}
     )
     greater_is_better: bool | None = field(
-        default=None, metadata={"help": "Direction of metric_for_best_model (default: False for *loss, else True)."}
+        default=None, metadata={"help": "Direction of metric_for_best_model (default: from its name: lower is better "
+                                        "for " + ", ".join(LOWER_IS_BETTER) + "; higher for the rest)."}
     )
     load_best_model_at_end: bool = field(default=False, metadata={"help": "Restore the best checkpoint at the end."})
     early_stopping_patience: int | None = field(
@@ -237,9 +258,23 @@ class TrainConfig:
 
     @property
     def best_is_greater(self) -> bool:
+        """--greater_is_better when given, else inferred from the metric's name (`greater_is_better_for`)."""
         if self.greater_is_better is not None:
             return self.greater_is_better
-        return not self.monitored_metric.endswith("loss")
+        return greater_is_better_for(self.monitored_metric)
+
+    def setting(self, name: str, value: Any) -> str:
+        """How to set field `name` to `value` the way this config was made: `--name value` or
+        `TrainConfig(name=value)`."""
+        if self.origin == "flags":
+            return f"--{name}" if value is True else f"--{name} {value}"
+        return f"TrainConfig({name}={value!r})"
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes` (validated again), made the same way (flags or code) as this one."""
+        new = dataclasses.replace(self, **changes)
+        object.__setattr__(new, "origin", self.origin)
+        return new
 
     @property
     def trackers(self) -> list[str]:
@@ -341,10 +376,15 @@ def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
     argv: list[str] = []
     nulls: list[str] = []
     for key, value in data.items():
+        if f"--{key}" in ALIASES and key not in known:  # a Hugging Face spelling: translated with the flags
+            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+            continue
         if key not in known or key in ("help", "config"):
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{path}: unknown key '{key}'.{hint}")
+        if isinstance(value, str) and key.endswith(PATH_KEY_SUFFIXES) and key not in NOT_PATH_KEYS:
+            value = _relative_to(path, value)
         if value is None:
             nulls.append(key)
         elif isinstance(value, (list, tuple)):
@@ -356,6 +396,19 @@ def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
     return argv, nulls
 
 
+def _relative_to(config_file: Path, value: str) -> str:
+    """A relative path in a YAML file that does not exist from the current directory is looked up from the YAML
+    file's folder, then the folders above it (nearest first), so a config works from any directory: a shipped
+    config names ../shared/data/... from the repository root. A value found nowhere (a hub model name) is kept."""
+    if Path(value).is_absolute() or Path(value).exists():
+        return value
+    folder = config_file.resolve().parent
+    for base in (folder, *folder.parents):
+        if (base / value).exists():
+            return str(base / value)
+    return value
+
+
 def parse_config(
     dataclass_types: Sequence[type] = (TrainConfig,),
     argv: Sequence[str] | None = None,
@@ -364,7 +417,10 @@ def parse_config(
     """Parse `argv` (default: sys.argv[1:]) into one instance of each dataclass type.
 
     Precedence, lowest first: dataclass defaults, `defaults` (a recipe's own), `--config FILE.yaml`, flags.
-    Unknown keys, unknown flags and wrong types raise `ConfigError` naming the key or flag.
+    Unknown keys, unknown flags and wrong types raise `ConfigError` naming the key or flag (with the closest
+    known one). The spellings of the Hugging Face scripts and Trainer (--fp16, --max_train_steps, ...:
+    hf_flags.py) are read as accel_train's. A relative path in a YAML file (keys ending in _file, _dir, _path,
+    _name_or_path; not output_dir) missing from the current directory is found from the file's folder upwards.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(list(dataclass_types))
@@ -376,14 +432,23 @@ def parse_config(
         parser.set_defaults(**defaults)
 
     config_path, rest = _pop_config_flag(argv)
+    flags = {s for a in parser._actions for s in a.option_strings}
+    rest, notes = translate(rest, flags)
     yaml_argv: list[str] = []
     nulls: list[str] = []
     if config_path:
         yaml_argv, nulls = _yaml_to_argv(Path(config_path), parser)
+        yaml_argv, yaml_notes = translate(yaml_argv, flags)
+        notes = yaml_notes + notes
         parser.source = str(config_path)  # errors from the YAML part name the file
         parser.parse_args(yaml_argv)
         parser.source = "command line"
-    namespace = parser.parse_args(yaml_argv + rest)
+    namespace, unknown = parser.parse_known_args(yaml_argv + rest)
+    if unknown:
+        raise ConfigError(f"command line: unrecognized arguments: {' '.join(unknown)}.{did_you_mean(unknown, flags)} "
+                          "Run with --help to list the flags.")
+    if notes and os.environ.get("RANK", "0") == "0":
+        print("accel_train: " + "; ".join(notes), file=sys.stderr, flush=True)
     given_on_cli = {a.lstrip("-").split("=")[0].replace("-", "_") for a in rest if a.startswith("--")}
     for key in nulls:
         if key not in given_on_cli:
@@ -394,6 +459,8 @@ def parse_config(
     for dtype in dataclass_types:
         names = {f.name for f in dataclasses.fields(dtype) if f.init}
         outputs.append(dtype(**{k: v for k, v in values.items() if k in names}))
+        if isinstance(outputs[-1], TrainConfig):
+            object.__setattr__(outputs[-1], "origin", "flags")
     return tuple(outputs)
 
 

@@ -26,8 +26,10 @@ from .core.meter import StepMeter
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
 from .deploy import export_formats_at_end
+from .errors import Preempted
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
+from .rundir.outdir import record_crash
 
 
 def train(
@@ -58,6 +60,8 @@ def train(
     metric prefix (test_loss, test_accuracy, ...). A hook's `on_finish(session, metrics)` runs on every process
     after the final evaluation, with the prepared model (`session.model`), and may add to `metrics` (test
     predictions, generated text); all_results.json and the report are written after it, once.
+    An error raised once the run has started is recorded in output_dir/crash_rank<R>.json (then re-raised).
+    `result.metrics` is the same dict on every process: the main process's (what all_results.json holds).
     `end_training=False` keeps the process group alive for other collective work after training; call
     `result.accelerator.end_training()` then.
 
@@ -77,10 +81,16 @@ def train(
     state = session.start([*spec.hooks, *_builtin_hooks(session.config), observer])
     meter = StepMeter(session.accelerator)
     started = time.perf_counter()
-    with observer.probe(state.step) as probe:
-        run_loop(session, state, meter, probe)
-    formats = session.config.export_formats
-    result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
+    try:
+        with observer.probe(state.step) as probe:
+            run_loop(session, state, meter, probe)
+        formats = session.config.export_formats
+        result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
+    except Preempted:  # a checkpoint was saved on purpose: not a crash
+        raise
+    except BaseException as error:  # the cause stays in the run directory, for `accel-train report`
+        record_crash(session.config.output_dir, session.accelerator.process_index, state.step, error)
+        raise
     if formats:  # after all_results.json and the weights: a failed export loses neither
         export_formats_at_end(session.accelerator, session.model, session.config.output_dir, formats,
                               session.processing_class, session.eval_loader)

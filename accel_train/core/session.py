@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from ..config import TrainConfig
 from ..errors import CheckpointError, ConfigError, Preempted
 from ..rundir import checkpoint as ckpt
-from ..rundir.export import export_model
+from ..rundir.export import export_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
-from ..rundir.metrics_log import RunLog
+from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, start_run_dir
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
@@ -117,6 +118,7 @@ class Session:
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
+        self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -266,7 +268,7 @@ class Session:
         state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
                        if hasattr(hook, "state_dict")}
         path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
-                                    dataclasses.asdict(state), self.shapes)
+                                    dataclasses.asdict(state), self.shapes, extra_files=self.model_files)
         self.last_save = state.step
         self.verified.add(path.name)
         if self.accelerator.is_main_process:
@@ -274,6 +276,10 @@ class Session:
                                     self.verified)
         self.accelerator.wait_for_everyone()
         return call_hooks(self.hooks, "on_save", state, path)
+
+    def model_files(self, folder: Path) -> None:
+        """A transformers model's config.json and tokenizer in each checkpoint: from_pretrained(checkpoint) works."""
+        write_pretrained_files(self.accelerator, self.model, folder, self.processing_class)
 
     def preempt(self, state: TrainState) -> None:
         """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
@@ -309,12 +315,21 @@ class Session:
             metrics["train_skipped_steps"] = state.skipped_steps
         if state.nonfinite_skips:
             metrics["train_nonfinite_skips"] = state.nonfinite_skips
+        before = dict(metrics)
         call_hooks(self.hooks, "on_finish", self, metrics)
+        # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during
+        # training logged, and the evaluations the finish seam added (a recipe's test split)
+        final = {**self.unlogged, **{k: v for k, v in metrics.items()
+                                     if k.startswith(("eval_", "test_")) and k not in before}}
+        if final:
+            self.log.log({**final, "epoch": self.epoch_float(state)}, state.step, final=True)
         call_hooks(self.hooks, "on_train_end", state, metrics)
         export_model(acc, self.model, cfg.output_dir, self.processing_class)
+        if acc.num_processes > 1:  # timings and peak memory differ by rank: every rank returns the main one's
+            metrics = broadcast_object_list([metrics])[0]
         if acc.is_main_process:
-            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(metrics, indent=2))
-            self.log.write("final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
+            self.log.write("final metrics: " + ", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 
@@ -322,16 +337,24 @@ class Session:
         """The evaluation of the final (or restored best) model, reusing this step's if it ran; then the final
         evaluation loaders, each under its own prefix."""
         metrics: dict[str, float] = {}
+        fresh: dict[str, float] = {}  # what no evaluation during training logged yet
         if self.eval_loader is not None:
             step, metrics = self.last_eval
             if step != state.step:
                 metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.loss_fn,
                                          self.metrics_fn)
+                fresh.update(metrics)
         metrics = dict(metrics)
         for name, loader in self.final_eval_loaders.items():
-            metrics.update(evaluate_model(self.accelerator, self.model, loader, self.loss_fn, self.metrics_fn,
-                                          prefix=name))
+            fresh.update(evaluate_model(self.accelerator, self.model, loader, self.loss_fn, self.metrics_fn,
+                                        prefix=name))
+        metrics.update(fresh)
+        self.unlogged = fresh  # finish() logs them
         return metrics
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
 
 def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:

@@ -47,13 +47,16 @@ class ConfusionRecorder:
     def __init__(self, metrics_fn):
         self.metrics_fn = metrics_fn
         self.confusion: np.ndarray | None = None
+        self.classes: tuple[int, int] | None = None  # (classes present, classes of the model), last evaluation
 
     def __call__(self, outputs: dict[str, torch.Tensor]):
         logits, labels = outputs.get("logits"), outputs.get("labels")
         if (isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.ndim == 2
-                and 2 <= logits.shape[1] <= MAX_CONFUSION_CLASSES and labels.ndim == 1
-                and not labels.is_floating_point() and len(labels) == len(logits)):
-            self.confusion = confusion_matrix(labels, logits.argmax(-1), logits.shape[1])
+                and logits.shape[1] >= 2 and labels.ndim == 1 and not labels.is_floating_point()
+                and len(labels) == len(logits)):
+            self.classes = (int(torch.unique(labels[labels >= 0]).numel()), logits.shape[1])
+            if logits.shape[1] <= MAX_CONFUSION_CLASSES:
+                self.confusion = confusion_matrix(labels, logits.argmax(-1), logits.shape[1])
         return self.metrics_fn(outputs) if self.metrics_fn is not None else {}
 
 
@@ -70,6 +73,7 @@ class Observer:
         self.overfit = OverfitCheck(self.config, write=self._say) if self.config.overfit_batches else None
         self.preflight: PreflightResult | None = run_preflight(session) if self.config.preflight else None
         self.started = time.time()
+        self.warned_evaluation = False
 
     def _say(self, message: str) -> None:
         if self.main:
@@ -103,7 +107,35 @@ class Observer:
     def on_log(self, state, logs) -> bool:
         return bool(self.overfit and self.overfit.on_log(state, logs))
 
+    def on_evaluate(self, state, metrics: dict) -> None:
+        self._check_evaluation(metrics)
+
+    def _check_evaluation(self, metrics: dict) -> None:
+        """Say once when an evaluation cannot mean much: it holds one class (or misses classes), or a metric's
+        chance level is 50% or more (a retrieval among too few candidates), as a small or class-sorted
+        --max_eval_samples gives."""
+        if self.warned_evaluation:
+            return
+        problems = []
+        if self.recorder.classes is not None:
+            present, total = self.recorder.classes
+            if present < total:
+                problems.append(f"it holds {'a single class' if present == 1 else f'only {present} classes'} of the "
+                                f"model's {total}: accuracy and F1 on it say little, per-class metrics of the "
+                                "missing classes are undefined")
+        chance = {k: v for k, v in metrics.items() if "chance" in k and isinstance(v, (int, float)) and v >= 0.5}
+        if chance:
+            problems.append("chance level is 50% or more (" + ", ".join(f"{k} {v:.0%}" for k, v in chance.items())
+                            + "): too few candidates for those metrics to mean anything")
+        if problems:
+            self.warned_evaluation = True
+            samples = metrics.get("eval_samples")
+            what = f"the evaluation ({int(samples)} samples)" if isinstance(samples, (int, float)) else "the evaluation"
+            self._say(f"warning: {what}: " + "; ".join(problems) + ". Evaluate on more samples (--max_eval_samples "
+                      "draws a seeded, stratified subset) or a larger validation split.")
+
     def on_train_end(self, state, metrics: dict) -> None:
+        self._check_evaluation(metrics)
         if self.overfit:
             self.overfit.on_train_end(state, metrics)
         if not self.main:

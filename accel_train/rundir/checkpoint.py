@@ -4,6 +4,7 @@ A checkpoint directory (see layout.py for the rest of the run directory)::
 
     checkpoints/step-00000120/
       model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl   (Accelerate)
+      config.json, tokenizer files   transformers models: the folder loads with from_pretrained
       train_state.json       loop position, best metric, hook states (JSON: a checkpoint cannot run code)
       manifest.json          written last: file sizes and SHA-256, the parameter shapes
 
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +64,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, step: int, train_state: dict[str, Any], shapes: dict
+    accelerator: Accelerator, output_dir: str | Path, step: int, train_state: dict[str, Any], shapes: dict,
+    extra_files: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Save the full training state for `step`; every rank must call this (collective)."""
+    """Save the full training state for `step`; every rank must call this (collective). `extra_files(folder)` runs
+    on the main process before the manifest, so what it writes there (a model's config.json) is verified too."""
     root = checkpoints_dir(output_dir)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
@@ -82,9 +86,11 @@ def save_checkpoint(
     faults.kill_point("kill_during_save", step, accelerator.is_main_process)
     if not failed and accelerator.is_main_process:
         try:
+            if extra_files is not None:
+                extra_files(tmp)
             (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
             _write_manifest(tmp, step, shapes, accelerator.num_processes)
-        except OSError as err:
+        except Exception as err:  # agreed below: the other ranks must not wait for a rank that raised
             error = err
     failed = _any_rank(accelerator, error is not None) or failed
     if failed:

@@ -29,6 +29,28 @@ def export_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: s
     accelerator.wait_for_everyone()
 
 
+def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, folder: str | Path,
+                           processing_class=None) -> bool:
+    """Make a checkpoint folder a model folder for transformers: write config.json (and generation_config.json,
+    the tokenizer / processor files) beside the model.safetensors Accelerate saved there, whose names are the bare
+    model's, so `AutoModel*.from_pretrained(checkpoint)` and `pipeline(model=checkpoint)` load it. Only for
+    transformers models whose weights sit whole in that file (not FSDP / DeepSpeed shards); True when written.
+    Main process only; call it before the checkpoint's manifest is written, so the files are covered by it."""
+    folder = Path(folder)
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    config = getattr(bare, "config", None)
+    if not (folder / "model.safetensors").is_file() or not hasattr(config, "save_pretrained"):
+        return False
+    config.architectures = [type(bare).__name__]  # what save_pretrained records: pipeline() picks the class by it
+    config.save_pretrained(folder)
+    generation = getattr(bare, "generation_config", None)
+    if generation is not None and getattr(bare, "can_generate", lambda: False)():
+        generation.save_pretrained(folder)
+    if processing_class is not None:
+        processing_class.save_pretrained(folder)
+    return True
+
+
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Load the model.safetensors a run exported for a plain nn.Module (or the file itself) into `model`, strictly.
 

@@ -11,6 +11,7 @@
       diagnostics/         gradient flow, activation statistics, memory snapshots
       profiler/            torch.profiler traces
       model.safetensors, config.json, tokenizer ...   the exported final model
+      crash_rank<R>.json   why a run stopped with an error (type, message, traceback, step), per rank
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ REPORT = "report.md"
 REPORT_DIR = "report"
 DIAGNOSTICS_DIR = "diagnostics"
 PROFILER_DIR = "profiler"
+CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
 RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
 # What a fresh run clears of an older run's observability output.
@@ -50,3 +52,7 @@ def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint directory name, or None for any other name."""
     match = CHECKPOINT_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def crash_file(output_dir: str | Path, rank: int) -> Path:
+    return Path(output_dir) / f"crash_rank{rank}.json"

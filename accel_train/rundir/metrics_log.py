@@ -4,6 +4,8 @@ Files are written on the main process only; the trackers are Accelerate's."""
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ class RunLog:
     """Appends records to `metrics.jsonl`, sends them to the trackers and drives the progress bar.
 
     Constructing it touches nothing; `open` (once every check has passed) trims a resumed run's history, starts
-    the trackers, prints the start-up report and only then opens the progress bar."""
+    the trackers and prints the start-up report; the progress bar opens at the first step, so that what the hooks
+    print before it (the pre-flight check) comes before the bar too, in a terminal as in a log file."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, total_steps: int, project_name: str,
                  disable_bar: bool = False):
@@ -26,6 +29,7 @@ class RunLog:
         self.main = accelerator.is_main_process
         self.total_steps, self.project_name, self.disable_bar = total_steps, project_name, disable_bar
         self.bar: tqdm | None = None
+        self.initial_step = 0
 
     def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
         if self.main:
@@ -33,22 +37,27 @@ class RunLog:
         if self.accelerator.log_with:
             self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams))
         self.write(startup_report)
-        self.bar = tqdm(total=self.total_steps, initial=initial_step, disable=not self.main or self.disable_bar,
-                        dynamic_ncols=True, desc="train")
+        self.initial_step = initial_step
 
-    def log(self, record: dict[str, Any], step: int) -> None:
-        record = {"step": step, **record}
+    def log(self, record: dict[str, Any], step: int, final: bool = False) -> None:
+        """Append `record` at `step` to metrics.jsonl (non-finite numbers as null) and send it to the trackers; an
+        evaluation (eval_* / test_* keys) also prints one line. `final`: the evaluation after training, marked
+        "final": true in the file (the report's curves leave it out)."""
         if self.main:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-        self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                fh.write(json.dumps(json_safe({"step": step, **record, **({"final": True} if final else {})})) + "\n")
+            if any(k.startswith(("eval_", "test_")) for k in record):
+                self.write(evaluation_line(record, step, final))
+        self.accelerator.log(record, step=step)
         if "loss" in record and self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
                                  samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
 
     def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
+        if self.bar is None:
+            self.bar = tqdm(total=self.total_steps, initial=self.initial_step, dynamic_ncols=True, desc="train",
+                            disable=not self.main or self.disable_bar)
+        self.bar.update(1)
 
     def write(self, message: str) -> None:
         """A line for the user on the main process, above the progress bar once it is open."""
@@ -67,8 +76,39 @@ class RunLog:
 
 
 def say(message: str) -> None:
-    """Print a line for the user without breaking the progress bar (call it on the main process)."""
+    """Print a line for the user without breaking the progress bar (call it on the main process). Flushed: into a
+    log file stdout is block-buffered, and the bar (stderr) would otherwise come first."""
     tqdm.write(message)
+    sys.stdout.flush()
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as None, so the JSON written is standard (null), never `NaN`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+EVAL_LINE_METRICS = 8  # the rest of a long evaluation (per-class accuracies) stays in metrics.jsonl
+
+
+def evaluation_line(record: dict[str, Any], step: int, final: bool = False) -> str:
+    """One line per evaluation: `eval step 120 (epoch 1.5): loss 0.4211, accuracy 0.8125, ...`."""
+    shown = [(k, v) for k, v in record.items() if k.startswith(("eval_", "test_")) and isinstance(v, (int, float))
+             and not k.endswith(("_samples", "_items", "_runtime"))]
+    parts = [f"{k.removeprefix('eval_')} {_number(v)}" for k, v in shown[:EVAL_LINE_METRICS]]
+    if len(shown) > EVAL_LINE_METRICS:
+        parts.append(f"... ({len(shown) - EVAL_LINE_METRICS} more in metrics.jsonl)")
+    epoch = f" (epoch {record['epoch']:g})" if isinstance(record.get("epoch"), (int, float)) else ""
+    return f"{'final evaluation' if final else 'eval'} step {step}{epoch}: " + ", ".join(parts)
+
+
+def _number(value: float) -> str:
+    return "nan" if isinstance(value, float) and math.isnan(value) else f"{value:.4g}"
 
 
 def truncate_history(path: Path, step: int) -> None:

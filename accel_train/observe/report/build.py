@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ...errors import UserError
-from ...rundir.layout import CONFIG, HISTORY, REPORT, REPORT_DIR, RESULTS
+from ...rundir.layout import CONFIG, CRASH_GLOB, HISTORY, REPORT, REPORT_DIR, RESULTS
 from .markdown import render, render_compare
 from .plots import Panel, Series, line_plot, matrix_plot
 
@@ -36,14 +36,28 @@ class RunData:
     results: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     preflight: dict = field(default_factory=dict)
+    crashes: list[dict] = field(default_factory=list)  # crash_rank<R>.json: why the run stopped with an error
 
     @property
     def name(self) -> str:
         return self.config.get("run_name") or self.path.name
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
-        points = [(r["step"], r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
+        """(steps, values) of `key` during training; the final evaluation (marked "final") is in the results."""
+        points = [(r["step"], r[key]) for r in self.records
+                  if isinstance(r.get(key), (int, float)) and not r.get("final")]
         return [s for s, _ in points], [v for _, v in points]
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step (per-device batch x processes x accumulation), from report/run_info.json."""
+        size = (self.info.get("plan") or {}).get("global_batch_size")
+        return int(size) if size else None
+
+    def setup(self) -> dict:
+        """What the config file does not say but a comparison needs: world size, global batch, precision."""
+        return {"world_size": self.info.get("world_size"), "global_batch_size": self.global_batch_size,
+                "precision": self.info.get("precision")}
 
     def loss_terms(self) -> list[str]:
         """Scalars a loss function logged beside the loss ("log": per-task losses, weights, ...)."""
@@ -74,8 +88,9 @@ def load_run(run_dir: str | Path) -> RunData:
     metrics = path / HISTORY
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() \
         else []
+    crashes = [_json(p) for p in sorted(path.glob(CRASH_GLOB))]
     return RunData(path, config or {}, records, _json(path / RESULTS),
-                   _json(path / REPORT_DIR / "run_info.json"), _json(path / REPORT_DIR / "preflight.json"))
+                   _json(path / REPORT_DIR / "run_info.json"), _json(path / REPORT_DIR / "preflight.json"), crashes)
 
 
 # ------------------------------------------------------------------------------------------------ one run's plots
@@ -211,33 +226,56 @@ def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
 # ------------------------------------------------------------------------------------------------ compare
 
 
-def compare_runs(run_dirs: list[str | Path], output_dir: str | Path) -> Path:
-    """Overlay the curves of several runs in `output_dir` (PNGs and compare.md with results and config
-    differences side by side); return the path of compare.md."""
+X_AXES = {"step": "optimizer step", "samples": "samples seen"}
+
+
+def compare_runs(run_dirs: list[str | Path], output_dir: str | Path, x: str = "step") -> Path:
+    """Overlay the curves of several runs in `output_dir` (PNGs and compare.md with results, world size, global
+    batch and config differences side by side); return the path of compare.md. `x="samples"` puts the runs on
+    samples seen (step x global batch) instead of optimizer steps: runs with different batch sizes line up."""
+    if x not in X_AXES:
+        raise UserError(f"--x {x}: choose step or samples.")
     runs = [load_run(d) for d in run_dirs]
     names = _unique_names(runs)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    along = _x_axis(runs, x)
+
+    def curve(run: RunData, key: str) -> tuple[list, list]:
+        steps, values = run.curve(key)
+        return along(run, steps), values
+
     plots: dict[str, Path] = {}
     loss = []
     for run, name in zip(runs, names, strict=True):
-        loss.append(Series(f"{name} train", *run.curve("loss")))
+        loss.append(Series(f"{name} train", *curve(run, "loss")))
         if run.curve("eval_loss")[1]:
-            loss.append(Series(f"{name} eval", *run.curve("eval_loss"), "o--"))
-    plots["loss"] = line_plot(out / "loss.png", [Panel("loss", loss)], "loss")
+            loss.append(Series(f"{name} eval", *curve(run, "eval_loss"), "o--"))
+    plots["loss"] = line_plot(out / "loss.png", [Panel("loss", loss)], "loss", X_AXES[x])
     for key, label, log in (("learning_rate", "learning rate", False), ("grad_norm", "gradient norm", True),
                             ("samples_per_second", "samples per second", False)):
-        series = [Series(name, *run.curve(key)) for run, name in zip(runs, names, strict=True) if run.curve(key)[1]]
+        series = [Series(name, *curve(run, key)) for run, name in zip(runs, names, strict=True) if run.curve(key)[1]]
         if series:
-            plots[key] = line_plot(out / f"{key}.png", [Panel(label, series, log_y=log)], label)
+            plots[key] = line_plot(out / f"{key}.png", [Panel(label, series, log_y=log)], label, X_AXES[x])
     metrics = sorted({m for run in runs for m in run.eval_metrics()})[:6]
     if metrics:
-        panels = [Panel(m, [Series(name, *run.curve(m), "o-") for run, name in zip(runs, names, strict=True)
+        panels = [Panel(m, [Series(name, *curve(run, m), "o-") for run, name in zip(runs, names, strict=True)
                             if run.curve(m)[1]]) for m in metrics]
-        plots["metrics"] = line_plot(out / "metrics.png", panels, "evaluation metrics")
+        plots["metrics"] = line_plot(out / "metrics.png", panels, "evaluation metrics", X_AXES[x])
     path = out / "compare.md"
-    path.write_text(render_compare(runs, names, {k: p.name for k, p in plots.items()}))
+    path.write_text(render_compare(runs, names, {k: p.name for k, p in plots.items()}, X_AXES[x]))
     return path
+
+
+def _x_axis(runs: list[RunData], x: str):
+    """steps -> the x values of the comparison: the steps themselves, or the samples seen by then."""
+    if x == "step":
+        return lambda run, steps: steps
+    missing = [str(run.path) for run in runs if run.global_batch_size is None]
+    if missing:
+        raise UserError(f"--x samples needs each run's global batch (report/run_info.json), missing in: "
+                        f"{', '.join(missing)}. Compare by --x step instead.")
+    return lambda run, steps: [s * run.global_batch_size for s in steps]
 
 
 def _unique_names(runs: list[RunData]) -> list[str]:

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from ...config import greater_is_better_for
+
 CAPTIONS = {
     "loss": "Training loss (logged intervals) and evaluation loss.",
     "learning_rate": "Learning rate as logged, and the schedule the pre-flight check simulated: the two should agree.",
@@ -25,6 +27,8 @@ CAPTIONS = {
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # a NaN or infinity, written to JSON as null
+        return "null"
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.6g}"
     return str(value)
@@ -39,7 +43,10 @@ def _summary(run) -> list[str]:
     res, info, plan = run.results, run.info, run.info.get("plan", {})
     steps = res.get("train_steps", info.get("final_step", run.records[-1]["step"] if run.records else 0))
     total = plan.get("total_steps")
-    if not res:
+    if run.crashes:
+        crash = run.crashes[0]
+        status = f"**crashed** at step {crash.get('step')}: {crash.get('error')}: {_first_line(crash.get('message'))}"
+    elif not res:
         status = "no final results: the run was interrupted, diverged or is still running"
     elif total and steps < total:
         status = f"stopped early at step {steps} of {total}"
@@ -65,12 +72,27 @@ def _best(run):
     name = cfg.get("metric_for_best_model") or "eval_loss"
     name = name if name.startswith("eval_") else f"eval_{name}"
     greater = cfg.get("greater_is_better")
-    greater = (not name.endswith("loss")) if greater is None else greater
+    greater = greater_is_better_for(name) if greater is None else greater
     steps, values = run.curve(name)
     if not values:
         return None
     i = max(range(len(values)), key=lambda k: values[k] if greater else -values[k])
     return name, values[i], steps[i]
+
+
+def _first_line(text: Any, most: int = 300) -> str:
+    line = str(text or "").strip().splitlines()[0] if str(text or "").strip() else ""
+    return line if len(line) <= most else line[:most] + " ..."
+
+
+def _crash(run) -> list[str]:
+    """Why the run stopped: each rank's error and the end of its traceback (crash_rank<R>.json)."""
+    lines = []
+    for crash in run.crashes:
+        tail = str(crash.get("traceback", "")).rstrip().splitlines()[-25:]
+        lines += [f"Rank {crash.get('rank')} stopped at step {crash.get('step')} ({crash.get('time')}) with "
+                  f"`{crash.get('error')}`: {crash.get('message')}", "", "```", *tail, "```", ""]
+    return lines
 
 
 def _preflight(run) -> list[str]:
@@ -161,6 +183,8 @@ def render(run, plots: dict[str, str]) -> str:
         out += ["## Overfit check", "", f"**{verdict}**: loss {run.results['overfit_initial_loss']:.4g} -> "
                 f"{run.results['overfit_final_loss']:.4g} in {run.results['overfit_steps']} steps on "
                 f"{run.config.get('overfit_batches')} fixed batch(es) (target: 5% of the first loss).", ""]
+    if run.crashes:
+        out += ["## Crash", "", *_crash(run)]
     if run.results:
         out += ["## Results", "", *_table(sorted(run.results.items()), ("metric", "value")), ""]
     out += ["## Pre-flight check", "", *_preflight(run), "", "## Curves", ""]
@@ -185,20 +209,28 @@ def render(run, plots: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def render_compare(runs, names: list[str], plots: dict[str, str]) -> str:
-    """compare.md: the overlaid plots, final results side by side, and the config keys that differ."""
-    out = ["# Run comparison", "", *[f"- **{n}**: `{r.path}`" for r, n in zip(runs, names, strict=True)], ""]
+def render_compare(runs, names: list[str], plots: dict[str, str], xlabel: str = "optimizer step") -> str:
+    """compare.md: the overlaid plots (x: `xlabel`), final results side by side, the setup (world size, global
+    batch, precision) of each run, and the config keys that differ, world size and global batch included."""
+    out = ["# Run comparison", "", *[f"- **{n}**: `{r.path}`" for r, n in zip(runs, names, strict=True)], "",
+           f"Curves by {xlabel}.", ""]
     for name, file in plots.items():
         out += [f"![{name}]({file})", ""]
     keys = sorted({k for r in runs for k in r.results})
     if keys:
         out += ["## Results", "", *_table([(k, *(r.results.get(k, "-") for r in runs)) for k in keys],
                                           ("metric", *names)), ""]
-    differing = sorted(k for k in {k for r in runs for k in r.config}
-                       if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1)
+    setups = [r.setup() for r in runs]
+    out += ["## Setup", "", *_table([(k, *(_fmt(s.get(k)) if s.get(k) is not None else "-" for s in setups))
+                                     for k in setups[0]], ("", *names)), ""]
+    # world size and global batch are not in config.yaml, yet change what a step means: compared with the config
+    configs = [{**r.config, **{k: v for k, v in s.items() if k != "precision"}} for r, s in zip(runs, setups,
+                                                                                               strict=True)]
+    differing = sorted(k for k in {k for c in configs for k in c}
+                       if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1)
     out += ["## Config differences", ""]
     if differing:
-        out += _table([(k, *(json.dumps(r.config.get(k)) for r in runs)) for k in differing], ("key", *names))
+        out += _table([(k, *(json.dumps(c.get(k)) for c in configs)) for k in differing], ("key", *names))
     else:
         out.append("The runs have the same config.")
     return "\n".join(out) + "\n"

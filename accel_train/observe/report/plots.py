@@ -46,7 +46,8 @@ def _clean(values: Sequence) -> list[float | None]:
 def _thin(series: Series) -> dict:
     n = len(series.x)
     keep = range(n) if n <= MAX_POINTS else sorted(set(range(0, n, math.ceil(n / MAX_POINTS))) | {n - 1})
-    return {"label": series.label, "x": [series.x[i] for i in keep], "y": _clean(series.y[i] for i in keep)}
+    return {"label": series.label, "x": [series.x[i] for i in keep], "y": _clean(series.y[i] for i in keep),
+            "style": _style(series)}
 
 
 def _figure(rows: int, width: float = 8.0, height: float = 3.0):
@@ -65,15 +66,51 @@ def _save(fig, path: Path, meta: dict) -> Path:
     return path
 
 
+MARKERS = "o.sxd^v*+"
+
+
+def _style(series: Series) -> str:
+    """A series with one drawable point gets a marker: a line through one point draws nothing."""
+    points = sum(v is not None for v in _clean(series.y))
+    return series.style if points != 1 or any(m in series.style for m in MARKERS) else "o" + series.style
+
+
+def _near_constant_limits(panel: Panel) -> tuple[float, float] | None:
+    """y limits for a panel whose values barely move (peak memory: 512.3 .. 512.4 MiB): +-5% around them, instead of
+    matplotlib's full height for a 0.1 MiB wiggle under a '+5.123e2' offset. None when the values do move."""
+    values = [v for s in panel.series for v in _clean(s.y) if v is not None]
+    if not values or panel.log_y or panel.xticklabels:
+        return None
+    low, high = min(values), max(values)
+    scale = max(abs(low), abs(high))
+    if high - low > 0.01 * scale:
+        return None
+    pad = 0.05 * scale if scale else 1.0
+    return low - pad, high + pad
+
+
+def _integer_x(panels: Sequence[Panel]) -> bool:
+    xs = [x for p in panels for s in p.series for x in s.x]
+    return bool(xs) and not any(p.xticklabels for p in panels) and all(float(x).is_integer() for x in xs)
+
+
 def line_plot(path: str | Path, panels: Sequence[Panel], title: str, xlabel: str = "optimizer step") -> Path:
-    """One figure of stacked panels sharing the x axis; returns the path written."""
+    """One figure of stacked panels sharing the x axis; returns the path written. Steps (integer x) get integer
+    ticks, a series of one point a marker, a near-constant panel a y range around its values."""
+    from matplotlib.ticker import MaxNLocator
+
     categorical = any(p.xticklabels for p in panels)  # long rotated layer names need room below each panel
     fig = _figure(len(panels), width=10.0 if categorical else 8.0, height=5.0 if categorical else 3.0)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, panel in zip(axes, panels, strict=True):
+    limits = [_near_constant_limits(p) for p in panels]
+    for ax, panel, ylim in zip(axes, panels, limits, strict=True):
         for s in panel.series:
             y = [math.nan if v is None else v for v in _clean(s.y)]
-            ax.plot(s.x, y, s.style, label=s.label, markersize=4, linewidth=1.3)
+            ax.plot(s.x, y, _style(s), label=s.label, markersize=4, linewidth=1.3)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        if not panel.log_y:
+            ax.ticklabel_format(axis="y", useOffset=False)
         for label, y in panel.hlines.items():
             ax.axhline(y, color="grey", linestyle=":", linewidth=1, label=label)
         for label, x in panel.vlines.items():
@@ -88,10 +125,15 @@ def line_plot(path: str | Path, panels: Sequence[Panel], title: str, xlabel: str
         ax.grid(alpha=0.3)
         if len(panel.series) + len(panel.hlines) + len(panel.vlines) > 1:
             ax.legend(fontsize=7, loc="best", ncol=2 if len(panel.series) > 6 else 1)
+    if _integer_x(panels):  # steps and samples are counts: no tick at step 2.5
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].set_xlabel(xlabel)
     fig.suptitle(title)
+    low, high = axes[-1].get_xlim()
     meta = {"title": title, "xlabel": xlabel,
-            "panels": [{"ylabel": p.ylabel, "series": [_thin(s) for s in p.series]} for p in panels]}
+            "xticks": [float(t) for t in axes[-1].get_xticks() if low <= t <= high],
+            "panels": [{"ylabel": p.ylabel, "ylim": list(ax.get_ylim()), "series": [_thin(s) for s in p.series]}
+                       for p, ax in zip(panels, axes, strict=True)]}
     return _save(fig, Path(path), meta)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, DataError
+from ..sampling import subsample
 from ..vision.data import (
     SPLIT_FOLDERS,
     ImageData,
@@ -67,7 +68,8 @@ class ImageTextArguments:
         "help": "Percent of train images held out for validation (seeded). Default: 10 without validation and test "
                 "splits, else 0."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded random subset of train."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use the first N evaluation images."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Use a seeded subset of N images of each evaluation split (stratified by class where there is one)."})
     image_size: int | None = field(default=None, metadata={
         "help": "Side of the square model input (default: the training images' size, at most 96)."})
     max_seq_length: int = field(default=32, metadata={"help": "Captions are truncated to this many tokens."})
@@ -109,7 +111,9 @@ def load_image_text_data(args: ImageTextArguments, seed: int, max_default_size: 
         splits["train"] = splits["train"].subset(np.sort(order[: args.max_train_samples]))
     for name in ("validation", "test"):
         if args.max_eval_samples is not None and name in splits and args.max_eval_samples < len(splits[name]):
-            splits[name] = splits[name].subset(range(args.max_eval_samples))
+            split = splits[name]  # the first N may be one class, or neighbours that are easy to tell apart
+            labels = split.fields.get("labels")
+            splits[name] = split.subset(subsample(len(split), args.max_eval_samples, seed, labels))
     if len(splits["train"]) < 2:
         raise DataError(f"the train split has {len(splits['train'])} image(s); contrastive training needs at least 2.")
     return replace(data, splits=splits, image_size=args.image_size or min(data.image_size, max_default_size))

@@ -70,13 +70,19 @@ def read_label_text_lines(path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"label": labels, "text": texts})
 
 
-def load_text_files(files: dict[str, str | None]) -> datasets.DatasetDict:
-    """{split: path} for csv / tsv / json / jsonl / parquet or the `<label> <text>` line format."""
+def load_text_files(files: dict[str, str | None], column_names: Sequence[str] | None = None) -> datasets.DatasetDict:
+    """{split: path} for csv / tsv / json / jsonl / parquet or the `<label> <text>` line format. `column_names`:
+    the columns of a csv / tsv file without a header row (its first row is then data)."""
     splits = {}
     for split, name in files.items():
         if not name:
             continue
         path = Path(name)
+        if path.is_dir():
+            raise DataError(f"--{split}_file {path}: a folder, not a file. Give one file per split (--train_file, "
+                            f"--validation_file, --test_file), or load the folder with --dataset_name {path} "
+                            "(datasets reads its files and takes the splits from names such as train.csv, "
+                            "validation.csv, test.csv).")
         if not path.is_file():
             raise DataError(f"--{split}_file {path}: no such file.")
         if path.stat().st_size == 0:
@@ -86,6 +92,8 @@ def load_text_files(files: dict[str, str | None]) -> datasets.DatasetDict:
             splits[split] = read_label_text_lines(path)
             continue
         kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+        if column_names and builder == "csv":
+            kwargs["column_names"] = list(column_names)
         try:
             splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **kwargs)
         except Exception as err:  # datasets raises many types for a malformed file; name the file
@@ -133,7 +141,8 @@ def pick_columns(ds: datasets.DatasetDict, text_columns: str | None, label_colum
     label = label_column or next((c for c in DEFAULT_LABEL_COLUMNS if c in columns), None)
     if not texts:
         raise DataError(f"no text column found in {columns} (looked for {', '.join(DEFAULT_TEXT_COLUMNS)}). Name it "
-                        "with --text_column_names (one column, or two comma-separated for sentence pairs).")
+                        "with --text_column_names (one column, or two comma-separated for sentence pairs)."
+                        + headerless_hint(columns))
     for split, part in ds.items():
         missing = [c for c in texts if c not in part.column_names]
         if missing:
@@ -143,7 +152,7 @@ def pick_columns(ds: datasets.DatasetDict, text_columns: str | None, label_colum
         raise DataError(f"--text_column_names {text_columns}: give one column, or two for sentence pairs.")
     if label is None:
         raise DataError(f"no label column found in {columns} (looked for {', '.join(DEFAULT_LABEL_COLUMNS)}); "
-                        "name it with --label_column_name.")
+                        "name it with --label_column_name." + headerless_hint(columns))
     if label not in columns:
         raise DataError(f"label column '{label}' not in the training columns {columns}; check --label_column_name.")
     for column in texts:
@@ -153,6 +162,20 @@ def pick_columns(ds: datasets.DatasetDict, text_columns: str | None, label_colum
             raise DataError(f"text column '{column}' holds {kind} values, not text; choose a text column "
                             f"with --text_column_names (columns: {columns}).")
     return texts, label
+
+
+def headerless_hint(columns: Sequence[str]) -> str:
+    """A hint when the column names look like a first row of data (a CSV without a header row, as AG News and
+    Yelp ship): a number, or a sentence. '' otherwise."""
+    def data_like(name: str) -> bool:
+        name = str(name).strip()
+        return name.lstrip("-").replace(".", "", 1).isdigit() or len(name.split()) >= 4
+    if not columns or not any(data_like(c) for c in columns):
+        return ""
+    shown = [c if len(str(c)) <= 40 else str(c)[:37] + "..." for c in columns]
+    return (f" The column names {shown} look like a row of data: the file seems to have no header row. Name its "
+            "columns with --column_names (e.g. --column_names label,title,text), then choose with "
+            "--text_column_names / --label_column_name if needed.")
 
 
 @dataclass(frozen=True)
@@ -172,8 +195,10 @@ def encode_labels(ds: datasets.DatasetDict, column: str,
                   has_labels: dict[str, bool]) -> tuple[datasets.DatasetDict, Labels]:
     """Map the label column to ids 0..N-1 in a `label` column, with names kept for id2label.
 
-    Integers must already be 0..N-1; strings are sorted into ids; floats mean regression. A validation or
-    test label the training split does not have is an error that names it.
+    Integers from 0 are kept as ids (0..max); integers that do not start at 0 (1..K star ratings, AG News'
+    1..4) are sorted into ids 0..K-1 named by their value ("1", "2", ...), as run_glue does; strings are sorted
+    into ids; floats mean regression. A validation or test label the training split does not have is an error
+    that names it.
     """
     train_feature = ds["train"].features[column]
     if isinstance(train_feature, datasets.ClassLabel):
@@ -188,10 +213,11 @@ def encode_labels(ds: datasets.DatasetDict, column: str,
             mapping = {n: i for i, n in enumerate(names)}
         elif all(isinstance(v, (int, np.integer)) for v in values):
             ints = sorted(int(v) for v in values)
-            if ints[0] != 0:
-                raise DataError(f"train split: integer labels in '{column}' must be 0..N-1, found {ints[:10]}. "
-                                "Re-number them (e.g. 1..4 -> 0..3) or store them as strings.")
-            names, mapping = [str(i) for i in range(ints[-1] + 1)], None
+            if ints[0] == 0:
+                names, mapping = [str(i) for i in range(ints[-1] + 1)], None
+            else:  # ids 0..K-1 in the order of the values, each named by its value
+                names = [str(i) for i in ints]
+                mapping = {i: k for k, i in enumerate(ints)}
         elif all(isinstance(v, (int, float, np.floating, np.integer)) for v in values):
             names, mapping = None, None
         else:
@@ -210,6 +236,7 @@ def _encode_split(part, split, column, names, mapping):
     if names is None:
         ids = [float(v) for v in values]
     elif mapping is not None:
+        values = [int(v) if isinstance(v, (int, np.integer)) else v for v in values]
         unseen = sorted({str(v) for v in values if v not in mapping})
         if unseen:
             raise DataError(f"{split} split: label(s) {unseen[:5]} do not occur in train (labels: {names}).")
@@ -243,6 +270,47 @@ def tokenize(ds: datasets.DatasetDict, tokenizer, text_columns: Sequence[str], m
         if len(out[split]) == 0:
             raise DataError(f"{split} split is empty after loading/filtering; check the file or --max_*_samples.")
     return datasets.DatasetDict(out)
+
+
+def truncated_counts(raw: datasets.DatasetDict, data: datasets.DatasetDict, tokenizer, text_columns: Sequence[str],
+                     max_seq_length: int) -> dict[str, int]:
+    """Examples per split that --max_seq_length cut short. `data` is `tokenize(raw, ...)` (same rows, same order);
+    only the examples that reached the limit are tokenized again, whole."""
+    counts = {}
+    for split, part in data.items():
+        lengths = ([sum(mask) for mask in part["attention_mask"]] if "attention_mask" in part.column_names
+                   else [len(ids) for ids in part["input_ids"]])
+        full = [i for i, n in enumerate(lengths) if n >= max_seq_length]
+        counts[split] = 0
+        if full:
+            rows = raw[split].select(full)
+            texts = [[t if t is not None else "" for t in rows[c]] for c in text_columns]
+            ids = tokenizer(*texts, truncation=False, verbose=False)["input_ids"]
+            counts[split] = sum(len(x) > max_seq_length for x in ids)
+    return counts
+
+
+def data_summary(raw: datasets.DatasetDict, sources: dict[str, str], text_columns: Sequence[str], label_column: str,
+                 labels: Labels, truncated: dict[str, int], max_seq_length: int) -> list[str]:
+    """What the run trains and evaluates on, for the user to check before trusting a number: where each split
+    came from and its size, the columns chosen, the label names with their training counts (or the range of a
+    regression target), and how many examples --max_seq_length truncated."""
+    sizes = ", ".join(f"{split} {len(part)} ({sources.get(split, 'given')})" for split, part in raw.items())
+    lines = [f"data: {sizes}"]
+    lines.append(f"data: text column{'s' if len(text_columns) > 1 else ''} {', '.join(map(repr, text_columns))}, "
+                 f"label column {label_column!r}")
+    train = raw["train"]["label"]
+    if labels.is_regression:
+        values = np.asarray(train, dtype=float)
+        lines.append(f"data: regression target: mean {values.mean():.4g}, range {values.min():.4g} .. "
+                     f"{values.max():.4g} (train)")
+    else:
+        counts = np.bincount(np.asarray(train, dtype=int), minlength=labels.num_labels)
+        lines.append(f"data: {labels.num_labels} labels (train count): "
+                     + ", ".join(f"{name}: {n}" for name, n in zip(labels.names, counts, strict=True)))
+    lines.append(f"data: truncated to --max_seq_length {max_seq_length}: "
+                 + ", ".join(f"{split} {truncated.get(split, 0)} of {len(raw[split])}" for split in raw))
+    return lines
 
 
 def padding_ratio(lengths: Sequence[int], order: Sequence[int], batch_size: int) -> float:

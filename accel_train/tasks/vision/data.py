@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from ...errors import DataError
+from ..sampling import subsample
 
 SPLIT_FOLDERS = {"train": ("train",), "validation": ("validation", "val", "valid"), "test": ("test",)}
 RGB_MODES = ("RGB",)
@@ -51,7 +52,8 @@ class ImageDataArguments:
                   "10 when the data has neither a validation nor a test split, else 0."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded random subset of train."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use the first N evaluation images."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Use a seeded subset of N images of each evaluation split, stratified by class."})
     image_size: int | None = field(
         default=None, metadata={"help": "Side of the square model input (default: the training images' size)."}
     )
@@ -358,6 +360,7 @@ def load_image_data(args: ImageDataArguments, seed: int) -> ImageData:
         splits["train"] = splits["train"].subset(np.sort(order[: args.max_train_samples]))
     if args.max_eval_samples is not None:
         for name in ("validation", "test"):
-            if name in splits and args.max_eval_samples < len(splits[name]):
-                splits[name] = splits[name].subset(range(args.max_eval_samples))
+            if name in splits and args.max_eval_samples < len(splits[name]):  # the first N may be one class
+                split = splits[name]
+                splits[name] = split.subset(subsample(len(split), args.max_eval_samples, seed, split.labels))
     return replace(data, splits=splits, image_size=args.image_size or data.image_size)

@@ -85,9 +85,9 @@ def _in_boxes(boxes, shape):
 
 
 def test_canvas_flags_are_checked():
-    with pytest.raises(DataError, match="does not fit a 32 px canvas"):
+    with pytest.raises(ConfigError, match="does not fit a 32 px canvas"):
         DenseDataArguments(canvas_size=32, digit_scale_max=1.5)
-    with pytest.raises(DataError, match="--num_test_canvases 0"):
+    with pytest.raises(ConfigError, match="--num_test_canvases 0"):
         DenseDataArguments(num_test_canvases=0)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from ...vision.data import load_digits
 
 DIGIT_NAMES = [str(d) for d in range(10)]
@@ -53,16 +53,18 @@ class DenseDataArguments:
 
     def __post_init__(self):
         if self.canvas_size < 32:
-            raise DataError(f"--canvas_size {self.canvas_size}: must be at least 32 pixels.")
+            raise ConfigError(f"--canvas_size {self.canvas_size}: must be at least 32 pixels.")
+        if self.data_dir:
+            return  # the rest shapes generated canvases only
         if not 0 < self.digit_scale_min <= self.digit_scale_max:
-            raise DataError(f"--digit_scale_min {self.digit_scale_min} / --digit_scale_max {self.digit_scale_max}: "
-                            "need 0 < min <= max.")
+            raise ConfigError(f"--digit_scale_min {self.digit_scale_min} / --digit_scale_max {self.digit_scale_max}: "
+                              "need 0 < min <= max.")
         if 28 * self.digit_scale_max > self.canvas_size:
-            raise DataError(f"--digit_scale_max {self.digit_scale_max}: a {28 * self.digit_scale_max:.0f} px digit "
-                            f"does not fit a {self.canvas_size} px canvas; lower it or raise --canvas_size.")
+            raise ConfigError(f"--digit_scale_max {self.digit_scale_max}: a {28 * self.digit_scale_max:.0f} px digit "
+                              f"does not fit a {self.canvas_size} px canvas; lower it or raise --canvas_size.")
         for name in ("num_train_canvases", "num_test_canvases", "max_digits"):
             if getattr(self, name) < 1:
-                raise DataError(f"--{name} {getattr(self, name)}: must be at least 1.")
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be at least 1.")
 
 
 @dataclass(frozen=True)

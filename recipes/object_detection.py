@@ -33,7 +33,7 @@ from accel_train.vision import EvalTransform, parse_overrides
 MODEL_PRESET = {"widths": [32, 64, 128], "blocks_per_stage": 2, "stem_stride": 2, "output_stride": 4,
                 "head_width": 64}
 DEFAULTS = {
-    "output_dir": "outputs/object_detection", "num_train_epochs": 10, "per_device_train_batch_size": 64,
+    "output_dir": "outputs/object_detection", "num_train_epochs": 5, "per_device_train_batch_size": 64,
     "per_device_eval_batch_size": 250, "optim": "adamw", "learning_rate": 3e-3, "weight_decay": 0.01,
     "lr_scheduler_type": "cosine", "warmup_steps": 0.05, "logging_steps": 25, "eval_strategy": "epoch",
     "save_strategy": "no",
@@ -95,8 +95,7 @@ def build_metrics(data) -> DetectionMetrics:
 def main(argv=None) -> dict[str, float]:
     config, data_args, aug_args, model_args = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(config)
-    with accelerator.main_process_first():
-        data = load_data(data_args, config.seed)
+    data = load_data(data_args, config.seed)  # in memory, nothing cached: every process builds the same data at once
     for note in data.notes:
         accelerator.print(f"data: {note}")
     accelerator.print(f"data: {', '.join(f'{k} {len(v)}' for k, v in data.splits.items())} images of "

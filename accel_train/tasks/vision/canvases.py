@@ -29,7 +29,8 @@ from ...vision.data import load_digits
 
 DIGIT_NAMES = [str(d) for d in range(10)]
 STROKE_THRESHOLD = 128  # a pixel of a resized digit at or above this is stroke (mask, box); below: background
-MAX_PLACEMENT_TRIES = 50
+SIDE_TRIES = 5  # a digit that finds no free place at 5 sizes x 10 positions is left out
+POSITION_TRIES = 10
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def generate_canvases(images: Sequence[np.ndarray], labels: Sequence[int], num_c
 
     Each canvas draws its digit count uniformly from 1..max_digits; each digit draws an image, a side of
     28 * U(scale) pixels and a position until its tight box keeps a 1 px gap to the boxes already placed
-    (a digit that finds no place in 50 tries is left out; rare unless digits are large for the canvas).
+    (a digit that finds no place in 50 tries is left out: rare unless digits are large for the canvas).
     Deterministic in `seed`."""
     rng = np.random.default_rng(seed)
     size = canvas_size
@@ -121,19 +122,21 @@ def generate_canvases(images: Sequence[np.ndarray], labels: Sequence[int], num_c
 
 
 def _place_digit(digit: np.ndarray, boxes: list, size: int, scale: tuple[float, float], rng):
-    """(resized tile, (x, y) of its corner, tight stroke box on the canvas) or None when no free place is found."""
+    """(resized tile, (x, y) of its corner, tight stroke box on the canvas) or None when no free place is found:
+    up to `SIDE_TRIES` sides, each tried at up to `POSITION_TRIES` positions (resizing is the costly part)."""
     from PIL import Image
 
-    for _ in range(MAX_PLACEMENT_TRIES):
+    for _ in range(SIDE_TRIES):
         side = max(8, round(28 * rng.uniform(*scale)))
         tile = np.asarray(Image.fromarray(digit).resize((side, side), Image.Resampling.BILINEAR))
         ys, xs = np.nonzero(tile >= STROKE_THRESHOLD)
         if len(xs) == 0:
             continue
-        x, y = int(rng.integers(0, size - side + 1)), int(rng.integers(0, size - side + 1))
-        box = [float(x + xs.min()), float(y + ys.min()), float(x + xs.max() + 1), float(y + ys.max() + 1)]
-        if all(box[0] > b[2] or box[2] < b[0] or box[1] > b[3] or box[3] < b[1] for b in boxes):
-            return tile, (x, y), box
+        for _ in range(POSITION_TRIES):
+            x, y = int(rng.integers(0, size - side + 1)), int(rng.integers(0, size - side + 1))
+            box = [float(x + xs.min()), float(y + ys.min()), float(x + xs.max() + 1), float(y + ys.max() + 1)]
+            if all(box[0] > b[2] or box[2] < b[0] or box[1] > b[3] or box[3] < b[1] for b in boxes):
+                return tile, (x, y), box
     return None
 
 

@@ -308,12 +308,14 @@ def test_bad_model_overrides_are_config_errors(tmp_path):
 
 @pytest.mark.slow
 def test_one_and_two_processes_give_the_same_map(tmp_path):
-    # Train briefly on one process, then evaluate the saved model on 1 and 2 processes: 30 test canvases in
+    # Train briefly on two processes, then evaluate the saved model on 1 and 2 processes: 30 test canvases in
     # batches of 4 per process leave a last batch that 2 processes pad with duplicates, which must be dropped.
+    # The 2-process training run's own final evaluation (in batches of 30) must agree as well.
     data = ["--num_train_canvases", "512", "--num_test_canvases", "30"]
     small = ["--config_overrides", '{"widths": [8, 16, 32], "blocks_per_stage": 1, "head_width": 16}']
     launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "6",
-                    "--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "30"], 1)
+                    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "30",
+                    "--expected_world_size", "2"], 2)
     evaluate = ROOT / "tests" / "dense_eval.py"
     common = ["--task", "detection", "--weights", str(tmp_path / "trained" / "model.safetensors"), *data, *small,
               "--per_device_eval_batch_size", "4"]

@@ -18,6 +18,7 @@ asks for an item.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -215,7 +216,7 @@ def _lazy(columns: dict, size: int):
     import datasets
 
     dataset = datasets.Dataset.from_dict(columns)
-    dataset.set_transform(lambda batch: _decode(batch, size))
+    dataset.set_transform(functools.partial(_decode, size=size))  # a partial pickles into spawned loader workers
     return dataset
 
 

@@ -70,6 +70,7 @@ class CenterNet(nn.Module):
 
 
 def box_area(boxes: torch.Tensor) -> torch.Tensor:
+    """Area of boxes [..., 4] (x0, y0, x1, y1); 0 for an empty or inverted box."""
     return (boxes[..., 2] - boxes[..., 0]).clamp_min(0) * (boxes[..., 3] - boxes[..., 1]).clamp_min(0)
 
 

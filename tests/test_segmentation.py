@@ -1,0 +1,208 @@
+"""Semantic segmentation (issue 18): IoU against hand-computed values, pixels summed over images (not batch
+means), the losses, mask-aware augmentation, image + mask folders (and their bad inputs), the recipe end to
+end, and 1 vs 2 processes through the real launcher.
+"""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, launch
+from PIL import Image
+
+from accel_train import DataError
+from accel_train.tasks.vision.annotated import load_mask_pairs
+from accel_train.tasks.vision.augment import BoxMaskAugmentation
+from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases
+from accel_train.tasks.vision.segmentation import SegmentationMetrics, UNet, confusion_per_image, segmentation_losses
+
+sys.path.insert(0, str(ROOT / "recipes"))
+import semantic_segmentation as recipe  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "semantic_segmentation.py"
+QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
+TINY = ["--config_overrides", '{"widths": [8, 16, 16], "blocks_per_stage": 1}']
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
+
+def metrics_of(pairs, names=("bg", "one")):
+    """SegmentationMetrics over images given as (true mask, predicted mask) pairs."""
+    rows = [confusion_per_image(torch.tensor(p)[None], torch.tensor(t)[None], len(names)) for t, p in pairs]
+    return SegmentationMetrics(list(names))({"confusion": torch.cat(rows)})
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_iou_of_a_mask_with_a_known_intersection():
+    # class 1 is columns 0-3 in truth and 2-5 in the prediction: intersection 2 columns, union 6 -> IoU 1/3;
+    # background likewise (truth 4-7, predicted 0-1 and 6-7): 1/3. Half the pixels are right.
+    truth = np.zeros((8, 8), dtype=np.int64)
+    truth[:, :4] = 1
+    predicted = np.zeros((8, 8), dtype=np.int64)
+    predicted[:, 2:6] = 1
+    m = metrics_of([(truth, predicted)])
+    assert m["iou_one"] == pytest.approx(1 / 3) and m["iou_bg"] == pytest.approx(1 / 3)
+    assert m["miou"] == pytest.approx(1 / 3) and m["pixel_accuracy"] == 0.5
+
+
+def test_miou_sums_pixels_over_all_images_before_dividing():
+    # Image a: 16 pixels of class 1, all found. Image b: 1 pixel of class 1 among 15 of background, missed.
+    # Summed: class 1 has TP 16, FN 1 -> 16/17; background TP 15, FP 1 -> 15/16. Per-image means would give
+    # (1 + (15/16 + 0) / 2) / 2 instead.
+    a = np.ones((4, 4), dtype=np.int64)
+    b = np.zeros((4, 4), dtype=np.int64)
+    b[0, 0] = 1
+    m = metrics_of([(a, a.copy()), (b, np.zeros_like(b))])
+    assert m["miou"] == pytest.approx((16 / 17 + 15 / 16) / 2)
+    assert m["miou"] != pytest.approx((1 + (15 / 16) / 2) / 2)
+
+
+def test_ignored_pixels_and_absent_classes_do_not_count():
+    truth = np.array([[0, 1], [255, 255]])
+    predicted = np.array([[0, 1], [1, 2]])
+    m = metrics_of([(truth, predicted)], names=("bg", "one", "two"))
+    assert m["miou"] == 1.0 and m["pixel_accuracy"] == 1.0  # the two ignored pixels are not counted at all
+    assert math.isnan(m["iou_two"])  # neither present nor predicted (where counted)
+
+
+def test_losses_are_near_zero_for_a_confident_right_answer_and_log_c_for_a_uniform_one():
+    mask = torch.tensor([[[0, 1], [2, 255]]])
+    right = torch.nn.functional.one_hot(mask.clamp(max=2), 3).permute(0, 3, 1, 2).float() * 50
+    parts = segmentation_losses(right, mask)
+    assert parts["ce"].item() == pytest.approx(0, abs=1e-6) and parts["dice"].item() == pytest.approx(0, abs=1e-3)
+    parts = segmentation_losses(torch.zeros(1, 3, 2, 2), mask)
+    assert parts["ce"].item() == pytest.approx(math.log(3))
+
+
+# ------------------------------------------------------------------------------------------ augmentation
+
+
+def test_augmentation_moves_masks_with_the_pixels():
+    data = load_canvases(DenseDataArguments(num_train_canvases=32, num_test_canvases=1))
+    batch = DenseCollator(data.max_objects)(data.splits["train"].__getitems__(list(range(32))))
+    augment = BoxMaskAugmentation([0.0] * 3, [1.0] * 3, scale=(0.7, 1.3), translate=0.2, degrees=20)
+    torch.manual_seed(0)
+    images, _, _, mask = augment(batch["pixel_values"], mask=batch["mask"])
+    assert not torch.equal(mask, batch["mask"])
+    assert set(mask.unique().tolist()) <= set(batch["mask"].unique().tolist())  # class ids stay class ids
+    stroke = images[:, 0] >= 0.5  # moved pixels (mean 0, std 1: the stroke threshold is 128/255)
+    agree = (stroke == (mask > 0)).float().mean().item()
+    assert agree > 0.98, agree  # the edges differ a little: bilinear pixels, nearest-neighbour masks
+
+
+# ---------------------------------------------------------------------------------- image + mask folders
+
+
+def mask_folder(root, split="train", count=3, size=(12, 10), mask_size=None, classes=2):
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        (root / split / "images").mkdir(parents=True, exist_ok=True)
+        (root / split / "masks").mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / split / "images" / f"{i}.jpg")
+        values = rng.integers(0, classes, (mask_size or size)[::-1], dtype=np.uint8)
+        Image.fromarray(values).save(root / split / "masks" / f"{i}.png")
+    return root
+
+
+def test_mask_pairs_load_resize_and_name_their_classes(tmp_path):
+    root = mask_folder(tmp_path, "train", count=4, classes=3)
+    mask_folder(tmp_path, "test", count=2, classes=3)
+    (root / "classes.txt").write_text("sky\nroad\ncar\n")
+    data = load_mask_pairs(root, 16, validation_percent=10, seed=0)
+    assert data.mask_class_names == ["sky", "road", "car"] and {k: len(v) for k, v in data.splits.items()} == \
+        {"train": 4, "test": 2}
+    item = data.splits["train"][0]
+    assert item["pixel_values"].shape == (3, 16, 16) and item["mask"].shape == (16, 16)
+    original = np.array(Image.open(root / "train" / "masks" / "0.png"))
+    assert set(np.unique(item["mask"])) <= set(np.unique(original))  # nearest-neighbour: no blended ids
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("size", r"mask .*0.png is 7x5 but its image .*0.jpg is 12x10; a mask must have its image's size"),
+    ("missing", r"1.jpg has no mask: expected .*masks/1.png"),
+    ("rgb", r"mask .*2.png is a RGB image; masks are single-channel"),
+    ("names", r"a mask holds class id 2 but .*classes.txt names 2 classes"),
+])
+def test_bad_masks_are_clear_data_errors(tmp_path, problem, message):
+    root = mask_folder(tmp_path, classes=3)
+    if problem == "size":
+        Image.fromarray(np.zeros((5, 7), dtype=np.uint8)).save(root / "train" / "masks" / "0.png")
+    elif problem == "missing":
+        (root / "train" / "masks" / "1.png").unlink()
+    elif problem == "rgb":
+        Image.new("RGB", (12, 10)).save(root / "train" / "masks" / "2.png")
+    else:
+        (root / "classes.txt").write_text("a\nb\n")
+    with pytest.raises(DataError, match=message):
+        load_mask_pairs(root, 16, 10, seed=0)
+
+
+def test_a_folder_without_train_images_is_a_data_error(tmp_path):
+    mask_folder(tmp_path, "test")
+    with pytest.raises(DataError, match="no train/images/"):
+        load_mask_pairs(tmp_path, 16, 10, seed=0)
+
+
+# -------------------------------------------------------------------------------------------- the recipe
+
+
+def test_recipe_trains_on_canvases_and_writes_miou_and_pictures(tmp_path):
+    out = tmp_path / "run"
+    metrics = recipe.main(["--output_dir", str(out), *QUIET, *TINY, "--num_train_canvases", "48",
+                           "--num_test_canvases", "10", "--max_steps", "3", "--per_device_train_batch_size", "16",
+                           "--per_device_eval_batch_size", "4"])
+    results = json.loads((out / "all_results.json").read_text())
+    assert results == pytest.approx(metrics, nan_ok=True) and results["eval_samples"] == 10
+    assert {"eval_miou", "eval_pixel_accuracy", "eval_iou_background", "eval_iou_9"} <= set(results)
+    assert 0 < results["eval_miou"] <= 1
+    assert (out / "report" / "segmentation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recipe_reads_image_and_mask_folders_and_holds_out_validation(tmp_path):
+    root = mask_folder(tmp_path / "data", count=10, classes=3)
+    metrics = recipe.main(["--data_dir", str(root), "--canvas_size", "32", "--output_dir", str(tmp_path / "run"),
+                           *QUIET, *TINY, "--max_steps", "2", "--per_device_train_batch_size", "4",
+                           "--validation_split_percentage", "20"])
+    assert metrics["eval_samples"] == 2 and {"eval_iou_0", "eval_iou_1", "eval_iou_2"} <= set(metrics)
+
+
+def test_unet_keeps_the_input_size_for_any_stem():
+    for stem in (1, 2):
+        logits = UNet(5, (8, 16), 1, stem)(torch.zeros(2, 3, 40, 40))
+        assert logits.shape == (2, 5, 40, 40)
+
+
+# ------------------------------------------------------------------------------------- 1 vs 2 processes
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_give_the_same_miou(tmp_path):
+    # Train briefly on two processes, then evaluate the saved model on 1 and 2 processes: 30 test canvases in
+    # batches of 4 per process leave a last batch that 2 processes pad with duplicates, which must be dropped.
+    # The 2-process training run's own final evaluation (in batches of 30) must agree as well.
+    data = ["--num_train_canvases", "512", "--num_test_canvases", "30"]
+    small = ["--config_overrides", '{"widths": [8, 16, 32], "blocks_per_stage": 1}']
+    launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "6",
+                    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "30",
+                    "--expected_world_size", "2"], 2)
+    evaluate = ROOT / "tests" / "dense_eval.py"
+    common = ["--task", "segmentation", "--weights", str(tmp_path / "trained" / "model.safetensors"), *data, *small,
+              "--per_device_eval_batch_size", "4"]
+    launch(evaluate, [*common, "--output_dir", str(tmp_path / "one")], 1)
+    launch(evaluate, [*common, "--output_dir", str(tmp_path / "two"), "--expected_world_size", "2"], 2)
+    one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+    trained = json.loads((tmp_path / "trained" / "all_results.json").read_text())
+    assert one["eval_samples"] == two["eval_samples"] == 30
+    # a model that finds strokes and tells some digits apart, so the summed confusion matrix is not trivial
+    assert one["eval_iou_background"] > 0.9 and max(one[f"eval_iou_{d}"] for d in range(10)) > 0.1
+    assert one["eval_miou"] == pytest.approx(trained["eval_miou"], abs=1e-12)
+    for key in one:
+        if key.startswith("eval_") and key != "eval_loss":
+            assert one[key] == pytest.approx(two[key], abs=1e-12, nan_ok=True), key
+    assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-5)

@@ -26,8 +26,16 @@ from pathlib import Path
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
-from accel_train.contrastive import StepClock, build_text_tower, build_vision_tower, tower_param_groups
-from accel_train.tasks.multimodal import TASKS, FusionEncoder, FusionLoss, FusionMetrics, parse_loss_weights, summary
+from accel_train.contrastive import StepClock, build_text_tower, build_vision_tower
+from accel_train.tasks.multimodal import (
+    TASKS,
+    FusionEncoder,
+    FusionLoss,
+    FusionMetrics,
+    fusion_param_groups,
+    parse_loss_weights,
+    summary,
+)
 from accel_train.vision import (
     EvalTransform,
     ImageTextArguments,
@@ -86,6 +94,8 @@ class ModelArguments:
     fusion_dim: int = field(default=256, metadata={"help": "Width of the fusion layers."})
     fusion_heads: int = field(default=4, metadata={"help": "Attention heads of the fusion layers."})
     fusion_dropout: float = field(default=0.1, metadata={"help": "Dropout in the fusion layers."})
+    fusion_alignment: bool = field(default=True, metadata={
+        "help": "Add a word-region alignment score (SCAN, Lee et al. 2018) of the fusion's inputs to the ITM logit."})
     trust_remote_code: bool = False
 
 
@@ -117,7 +127,9 @@ class TowerArguments:
     """Per-tower optimisation and each modality's augmentation."""
 
     text_learning_rate: float | None = field(default=None, metadata={
-        "help": "Text tower peak lr (default: --learning_rate / 10). Projections, fusion, ITM head: --learning_rate."})
+        "help": "Text tower peak lr (default: --learning_rate / 10). Projections and temperature: --learning_rate."})
+    fusion_learning_rate: float | None = field(default=None, metadata={
+        "help": "Fusion layers, ITM head and learned task weights, trained from scratch (default: --learning_rate)."})
     vision_learning_rate: float | None = field(default=None, metadata={
         "help": "Vision tower peak lr (default: --learning_rate)."})
     text_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
@@ -176,7 +188,8 @@ def build_model(args: ModelArguments, tasks: TaskArguments, image_size: int):
                                            overrides)
     model = FusionEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale,
                           args.fusion_layers, args.fusion_dim, args.fusion_heads, args.fusion_dropout,
-                          num_task_weights=len(TASKS) if tasks.loss_weighting == "uncertainty" else 0)
+                          num_task_weights=len(TASKS) if tasks.loss_weighting == "uncertainty" else 0,
+                          fusion_alignment=args.fusion_alignment)
     return model, tokenizer, processor
 
 
@@ -216,9 +229,11 @@ def main(argv=None) -> dict[str, float]:
                        if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
                                                                for k, v in datasets.items()) + f", {size}x{size}")
     loss_fn = build_loss(config, data_args, tasks, towers, datasets["train"], mean, std)
-    lrs = {"head": config.learning_rate, "vision": _or(towers.vision_learning_rate, config.learning_rate),
+    lrs = {"head": config.learning_rate, "fusion": _or(towers.fusion_learning_rate, config.learning_rate),
+           "vision": _or(towers.vision_learning_rate, config.learning_rate),
            "text": _or(towers.text_learning_rate, config.learning_rate / 10)}
-    wds = {"head": config.weight_decay, "vision": _or(towers.vision_weight_decay, config.weight_decay),
+    wds = {"head": config.weight_decay, "fusion": config.weight_decay,
+           "vision": _or(towers.vision_weight_decay, config.weight_decay),
            "text": _or(towers.text_weight_decay, config.weight_decay)}
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
@@ -231,7 +246,7 @@ def main(argv=None) -> dict[str, float]:
     task_log = TaskLogFile(loss_fn, config.output_dir, accelerator.is_main_process)
     result = train(model, loaders["train"], config=config, loss_fn=task_log.loss_fn,
                    metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.get(data.eval_split),
-                   final_eval_loaders=final, accelerator=accelerator, optimizer=tower_param_groups(model, lrs, wds),
+                   final_eval_loaders=final, accelerator=accelerator, optimizer=fusion_param_groups(model, lrs, wds),
                    hooks=[loss_fn.clock, finish, task_log], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, tasks, towers])
     return result.metrics

@@ -8,7 +8,7 @@ negatives over the global batch, ITM loss, fixed / uncertainty task weighting, F
 `accel_train.contrastive`.
 """
 
-from .fusion import CrossModalFusion, FusionEncoder, FusionLayer, vision_tokens
+from .fusion import CrossModalFusion, FusionEncoder, FusionLayer, fusion_param_groups, is_fusion, vision_tokens
 from .fusion_loss import (
                           TASKS,
                           FusionLoss,
@@ -26,6 +26,8 @@ __all__ = [
     "CrossModalFusion",
     "FusionLayer",
     "vision_tokens",
+    "fusion_param_groups",
+    "is_fusion",
     "TASKS",
     "FusionLoss",
     "HardNegativePairs",

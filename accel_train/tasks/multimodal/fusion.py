@@ -14,13 +14,14 @@ per-tower learning rates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 
-from ...contrastive import DualEncoder, PooledVision
+from ...contrastive import DualEncoder, PooledVision, tower_param_groups
 from ...errors import ConfigError, ModelError
 from ...vision import SmallResNet
 
@@ -68,12 +69,26 @@ class FusionLayer(nn.Module):
         return text + self.ffn(self.ffn_norm(text))
 
 
+def word_region_alignment(words: torch.Tensor, regions: torch.Tensor, mask: torch.Tensor,
+                          sharpness: torch.Tensor | float = 5.0) -> torch.Tensor:
+    """How well a caption's words find themselves in its image [B]: each word attends to the image's regions
+    (softmax of `sharpness` x cosine), and the cosine between the word and what it attended to is averaged
+    over the caption's words (`mask`). The text-to-image score of SCAN (Lee et al. 2018, stacked cross
+    attention): a bilinear word-region comparison that gives the ITM head a signal from its first step."""
+    w, r = nn.functional.normalize(words, dim=-1), nn.functional.normalize(regions, dim=-1)
+    attended = torch.softmax(sharpness * w @ r.transpose(1, 2), -1) @ r
+    cosine = (w * nn.functional.normalize(attended, dim=-1)).sum(-1)
+    m = mask.to(cosine.dtype)
+    return (cosine * m).sum(1) / m.sum(1).clamp_min(1)
+
+
 class CrossModalFusion(nn.Module):
     """Projects text states [B, L, H] and image tokens [B, N, C] to `dim`, runs `layers` `FusionLayer`s and
-    returns one ITM logit per row from the fused first token (the text tower's [CLS])."""
+    returns one ITM logit per row: a linear head on the fused first token (the text tower's [CLS]), plus,
+    with `alignment`, a learned multiple of the `word_region_alignment` of the projected tokens."""
 
     def __init__(self, text_dim: int, image_dim: int, dim: int = 256, layers: int = 2, heads: int = 4,
-                 dropout: float = 0.1):
+                 dropout: float = 0.1, alignment: bool = True):
         super().__init__()
         if layers < 1 or dim % heads:
             raise ConfigError(f"fusion: {layers} layers of width {dim} with {heads} heads: need >= 1 layer and a "
@@ -83,16 +98,24 @@ class CrossModalFusion(nn.Module):
         self.layers = nn.ModuleList(FusionLayer(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.itm_head = nn.Linear(dim, 1)
+        # the alignment's weight in the logit and its attention sharpness, learned (SCAN fixes the latter)
+        self.alignment = nn.Parameter(torch.tensor([5.0, 5.0])) if alignment else None
 
     def fused(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         """The fused caption tokens [B, L, dim]."""
-        text, image, padding = self.text_in(text_states), self.image_in(image_tokens), text_mask == 0
+        return self.fuse(self.text_in(text_states), text_mask == 0, self.image_in(image_tokens))
+
+    def fuse(self, text: torch.Tensor, padding: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             text = layer(text, padding, image)
         return self.norm(text)
 
     def forward(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
-        return self.itm_head(self.fused(image_tokens, text_states, text_mask)[:, 0]).squeeze(-1)
+        text, image = self.text_in(text_states), self.image_in(image_tokens)
+        logit = self.itm_head(self.fuse(text, text_mask == 0, image)[:, 0]).squeeze(-1)
+        if self.alignment is not None:
+            logit = logit + self.alignment[0] * word_region_alignment(text, image, text_mask, self.alignment[1])
+        return logit
 
 
 class FusionEncoder(DualEncoder):
@@ -109,10 +132,11 @@ class FusionEncoder(DualEncoder):
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0, fusion_layers: int = 2,
-                 fusion_dim: int = 256, fusion_heads: int = 4, fusion_dropout: float = 0.1, num_task_weights: int = 0):
+                 fusion_dim: int = 256, fusion_heads: int = 4, fusion_dropout: float = 0.1, num_task_weights: int = 0,
+                 fusion_alignment: bool = True):
         super().__init__(text_model, vision_model, embed_dim, init_temperature, max_logit_scale)
         self.fusion = CrossModalFusion(text_model.config.hidden_size, vision_model.num_features, fusion_dim,
-                                       fusion_layers, fusion_heads, fusion_dropout)
+                                       fusion_layers, fusion_heads, fusion_dropout, fusion_alignment)
         self.task_log_vars = nn.Parameter(torch.zeros(num_task_weights)) if num_task_weights else None
 
     def match(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
@@ -142,3 +166,28 @@ class FusionEncoder(DualEncoder):
         if itm_pairs is not None:
             out["itm_logits"] = self.match(*itm_pairs(out))
         return out
+
+
+def fusion_param_groups(model: nn.Module, learning_rates: Mapping[str, float],
+                        weight_decays: Mapping[str, float]) -> list[dict[str, Any]]:
+    """`tower_param_groups` with a fourth part, "fusion": the fusion layers, the ITM head and the learned task
+    weights (parameters named ``fusion.*`` / ``task_log_vars``), trained from scratch at their own rate.
+    `learning_rates` / `weight_decays` name "head", "fusion", "vision" and "text"."""
+    fusion = {id(p) for n, p in model.named_parameters() if is_fusion(n)}
+    groups = []
+    for group in tower_param_groups(model, learning_rates, weight_decays):
+        own = [p for p in group["params"] if id(p) not in fusion]
+        if own:
+            groups.append({**group, "params": own})
+        if group["name"].startswith("head"):
+            moved = [p for p in group["params"] if id(p) in fusion]
+            decay = weight_decays["fusion"] if group["name"] == "head" else 0.0
+            if moved:
+                groups.append({"params": moved, "name": group["name"].replace("head", "fusion"),
+                               "lr": learning_rates["fusion"], "weight_decay": decay})
+    return groups
+
+
+def is_fusion(parameter_name: str) -> bool:
+    """Whether a FusionEncoder parameter (with or without a wrapper's prefix) is part of the fusion half."""
+    return parameter_name.removeprefix("module.").startswith(("fusion.", "task_log_vars"))

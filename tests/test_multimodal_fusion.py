@@ -328,6 +328,7 @@ class TableModel(torch.nn.Module):
     def __init__(self, table):
         super().__init__()
         self.table = torch.nn.Parameter(table, requires_grad=False)
+        self.logit_scale, self.max_log_scale = torch.nn.Parameter(torch.tensor(0.0)), 1.0  # ITC logit = cosine
         self.calls = 0
 
     def match(self, image_tokens, text_states, text_mask):
@@ -350,6 +351,8 @@ def test_fusion_metrics_rerank_and_score_itm_pairs_once(tmp_path):
     # ITC: image 0 finds captions 4, 5 first (image 2's), image 1 its own, image 2 captions 0, 1 first
     assert m["i2t_recall@1"] == pytest.approx(1 / 3)
     assert m["rerank_i2t_recall@1"] == 1.0 and m["rerank_t2i_recall@1"] == 1.0 and m["rerank_k"] == 3
+    # ITM (+2 / -1) outweighs the ITC cosine (0 / 1) in BLIP's sum too
+    assert m["rerank_sum_i2t_recall@1"] == 1.0 and m["rerank_sum_t2i_median_rank"] == 1.0
     assert m["itm_auc_random"] == m["itm_auc_hard"] == 1.0 and m["itm_accuracy_hard"] == 1.0
     assert m["itc_auc_hard"] < 0.5
     # every distinct pair scored once: at most 3 x 6 pairs exist

@@ -162,7 +162,9 @@ class FusionEncoder(DualEncoder):
             out.update(text_states=states, text_mask=attention_mask,
                        text_embeds=nn.functional.normalize(self.text_projection(pooled), dim=-1))
         if self.task_log_vars is not None:
-            out["task_log_vars"] = self.task_log_vars
+            # a copy, not the leaf: DDP looking for unused parameters walks from the outputs' autograd nodes, and
+            # a bare parameter has none (it would be marked unused, then receive its gradient: "ready twice")
+            out["task_log_vars"] = self.task_log_vars.clone()
         if itm_pairs is not None:
             out["itm_logits"] = self.match(*itm_pairs(out))
         return out

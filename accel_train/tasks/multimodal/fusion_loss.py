@@ -86,13 +86,17 @@ class HardNegativePairs:
     tokens and text states gathered across processes (gradients flow back to their owners).
 
     After the call, `valid` [2B] says which negatives exist (a row whose every candidate is a positive has
-    none) and `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch)."""
+    none), `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch) and
+    `features` holds the towers' outputs as the model computed them (under DDP looking for unused
+    parameters, the forward's returned tensors are copies that the losses do not flow through)."""
 
     def __init__(self, image_ids: torch.Tensor, caption_ids: torch.Tensor, seed: int, step: int):
         self.image_ids, self.caption_ids, self.seed, self.step = image_ids, caption_ids, seed, step
         self.valid: torch.Tensor | None = None
+        self.features: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, out: Mapping[str, torch.Tensor]):
+        self.features = (out["image_tokens"], out["text_states"])
         images, texts = out["image_embeds"].detach().float(), out["text_embeds"].detach().float()
         all_images, all_texts = gather_plain(images), gather_plain(texts)
         all_image_ids, all_caption_ids = gather_plain(self.image_ids), gather_plain(self.caption_ids)
@@ -222,8 +226,7 @@ class FusionLoss:
         for t in TASKS:
             log[f"{t}_loss"], log[f"{t}_weight"] = per_task[t].detach().mean(), weights[t].detach()
         if self.grad_norms:
-            norms = task_grad_norms({t: weights[t] * per_task[t].mean() for t in TASKS},
-                                    [out["image_tokens"], out["text_states"]])
+            norms = task_grad_norms({t: weights[t] * per_task[t].mean() for t in TASKS}, list(pairs.features))
             log.update({f"{t}_grad_norm": norms[t] for t in TASKS})
         return {"loss": total.mean(), "log": log}
 

@@ -112,15 +112,26 @@ class FusionMetrics:
             itm, itc = scores(pairs), similarity[pairs[:, 0], pairs[:, 1]]
             metrics.update({f"itm_auc_{name}": roc_auc(itm, labels), f"itc_auc_{name}": roc_auc(itc, labels),
                             f"itm_accuracy_{name}": balanced_accuracy(itm, labels)})
-        reranked = {"i2t": rerank_ranks(similarity, positive, i2t, scores(pairs_of(i2t))),
-                    "t2i": rerank_ranks(similarity.T, positive.T, t2i, scores(pairs_of(t2i).flip(1)))}
-        for direction, ranks in reranked.items():
-            for k in self.ks:
-                metrics[f"rerank_{direction}_recall@{k}"] = (ranks <= k).float().mean().item()
-            metrics[f"rerank_{direction}_median_rank"] = ranks.float().median().item()
-        recalls = [metrics[f"rerank_{d}_recall@{k}"] for d in reranked for k in self.ks]
-        metrics["rerank_mean_recall"] = sum(recalls) / len(recalls)
+        itm = {"i2t": scores(pairs_of(i2t)), "t2i": scores(pairs_of(t2i).flip(1))}
+        metrics.update(self.reranked("rerank", similarity, positive, {"i2t": i2t, "t2i": t2i}, itm, 0.0))
+        scale = self.model.logit_scale.detach().clamp(0, self.model.max_log_scale).exp().item()
+        metrics.update(self.reranked("rerank_sum", similarity, positive, {"i2t": i2t, "t2i": t2i}, itm, scale))
         metrics["rerank_k"] = float(min(self.rerank_k, *similarity.shape))
+        return metrics
+
+    def reranked(self, prefix: str, similarity, positive, top: dict, itm: dict, itc_scale: float) -> dict[str, float]:
+        """Recalls and median ranks with each query's candidates ordered by ITM logit + itc_scale x ITC cosine
+        (itc_scale 0: by ITM alone; the ITC logit scale: BLIP's sum of the two)."""
+        metrics = {}
+        for direction in ("i2t", "t2i"):
+            sim, pos = (similarity, positive) if direction == "i2t" else (similarity.T, positive.T)
+            score = itm[direction] + itc_scale * sim.gather(1, top[direction]).flatten()
+            ranks = rerank_ranks(sim, pos, top[direction], score)
+            for k in self.ks:
+                metrics[f"{prefix}_{direction}_recall@{k}"] = (ranks <= k).float().mean().item()
+            metrics[f"{prefix}_{direction}_median_rank"] = ranks.float().median().item()
+        recalls = [metrics[f"{prefix}_{d}_recall@{k}"] for d in ("i2t", "t2i") for k in self.ks]
+        metrics[f"{prefix}_mean_recall"] = sum(recalls) / len(recalls)
         return metrics
 
     def itm_pairs(self, similarity, positive, image_of, caption_of) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import PartialState
 
 from accel_train.tasks.multimodal import HardNegativePairs
@@ -21,8 +22,8 @@ CAPTION_IDS = torch.tensor([0, 1, 2, 3, 0, 5, 6, 7])
 
 
 def main(out_dir: str, steps: int = 300) -> None:
-    state = PartialState()
-    rank, world = state.process_index, state.num_processes
+    PartialState()  # joins the launched processes (gloo on a CPU)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     b = len(IMAGE_IDS) // world
     rows = slice(rank * b, (rank + 1) * b)
     embeds = torch.nn.functional.normalize(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), dim=-1)

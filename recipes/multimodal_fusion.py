@@ -91,7 +91,7 @@ class ModelArguments:
     init_temperature: float = field(default=0.07, metadata={"help": "Initial softmax temperature (learned)."})
     max_logit_scale: float = field(default=100.0, metadata={"help": "Clamp of 1 / temperature."})
     fusion_layers: int = field(default=2, metadata={"help": "Cross-attention fusion layers."})
-    fusion_dim: int = field(default=256, metadata={"help": "Width of the fusion layers."})
+    fusion_dim: int = field(default=128, metadata={"help": "Width of the fusion layers."})
     fusion_heads: int = field(default=4, metadata={"help": "Attention heads of the fusion layers."})
     fusion_dropout: float = field(default=0.1, metadata={"help": "Dropout in the fusion layers."})
     fusion_alignment: bool = field(default=True, metadata={

@@ -85,9 +85,9 @@ def word_region_alignment(words: torch.Tensor, regions: torch.Tensor, mask: torc
 class CrossModalFusion(nn.Module):
     """Projects text states [B, L, H] and image tokens [B, N, C] to `dim`, runs `layers` `FusionLayer`s and
     returns one ITM logit per row: a linear head on the fused first token (the text tower's [CLS]), plus,
-    with `alignment`, a learned multiple of the `word_region_alignment` of the projected tokens."""
+    with `alignment`, a learned multiple of the `word_region_alignment` of the projected (fusion input) tokens."""
 
-    def __init__(self, text_dim: int, image_dim: int, dim: int = 256, layers: int = 2, heads: int = 4,
+    def __init__(self, text_dim: int, image_dim: int, dim: int = 128, layers: int = 2, heads: int = 4,
                  dropout: float = 0.1, alignment: bool = True):
         super().__init__()
         if layers < 1 or dim % heads:
@@ -103,16 +103,16 @@ class CrossModalFusion(nn.Module):
 
     def fused(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         """The fused caption tokens [B, L, dim]."""
-        return self.fuse(self.text_in(text_states), text_mask == 0, self.image_in(image_tokens))
+        return self.fuse(self.text_in(text_states), text_mask, self.image_in(image_tokens))
 
-    def fuse(self, text: torch.Tensor, padding: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    def fuse(self, text: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            text = layer(text, padding, image)
+            text = layer(text, text_mask == 0, image)
         return self.norm(text)
 
     def forward(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         text, image = self.text_in(text_states), self.image_in(image_tokens)
-        logit = self.itm_head(self.fuse(text, text_mask == 0, image)[:, 0]).squeeze(-1)
+        logit = self.itm_head(self.fuse(text, text_mask, image)[:, 0]).squeeze(-1)
         if self.alignment is not None:
             logit = logit + self.alignment[0] * word_region_alignment(text, image, text_mask, self.alignment[1])
         return logit
@@ -132,7 +132,7 @@ class FusionEncoder(DualEncoder):
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0, fusion_layers: int = 2,
-                 fusion_dim: int = 256, fusion_heads: int = 4, fusion_dropout: float = 0.1, num_task_weights: int = 0,
+                 fusion_dim: int = 128, fusion_heads: int = 4, fusion_dropout: float = 0.1, num_task_weights: int = 0,
                  fusion_alignment: bool = True):
         super().__init__(text_model, vision_model, embed_dim, init_temperature, max_logit_scale)
         self.fusion = CrossModalFusion(text_model.config.hidden_size, vision_model.num_features, fusion_dim,

@@ -9,11 +9,13 @@ the text states. `FusionMetrics` then works on the distinct images and captions:
   every evaluation) and two *hard* ones (its caption with the highest-ITC image it does not describe; its
   image with its r-th highest-ITC caption that is not its own, r being the pair's place among the image's
   captions, so an image's five pairs get five different hard captions). AUC is scale-free and so unaffected
-  by the 1:2 imbalance; accuracy is balanced ((TPR + TNR) / 2) at logit 0 (p = 0.5). The ITC similarity's
-  AUC on the same pairs is reported beside ITM's (``itc_auc_*``): how hard the negatives are for ITC itself.
+  by the 1:2 imbalance; accuracy is balanced ((TPR + TNR) / 2) at logit -log 2 (`BALANCED_THRESHOLD`). The
+  ITC similarity's AUC on the same pairs is reported beside ITM's (``itc_auc_*``): how hard the negatives are
+  for ITC itself.
 * Re-ranking: each image's top-k captions by ITC (and each caption's top-k images) are ordered by their ITM
-  logit; a query whose positives are all outside its top-k keeps its ITC rank (> k). Ranks and recalls follow
-  `retrieval_metrics` (the best-placed positive counts; ties in the query's favour).
+  logit (``rerank_*``), or by ITM logit + ITC logit (``rerank_sum_*``, BLIP's ranking score); a query whose
+  positives are all outside its top-k keeps its ITC rank (> k). Ranks and recalls follow `retrieval_metrics`
+  (the best-placed positive counts; ties in the query's favour).
 
 Every pair is scored by the fusion model exactly once: the distinct pairs are split among the processes, each
 scores its share, and the scores are all-gathered (every process calls the metrics function with the same
@@ -22,6 +24,7 @@ gathered outputs, so all get the same numbers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,6 +33,10 @@ from sklearn.metrics import roc_auc_score
 
 from ...contrastive import retrieval_metrics
 from .fusion_loss import world_size
+
+# The ITM head trains on one positive per two negatives, so its logit is the log-odds under a prior of 1/3;
+# on balanced pairs the same evidence has log-odds logit + log 2, which crosses 0 at logit = -log 2.
+BALANCED_THRESHOLD = -math.log(2)
 
 
 def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +118,7 @@ class FusionMetrics:
         for name, (pairs, labels) in sets.items():
             itm, itc = scores(pairs), similarity[pairs[:, 0], pairs[:, 1]]
             metrics.update({f"itm_auc_{name}": roc_auc(itm, labels), f"itc_auc_{name}": roc_auc(itc, labels),
-                            f"itm_accuracy_{name}": balanced_accuracy(itm, labels)})
+                            f"itm_accuracy_{name}": balanced_accuracy(itm, labels, BALANCED_THRESHOLD)})
         itm = {"i2t": scores(pairs_of(i2t)), "t2i": scores(pairs_of(t2i).flip(1))}
         metrics.update(self.reranked("rerank", similarity, positive, {"i2t": i2t, "t2i": t2i}, itm, 0.0))
         scale = self.model.logit_scale.detach().clamp(0, self.model.max_log_scale).exp().item()

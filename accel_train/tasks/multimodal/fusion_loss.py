@@ -157,9 +157,10 @@ def weigh(per_task: Mapping[str, torch.Tensor], weights: Mapping[str, float],
 
 def task_grad_norms(losses: Mapping[str, torch.Tensor], shared: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The norm of each weighted task loss's gradient with respect to the towers' outputs (what both tasks
-    share), for the whole global batch: every process takes the gradient of its own loss (through the gathers
-    it collects every process's terms for its rows), the squares are summed over processes, and the mean over
-    processes of the per-process losses (DDP's objective) divides it. Equal on 1 and N processes."""
+    share) over the whole global batch; the same on 1 and N processes. Each process differentiates its own
+    loss with respect to its own rows (the gathers' backward adds the other processes' terms for them); DDP's
+    objective is the mean of the N per-process losses, so its gradient's norm is the square root of the
+    squares summed over processes (one all-reduce), divided by N. 0 while both towers are frozen."""
     shared = [s for s in shared if s.requires_grad]
     squares = []
     for loss in losses.values():

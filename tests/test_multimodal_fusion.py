@@ -242,7 +242,7 @@ def test_the_loss_function_trains_the_task_weights_through_the_model(tmp_path):
     expected = [-math.exp(-0.4) * float(log["itc_loss"]) + 0.5, -math.exp(0.2) * float(log["itm_loss"]) + 0.5]
     assert model.task_log_vars.grad.tolist() == pytest.approx(expected, rel=1e-5)
     assert float(log["itm_weight"]) == pytest.approx(math.exp(0.2))
-    assert float(out["loss"]) == pytest.approx(math.exp(-0.4) * float(log["itc_loss"]) + 0.2
+    assert out["loss"].item() == pytest.approx(math.exp(-0.4) * float(log["itc_loss"]) + 0.2
                                                + math.exp(0.2) * float(log["itm_loss"]) - 0.1, rel=1e-5)
     assert float(log["itc_grad_norm"]) > 0 and float(log["itm_grad_norm"]) > 0
     assert model.fusion.itm_head.weight.grad.abs().sum() > 0 and model.vision.stem[0].weight.grad.abs().sum() > 0

@@ -8,12 +8,14 @@ matching (ITM) head, trained on contrastive (ITC) + ITM losses with hard negativ
 
 The towers, projections and temperature are the contrastive recipe's (all-MiniLM-L6-v2 text tower, a small
 ResNet or a transformers vision tower); --fusion_layers cross-attention layers let each caption's tokens
-attend to its image's last feature map, and a linear head on the fused [CLS] says whether they match. Each
-image and each caption gets one hard negative drawn from the ITC similarities over the gathered global batch.
+attend to its image's last feature map, and the ITM head (a linear layer on the fused [CLS] plus a learned
+multiple of a word-region alignment score) says whether they match. Each image and each caption gets one
+hard negative drawn from the ITC similarities over the gathered global batch.
 Losses are weighted by --loss_weights itc=1,itm=1 or learned (--loss_weighting uncertainty, Kendall et al.
 2018); each task's loss, weight and gradient norm goes to the loss output's "log". The evaluation reports ITC
-retrieval, the same retrieval with each query's top --rerank_k ITC candidates re-ranked by ITM, and ITM
-accuracy / ROC-AUC against random and hard negatives (all in all_results.json, a summary printed).
+retrieval, the same retrieval with each query's top --rerank_k ITC candidates re-ranked by ITM (and by
+ITM + ITC), and ITM accuracy / ROC-AUC against random and hard negatives (all in all_results.json, a
+summary printed). Measured: benchmarks/multimodal_fusion.md.
 """
 
 from __future__ import annotations
@@ -49,9 +51,8 @@ from accel_train.vision import (
     processor_size,
 )
 
-# The contrastive recipe's flickr8k-mini defaults (strong augmentation, weight decay, a frozen pretrained text
-# tower: 400 photos overfit a from-scratch vision tower), measured again with fusion in
-# benchmarks/multimodal_fusion.md.
+# The contrastive recipe's defaults for photo folders (strong augmentation, weight decay, a frozen pretrained
+# text tower: 400 photos overfit a from-scratch vision tower); the flickr8k-mini config is what was measured.
 DEFAULTS = {
     "output_dir": "outputs/multimodal_fusion", "num_train_epochs": 20, "per_device_train_batch_size": 64,
     "per_device_eval_batch_size": 256, "learning_rate": 1e-3, "weight_decay": 0.2, "lr_scheduler_type": "cosine",

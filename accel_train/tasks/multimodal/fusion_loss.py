@@ -49,13 +49,35 @@ def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([x, pad], 1)
 
 
-def gather_text(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Text states [B, L, H] (with gradients) and masks [B, L] of every process, padded to the longest L."""
-    length = torch.tensor([states.shape[1]], device=states.device)
+def longest(x: torch.Tensor) -> int:
+    """The largest dim 1 of x over all processes."""
+    length = torch.tensor([x.shape[1]], device=x.device)
     if world_size() > 1:
         dist.all_reduce(length, op=dist.ReduceOp.MAX)
-    states, mask = pad_to(states, int(length)), pad_to(mask, int(length))
-    return gather_with_grad(states)[0], gather_plain(mask)
+    return int(length)
+
+
+def gather_text(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text states [B, L, H] (with gradients) and masks [B, L] of every process, padded to the longest L."""
+    length = longest(states)
+    return gather_with_grad(pad_to(states, length))[0], gather_plain(pad_to(mask, length))
+
+
+def gather_caption_sets(caption_sets: torch.Tensor) -> torch.Tensor:
+    """Every process's caption-id sets [B, K] (-1 fills a short set), padded with -1 to the largest K."""
+    k = longest(caption_sets)
+    pad = caption_sets.new_full((len(caption_sets), k - caption_sets.shape[1]), -1)
+    return gather_plain(torch.cat([caption_sets, pad], 1))
+
+
+def positives(image_ids: torch.Tensor, caption_sets: torch.Tensor, other_image_ids: torch.Tensor,
+              other_captions: torch.Tensor) -> torch.Tensor:
+    """[B, G]: whether caption `other_captions[g]` (shown with image `other_image_ids[g]`) is a positive for
+    image b: the same image, or one of image b's own captions (`caption_sets[b]`, ids, -1 for none) — so an
+    identical caption of another image, or another of this image's captions, is never a negative."""
+    same_image = image_ids[:, None] == other_image_ids[None, :]
+    own_caption = (caption_sets[:, :, None] == other_captions[None, None, :]).any(1)
+    return same_image | own_caption
 
 
 def sample_negatives(similarity: torch.Tensor, forbidden: torch.Tensor, uniform: torch.Tensor
@@ -85,13 +107,17 @@ class HardNegativePairs:
     3B pairs to match — [positives; (image b, a hard caption); (a hard image, caption b)] — with the image
     tokens and text states gathered across processes (gradients flow back to their owners).
 
-    After the call, `valid` [2B] says which negatives exist (a row whose every candidate is a positive has
-    none), `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch) and
+    A positive of image b is any caption in `caption_sets[b]` (all of its captions' ids; default: the caption
+    shown with it) or any item of the same image; a positive of caption b is any image that has it among its
+    captions. After the call, `valid` [2B] says which negatives exist (a row whose every candidate is a
+    positive has none), `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch) and
     `features` holds the towers' outputs as the model computed them (under DDP looking for unused
     parameters, the forward's returned tensors are copies that the losses do not flow through)."""
 
-    def __init__(self, image_ids: torch.Tensor, caption_ids: torch.Tensor, seed: int, step: int):
+    def __init__(self, image_ids: torch.Tensor, caption_ids: torch.Tensor, seed: int, step: int,
+                 caption_sets: torch.Tensor | None = None):
         self.image_ids, self.caption_ids, self.seed, self.step = image_ids, caption_ids, seed, step
+        self.caption_sets = caption_ids[:, None] if caption_sets is None else caption_sets
         self.valid: torch.Tensor | None = None
         self.features: tuple[torch.Tensor, ...] = ()
 
@@ -102,12 +128,14 @@ class HardNegativePairs:
         all_image_ids, all_caption_ids = gather_plain(self.image_ids), gather_plain(self.caption_ids)
         b, g = len(images), len(all_images)
         offset = g // world_size() * (dist.get_rank() if world_size() > 1 else 0)
-        forbidden = ((self.image_ids[:, None] == all_image_ids[None, :])
-                     | (self.caption_ids[:, None] == all_caption_ids[None, :]))
+        # image b against every caption; caption b against every image (whose own captions may include it)
+        text_forbidden = positives(self.image_ids, self.caption_sets, all_image_ids, all_caption_ids)
+        image_forbidden = positives(all_image_ids, gather_caption_sets(self.caption_sets), self.image_ids,
+                                    self.caption_ids).T
         scale = out["logit_scale"].detach().float()
         draws = [uniform_draws(self.seed, 2 * self.step + i, g, offset, b, images.device) for i in (0, 1)]
-        text_of_image, text_ok = sample_negatives(scale * images @ all_texts.T, forbidden, draws[0])
-        image_of_text, image_ok = sample_negatives(scale * texts @ all_images.T, forbidden, draws[1])
+        text_of_image, text_ok = sample_negatives(scale * images @ all_texts.T, text_forbidden, draws[0])
+        image_of_text, image_ok = sample_negatives(scale * texts @ all_images.T, image_forbidden, draws[1])
         self.valid = torch.cat([text_ok, image_ok])
         self.negative_caption_ids = all_caption_ids[text_of_image]
         self.negative_image_ids = all_image_ids[image_of_text]
@@ -211,7 +239,8 @@ class FusionLoss:
         if training and self.token_dropout:
             mask = drop_tokens(mask, self.token_dropout)
         # evaluation draws its negatives from a fixed stream: the same pairs at every evaluation
-        pairs = HardNegativePairs(ids, caption_ids, self.seed, self.clock.step if training else EVAL_STREAM)
+        pairs = HardNegativePairs(ids, caption_ids, self.seed, self.clock.step if training else EVAL_STREAM,
+                                  caption_sets=batch["caption_ids"])
         out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask,
                     frozen=self.frozen() if training else (), itm_pairs=pairs)
         per_task = {"itc": clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], ids, caption_ids)[1],

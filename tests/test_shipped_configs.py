@@ -13,9 +13,14 @@ CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 
 
 def recipe_for(config_path):
-    name = config_path.stem
-    for recipe in sorted((ROOT / "recipes").glob("*.py")):
-        if name.startswith(recipe.stem) or name.startswith(recipe.stem.split("_")[0]):
+    # the longest recipe name the config name starts with (multimodal_fusion_* is not multimodal_contrastive's),
+    # else a recipe of the same family (nlp_sst2 -> nlp_finetune)
+    name, recipes = config_path.stem, sorted((ROOT / "recipes").glob("*.py"))
+    for recipe in sorted(recipes, key=lambda p: -len(p.stem)):
+        if name.startswith(recipe.stem):
+            return importlib.import_module(recipe.stem)
+    for recipe in recipes:
+        if name.startswith(recipe.stem.split("_")[0]):
             return importlib.import_module(recipe.stem)
     raise AssertionError(f"no recipe matches config {config_path.name}")
 

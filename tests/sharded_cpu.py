@@ -12,6 +12,12 @@ sharded checkpoints, state-dict gathering) is the code a GPU run takes, on CPU t
 It patches two private methods of `accelerate.state.PartialState`, so it is pinned to the Accelerate version it was
 written against and refuses any other: re-check `_prepare_backend` and `set_device` before raising the pin. It lives
 under tests/ and is applied only by the test launches; the package never imports it.
+
+After the script returns, the process leaves with os._exit: FSDP2's modules and device mesh keep the gloo process
+group object alive past `destroy_process_group()`, and tearing it down during interpreter finalisation sometimes
+aborts the process ("terminate called without an active exception", exit -6) after a run that finished and wrote
+everything (seen once in CI on a resumed FSDP2 run; the failure mode pytorch/pytorch#179291 describes). A GPU run
+uses NCCL and never reaches this shim.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
 import accelerate
 import torch
@@ -60,4 +67,16 @@ if __name__ == "__main__":
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -22,18 +22,19 @@ from .errors import DataError
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
 METRIC_MODULES = Path(__file__).parent / "metric_modules"
+METRIC_DIRS = (METRIC_MODULES, Path(__file__).parent / "tasks" / "metric_modules")  # text generation's live in tasks/
 
 
 def shipped_metrics() -> list[str]:
-    return sorted(p.name for p in METRIC_MODULES.iterdir() if (p / f"{p.name}.py").is_file())
+    return sorted(p.name for d in METRIC_DIRS for p in d.iterdir() if (p / f"{p.name}.py").is_file())
 
 
 def load_metric(name: str, **kwargs):
     """`evaluate.load` for a metric shipped with accel_train (offline) or any other name/path (may need the Hub)."""
     import evaluate
 
-    local = METRIC_MODULES / name / f"{name}.py"
-    return evaluate.load(str(local) if local.is_file() else name, **kwargs)
+    local = next((d / name / f"{name}.py" for d in METRIC_DIRS if (d / name / f"{name}.py").is_file()), None)
+    return evaluate.load(str(local) if local else name, **kwargs)
 
 
 def batch_size_of(batch: Any) -> int:

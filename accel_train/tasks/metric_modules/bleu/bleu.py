@@ -24,7 +24,7 @@ def corpus_bleu(predictions, references, max_order=4, smooth=False):
     """BLEU of tokenised `predictions` (lists of tokens) against `references` (a list of token lists each)."""
     matches, possible = [0] * max_order, [0] * max_order
     prediction_length = reference_length = 0
-    for prediction, refs in zip(predictions, references):
+    for prediction, refs in zip(predictions, references, strict=True):
         prediction_length += len(prediction)
         reference_length += min((abs(len(r) - len(prediction)), len(r)) for r in refs)[1]
         for order in range(1, max_order + 1):
@@ -35,9 +35,9 @@ def corpus_bleu(predictions, references, max_order=4, smooth=False):
             matches[order - 1] += sum((counts & best).values())
             possible[order - 1] += max(len(prediction) - order + 1, 0)
     if smooth:
-        precisions = [(m + 1.0) / (p + 1.0) for m, p in zip(matches, possible)]
+        precisions = [(m + 1.0) / (p + 1.0) for m, p in zip(matches, possible, strict=True)]
     else:
-        precisions = [m / p if p else 0.0 for m, p in zip(matches, possible)]
+        precisions = [m / p if p else 0.0 for m, p in zip(matches, possible, strict=True)]
     geo_mean = math.exp(sum(math.log(p) for p in precisions) / max_order) if min(precisions) > 0 else 0.0
     ratio = prediction_length / reference_length if reference_length else 0.0
     penalty = 1.0 if ratio > 1.0 else (math.exp(1 - 1 / ratio) if ratio > 0 else 0.0)
@@ -60,7 +60,8 @@ class Bleu(evaluate.Metric):
         )
 
     def _compute(self, predictions, references, tokenizer=None, max_order=4, smooth=False):
-        split = tokenizer or (lambda text, tokenize=Tokenizer13a(): tokenize(text).split())
+        thirteen_a = Tokenizer13a()
+        split = tokenizer or (lambda text: thirteen_a(text).split())
         refs = [[ref] if isinstance(ref, str) else list(ref) for ref in references]
         return corpus_bleu([split(p) for p in predictions], [[split(r) for r in rs] for rs in refs],
                            max_order=max_order, smooth=smooth)

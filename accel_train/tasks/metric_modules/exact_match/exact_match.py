@@ -35,5 +35,5 @@ class ExactMatch(evaluate.Metric):
         if not predictions:
             return {"exact_match": 0.0}
         same = sum(normalise(p, ignore_case, ignore_punctuation) == normalise(r, ignore_case, ignore_punctuation)
-                   for p, r in zip(predictions, references))
+                   for p, r in zip(predictions, references, strict=True))
         return {"exact_match": same / len(predictions)}

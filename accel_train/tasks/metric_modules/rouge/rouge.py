@@ -46,7 +46,7 @@ class Rouge(evaluate.Metric):
         types = list(rouge_types or DEFAULT_TYPES)
         scorer = rouge_scorer.RougeScorer(types, use_stemmer=use_stemmer)
         per_item = {name: [] for name in types}
-        for prediction, reference in zip(predictions, references):
+        for prediction, reference in zip(predictions, references, strict=True):
             refs = [reference] if isinstance(reference, str) else list(reference)
             prediction = one_sentence_per_line(prediction)
             refs = [one_sentence_per_line(ref) for ref in refs]

@@ -29,7 +29,7 @@ class SacreBleu(evaluate.Metric):
         counts = {len(r) for r in refs}
         if len(counts) > 1:
             raise ValueError(f"sacrebleu needs the same number of references for every prediction, got {counts}")
-        streams = [list(stream) for stream in zip(*refs)] if refs else [[]]
+        streams = [list(stream) for stream in zip(*refs, strict=True)] if refs else [[]]
         result = scb.corpus_bleu(predictions, streams, smooth_method=smooth_method, tokenize=tokenize,
                                  lowercase=lowercase)
         return {"score": result.score, "counts": result.counts, "totals": result.totals,

@@ -12,7 +12,7 @@
 # bf16 dense). The data: every markdown and Python file of this repository as text (offline, no download); the
 # tokenizer: a byte-level BPE of 8,000 tokens trained on it at start (the model keeps 50,304 embeddings).
 # A CPU smoke test of the same invocation (what CI can run):
-#   STEPS=2 BATCH=2 BLOCK=32 RUNS=fp32 MODEL="vocab_size=512,n_positions=32,n_embd=32,n_layer=1,n_head=2" \
+#   STEPS=2 BATCH=2 BLOCK=32 RUNS=fp32 MODEL="vocab_size=8064,n_positions=32,n_embd=32,n_layer=1,n_head=2" \
 #     bash benchmarks/gpu_textgen_check.sh --cpu_threads 1
 #
 # nanoGPT's published numbers (github.com/karpathy/nanoGPT README), turned into MFU with nanoGPT's own
@@ -39,9 +39,9 @@ Path(sys.argv[1]).write_text("".join(json.dumps(r) + "\n" for r in rows))
 print(f"corpus: {len(rows)} files, {sum(len(r['text']) for r in rows) / 1e6:.2f} M characters")
 PY
 COMMON=(recipes/text_generation.py --train_file "$OUT/corpus.jsonl" --text_column text --block_size "$BLOCK"
-        --validation_split 0.02 --model_type gpt2 --config_overrides "$MODEL" --train_tokenizer_vocab_size 8000
+        --validation_split 0.05 --model_type gpt2 --config_overrides "$MODEL" --train_tokenizer_vocab_size 8000
         --max_steps "$STEPS" --per_device_train_batch_size "$BATCH" --per_device_eval_batch_size "$BATCH"
-        --learning_rate 6e-4 --warmup_steps 10 --weight_decay 0.1 --adam_beta2 0.95 --logging_steps 10
+        --learning_rate 6e-4 --warmup_steps 0.1 --weight_decay 0.1 --adam_beta2 0.95 --logging_steps 10
         --eval_strategy no --save_strategy no --report_to none --disable_tqdm --no_run_report --overwrite_output_dir)
 status=0
 for name in $RUNS; do

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pandas as pd
 
 from ...errors import ConfigError, DataError
 from .generation_demo import load_date_demo
@@ -156,15 +157,14 @@ def read_file(path: str, column_names: str | None, split: str) -> datasets.Datas
         raise DataError(f"--{split}_file {file}: unknown format; use {sorted(FILE_BUILDERS)}.")
     if column_names and builder != "csv":
         raise ConfigError(f"--column_names is for csv/tsv files without a header row, not {file.suffix} files.")
-    kwargs: dict[str, Any] = {"delimiter": "\t"} if file.suffix.lower() == ".tsv" else {}
-    if column_names:
-        kwargs.update(column_names=[c.strip() for c in column_names.split(",")], header=None)
+    names = [c.strip() for c in column_names.split(",")] if column_names else None
     try:
         if builder == "json":  # read with the json module: pyarrow would turn "2021-03-03" into a timestamp
             data = datasets.Dataset.from_list(read_json_rows(file))
         elif builder == "csv":  # every cell a string ("42" stays text); an empty cell "" (refused later), not NaN
-            data = datasets.load_dataset(builder, data_files={split: str(file)}, split=split, dtype=str,
-                                         keep_default_na=False, **kwargs)
+            frame = pd.read_csv(file, sep="\t" if file.suffix.lower() == ".tsv" else ",", dtype=str,
+                                keep_default_na=False, header=None if names else "infer", names=names)
+            data = datasets.Dataset.from_pandas(frame, preserve_index=False)
         else:
             data = datasets.load_dataset(builder, data_files={split: str(file)}, split=split)
     except DataError:

@@ -138,6 +138,10 @@ def build_generation_model(args: GenerationModelArguments, tokenizer) -> torch.n
         model = from_config(args, tokenizer)
     else:
         model = warm_start_encoder_decoder(args.encoder_decoder_from or default_encoder(), args.decoder_layers)
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
+                         "belong together (check --tokenizer_name, or vocab_size in --config_overrides).")
     set_special_tokens(model, tokenizer)
     check_can_generate(model, tokenizer)
     if args.freeze_encoder:

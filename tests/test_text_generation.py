@@ -179,9 +179,14 @@ def test_warm_started_encoder_decoder_copies_self_attention_into_cross_attention
                                            layer.attention.state_dict().items(), strict=True):
             assert torch.equal(cross, own), name
         assert torch.equal(layer.attention.self.query.weight, source.attention.self.query.weight)
-    frozen = build_generation_model(GenerationModelArguments(decoder_layers=2, freeze_encoder=True), _tokenizer())
+    args = GenerationModelArguments(decoder_layers=2, freeze_encoder=True, freeze_embeddings=True,
+                                    config_overrides="hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0")
+    frozen = build_generation_model(args, _tokenizer())
     assert not any(p.requires_grad for p in frozen.get_encoder().parameters())
-    assert all(p.requires_grad for p in frozen.decoder.parameters())
+    embeddings = frozen.decoder.get_input_embeddings().weight
+    assert not embeddings.requires_grad and frozen.decoder.cls.predictions.decoder.weight is embeddings  # tied
+    assert all(p.requires_grad for n, p in frozen.decoder.named_parameters() if "word_embeddings" not in n)
+    assert frozen.config.encoder.hidden_dropout_prob == frozen.config.decoder.attention_probs_dropout_prob == 0.0
     assert frozen.config.decoder_start_token_id == _tokenizer().cls_token_id
 
 
@@ -224,12 +229,16 @@ def test_language_modelling_reports_perplexity_and_writes_no_predictions(tmp_pat
     assert metrics["eval_tokens"] > 0 and not (out / "predictions.jsonl").exists()
 
 
-def test_lead_baseline_is_scored_beside_the_model(tmp_path, dates):
-    metrics = text_generation.main([*data_flags(dates), *T5, *QUIET, "--output_dir", str(tmp_path / "lead"),
-                                    "--max_steps", "1", "--lead_baseline_words", "3", "--max_generate_samples", "5",
-                                    "--generation_max_new_tokens", "4"])
+def test_lead_baseline_and_generation_during_training(tmp_path, dates):
+    out = tmp_path / "lead"
+    metrics = text_generation.main([*data_flags(dates), *T5, *QUIET, "--output_dir", str(out), "--max_steps", "2",
+                                    "--lead_baseline_words", "3", "--max_generate_samples", "5",
+                                    "--generation_max_new_tokens", "4", "--predict_with_generate",
+                                    "--eval_strategy", "steps", "--eval_steps", "1", "--logging_steps", "1"])
     assert metrics["eval_generated_items"] == 5
     assert {"eval_lead3_rouge1", "eval_lead3_bleu", "eval_rouge1", "eval_repeated_trigram_pct"} <= set(metrics)
+    evaluations = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_token_loss" in r]
+    assert [r["step"] for r in evaluations] == [1, 2] and all(r["eval_generated_items"] == 5 for r in evaluations)
 
 
 @pytest.mark.slow
@@ -262,8 +271,9 @@ def test_lora_adapter_saves_and_loads_with_peft(tmp_path, dates):
     out = tmp_path / "lora"
     metrics = text_generation.main([*data_flags(dates, "--prompt_suffix", " ="), "--model_name_or_path", str(base),
                                     "--lora_r", "4", *QUIET, "--output_dir", str(out), "--max_steps", "8",
-                                    "--learning_rate", "1e-2", "--max_generate_samples", "0"])
+                                    "--learning_rate", "1e-2", "--max_generate_samples", "4"])
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    assert metrics["eval_generated_items"] == 4  # generate() through the peft wrapper
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
     assert any(p.abs().sum() > 0 for n, p in loaded.named_parameters() if "lora_B" in n)  # trained, not the init
     # the reloaded adapter reproduces the run's teacher-forced validation loss

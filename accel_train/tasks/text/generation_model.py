@@ -38,7 +38,8 @@ class GenerationModelArguments:
     model_type: str | None = field(default=None, metadata={
         "help": "Build a new model of this type (llama, gpt2, t5, bart, ...) from its default config."})
     config_overrides: str | None = field(default=None, metadata={
-        "help": "With --config_name / --model_type: 'n_layer=4,n_embd=256' (transformers' update_from_string)."})
+        "help": "Config changes, 'n_layer=4,n_embd=256' (transformers' update_from_string): of a new model, or of "
+                "both halves of a warm-started encoder-decoder ('hidden_dropout_prob=0.0')."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's own."})
     train_tokenizer_vocab_size: int | None = field(default=None, metadata={
         "help": "Train a byte-level BPE tokenizer of this size on the training texts (new models only)."})
@@ -48,6 +49,9 @@ class GenerationModelArguments:
                 "from self-attention."})
     decoder_layers: int = field(default=3, metadata={"help": "Decoder layers of a warm-started encoder-decoder."})
     freeze_encoder: bool = field(default=False, metadata={"help": "Train the decoder only (seq2seq models)."})
+    freeze_embeddings: bool = field(default=False, metadata={
+        "help": "Keep the decoder's word embeddings (tied to the output layer) as they are: with a large vocabulary "
+                "their gradient and optimizer update are a large share of a small decoder's step."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (> 0: train a LoRA adapter; needs peft)."})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
@@ -137,7 +141,8 @@ def build_generation_model(args: GenerationModelArguments, tokenizer) -> torch.n
     elif args.config_name or args.model_type:
         model = from_config(args, tokenizer)
     else:
-        model = warm_start_encoder_decoder(args.encoder_decoder_from or default_encoder(), args.decoder_layers)
+        model = warm_start_encoder_decoder(args.encoder_decoder_from or default_encoder(), args.decoder_layers,
+                                           args.config_overrides)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
@@ -148,6 +153,9 @@ def build_generation_model(args: GenerationModelArguments, tokenizer) -> torch.n
         if not model.config.is_encoder_decoder:
             raise ConfigError("--freeze_encoder: this model is a causal LM, it has no separate encoder.")
         model.get_encoder().requires_grad_(False)
+    if args.freeze_embeddings:
+        decoder = model.get_decoder() if model.config.is_encoder_decoder else model
+        decoder.get_input_embeddings().requires_grad_(False)
     if args.lora_r:
         model = add_lora(model, args)
     return model
@@ -204,15 +212,19 @@ def attention(args: GenerationModelArguments) -> dict:
     return {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
 
 
-def warm_start_encoder_decoder(encoder: str, decoder_layers: int) -> EncoderDecoderModel:
+def warm_start_encoder_decoder(encoder: str, decoder_layers: int,
+                               overrides: str | None = None) -> EncoderDecoderModel:
     """A BERT-like encoder and a decoder made of the same encoder's first `decoder_layers` layers (causal
     self-attention), their cross-attention initialised from the layer's self-attention (Rothe et al. 2020
-    start it at random). The LM head's transform is new; its output matrix is tied to the word embeddings."""
+    start it at random). The LM head's transform is new; its output matrix is tied to the word embeddings.
+    `overrides` ('hidden_dropout_prob=0.0,...') change both configs."""
+    changes = config_changes(encoder, overrides)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the expected MISSING cross-attention table, initialised below
     try:
-        model = EncoderDecoderModel.from_encoder_decoder_pretrained(encoder, encoder,
-                                                                    decoder_num_hidden_layers=decoder_layers)
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(
+            encoder, encoder, decoder_num_hidden_layers=decoder_layers,
+            **{f"{side}_{key}": value for side in ("encoder", "decoder") for key, value in changes.items()})
     except (OSError, ValueError) as err:
         raise ModelError(f"--encoder_decoder_from {encoder}: cannot build an encoder-decoder from it "
                          f"({err}).") from None
@@ -230,6 +242,19 @@ def warm_start_encoder_decoder(encoder: str, decoder_layers: int) -> EncoderDeco
         raise ModelError(f"--encoder_decoder_from {encoder}: found {copied} decoder layers with cross-attention, "
                          f"expected {decoder_layers}; only BERT-like encoders can be warm-started this way.")
     return model
+
+
+def config_changes(path: str, overrides: str | None) -> dict:
+    """--config_overrides as typed values, read the way transformers' update_from_string reads them."""
+    if not overrides:
+        return {}
+    try:
+        config = AutoConfig.from_pretrained(path)
+        before = config.to_dict()
+        config.update_from_string(overrides)
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"--config_overrides {overrides!r}: {err}") from None
+    return {k: v for k, v in config.to_dict().items() if before.get(k) != v}
 
 
 def set_special_tokens(model, tokenizer) -> None:

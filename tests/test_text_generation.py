@@ -109,6 +109,8 @@ def test_bleu_sacrebleu_exact_match_against_hand_computed_values():
 
 def test_generation_scores_and_repeated_trigrams():
     assert repeated_ngram_share(["a b c a b c", "a b c d", "x"]) == pytest.approx(100 / 3)
+    looping = ["B.........", "Stocks rise. Stocks rise.", "U.S. stocks, bonds"]
+    assert repeated_ngram_share(looping) == pytest.approx(200 / 3)
     modules = {name: load_metric(name) for name in ("rouge", "exact_match")}
     scores = score_generations(["the cat sat", "a dog"], ["the cat ran", "a dog"], modules, lengths=[3, 2])
     assert scores["rouge1"] == pytest.approx(100 * (2 / 3 + 1) / 2) and scores["exact_match"] == 50.0
@@ -140,8 +142,11 @@ def test_causal_labels_cover_the_completion_and_its_eos_only(bpe, tmp_path):
     assert bpe_pad_is_eos["labels"][0, -1] == bpe.eos_token_id
     assert (bpe_pad_is_eos["labels"][1, 3:] == IGNORE_INDEX).all() and bpe_pad_is_eos["attention_mask"][1].sum() == 3
     everything = GenerationDataArguments(**{**args.__dict__, "train_on_prompt": True})
-    row = tokenize_splits(raw, bpe, everything, task, model_facts_causal())["train"].tokens[0]
+    splits = tokenize_splits(raw, bpe, everything, task, model_facts_causal())
+    row = splits["train"].tokens[0]
     assert row["labels"] == row["input_ids"]
+    held_out = splits["validation"].tokens[0]  # evaluation scores the completion only
+    assert held_out["labels"][:len(held_out["prompt_ids"])] == [IGNORE_INDEX] * len(held_out["prompt_ids"])
 
 
 def model_facts_causal():

@@ -11,6 +11,7 @@ outputs that repeat a word trigram (0-100; degenerate decoding loops show there 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from .generation_tokens import GenerationCollator, TokenizedSplit
+
+WORD = re.compile(r"\w+|[^\w\s]")
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,10 @@ class GenerationArguments:
 
 
 def repeated_ngram_share(texts: Sequence[str], n: int = 3) -> float:
-    """Share (0-100) of texts in which some word n-gram occurs more than once (lower-cased words)."""
+    """Share (0-100) of texts in which some n-gram of words occurs more than once. Words and punctuation marks
+    count separately (lower-cased), so a loop of punctuation ("B.........") counts as repeating too."""
     def repeats(text: str) -> bool:
-        words = text.lower().split()
+        words = WORD.findall(text.lower())
         grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
         return len(grams) != len(set(grams))
     return 100.0 * sum(map(repeats, texts)) / len(texts) if texts else 0.0

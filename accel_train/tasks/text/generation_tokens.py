@@ -5,7 +5,8 @@ Every split becomes a `datasets.Dataset` with
 * ``input_ids`` and ``labels`` — what the model trains on. Seq2seq: the source, and the target ids (the
   decoder start token dropped when the tokenizer put it there: the model prepends it when it shifts the
   labels right). Causal: prompt + completion + eos, the labels -100 on the prompt unless `train_on_prompt`.
-  Language modelling: blocks of `block_size` tokens, labels = input ids (the model shifts them);
+  Language modelling: blocks of `block_size` tokens, labels = input ids (the model shifts them). The
+  validation split's labels are on the completion only, whatever `train_on_prompt` says;
 * ``prompt_ids`` (pairs and chat only) — what generation starts from: the source of a seq2seq model, the
   prompt of a causal LM; with ``item``, the row number, so outputs find their source and reference.
 
@@ -16,6 +17,7 @@ model still learns to stop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,8 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
     out = {}
     for name, split in raw.items():
         check_texts(split, task, name)
+        if name != "train":  # --train_on_prompt widens what is learned; evaluation scores the completion only
+            args = dataclasses.replace(args, train_on_prompt=False)
         if task.kind == "lm":
             block = args.block_size or min(1024, model.positions or 1024)
             out[name] = TokenizedSplit(lm_blocks(split[task.source], tokenizer, block, name), [], [], False)

@@ -38,7 +38,7 @@ class GenerationModelArguments:
     model_type: str | None = field(default=None, metadata={
         "help": "Build a new model of this type (llama, gpt2, t5, bart, ...) from its default config."})
     config_overrides: str | None = field(default=None, metadata={
-        "help": "Config changes, 'n_layer=4,n_embd=256' (transformers' update_from_string): of a new model, or of "
+        "help": "Config changes, 'n_layer=4,n_embd=256' (transformers' update_from_string): of the model, or of "
                 "both halves of a warm-started encoder-decoder ('hidden_dropout_prob=0.0')."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's own."})
     train_tokenizer_vocab_size: int | None = field(default=None, metadata={
@@ -165,6 +165,14 @@ def load_pretrained(args: GenerationModelArguments) -> torch.nn.Module:
     path, extra = args.model_name_or_path, {"trust_remote_code": args.trust_remote_code}
     try:
         config = AutoConfig.from_pretrained(path, **extra)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"--model_name_or_path {path}: cannot read its config ({err}).") from None
+    if args.config_overrides:
+        try:
+            config.update_from_string(args.config_overrides)
+        except (ValueError, AttributeError) as err:
+            raise ConfigError(f"--config_overrides {args.config_overrides!r}: {err}") from None
+    try:
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher
         return auto.from_pretrained(path, config=config, dtype=torch.float32, **extra, **attention(args))

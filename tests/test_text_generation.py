@@ -338,3 +338,12 @@ def test_chat_column_that_is_not_messages_and_chat_with_seq2seq_are_refused(tmp_
         run(tmp_path, "--train_file", path, "--messages_column", "messages", *LLAMA)
     with pytest.raises(ConfigError, match="needs a causal LM"):
         run(tmp_path, "--train_file", path, "--messages_column", "messages", *T5)
+
+
+def test_a_misspelled_config_override_names_the_field_for_every_model_source(tmp_path, dates):
+    # one parser for --config_overrides in every recipe (accel_train.tasks.model_config)
+    with pytest.raises(ConfigError, match="no field 'hiden_size', did you mean 'hidden_size'"):
+        run(tmp_path, *data_flags(dates), "--model_type", "llama", "--train_tokenizer_vocab_size", "300",
+            "--config_overrides", "hiden_size=64")
+    with pytest.raises(ConfigError, match="did you mean 'hidden_dropout_prob'"):
+        run(tmp_path, *data_flags(dates), "--config_overrides", "hidden_dropout=0.0")

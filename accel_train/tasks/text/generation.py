@@ -9,42 +9,42 @@ The pieces live beside this module: `generation_data` (arguments, raw splits, co
 """
 
 from .generation_data import (
-                              GenerationDataArguments,
-                              TaskColumns,
-                              check_texts,
-                              load_raw_data,
-                              resolve_columns,
-                              training_texts,
+    GenerationDataArguments,
+    TaskColumns,
+    check_texts,
+    load_raw_data,
+    resolve_columns,
+    training_texts,
 )
 from .generation_demo import load_date_demo
 from .generation_eval import (
-                              GeneratedItems,
-                              GenerationArguments,
-                              Generator,
-                              evaluate_generation,
-                              lead_words,
-                              repeated_ngram_share,
-                              score_generations,
-                              write_predictions,
+    GeneratedItems,
+    GenerationArguments,
+    Generator,
+    evaluate_generation,
+    lead_words,
+    repeated_ngram_share,
+    score_generations,
+    write_predictions,
 )
 from .generation_model import (
-                              GenerationModelArguments,
-                              add_lora,
-                              build_generation_model,
+    GenerationModelArguments,
+    add_lora,
+    build_generation_model,
                               config_is_seq2seq,
-                              load_tokenizer,
-                              model_facts,
-                              train_bpe_tokenizer,
-                              vocabulary_digest,
-                              warm_start_encoder_decoder,
+    load_tokenizer,
+    model_facts,
+    train_bpe_tokenizer,
+    vocabulary_digest,
+    warm_start_encoder_decoder,
 )
 from .generation_tokens import (
-                              IGNORE_INDEX,
-                              GenerationCollator,
-                              ModelFacts,
-                              TokenizedSplit,
-                              TrainCollator,
-                              tokenize_splits,
+    IGNORE_INDEX,
+    GenerationCollator,
+    ModelFacts,
+    TokenizedSplit,
+    TrainCollator,
+    tokenize_splits,
 )
 
 __all__ = [

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from ...errors import ConfigError, ModelError
+from ..model_config import apply_to_config, parse_overrides
 from .generation_tokens import ModelFacts
 
 
@@ -38,8 +39,8 @@ class GenerationModelArguments:
     model_type: str | None = field(default=None, metadata={
         "help": "Build a new model of this type (llama, gpt2, t5, bart, ...) from its default config."})
     config_overrides: str | None = field(default=None, metadata={
-        "help": "Config changes, 'n_layer=4,n_embd=256' (transformers' update_from_string): of the model, or of "
-                "both halves of a warm-started encoder-decoder ('hidden_dropout_prob=0.0')."})
+        "help": "Config changes, 'n_layer=4,n_embd=256' or a JSON object: of the model, or of both halves of a "
+                "warm-started encoder-decoder ('hidden_dropout_prob=0.0')."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's own."})
     train_tokenizer_vocab_size: int | None = field(default=None, metadata={
         "help": "Train a byte-level BPE tokenizer of this size on the training texts (new models only)."})
@@ -167,11 +168,7 @@ def load_pretrained(args: GenerationModelArguments) -> torch.nn.Module:
         config = AutoConfig.from_pretrained(path, **extra)
     except (OSError, ValueError) as err:
         raise ModelError(f"--model_name_or_path {path}: cannot read its config ({err}).") from None
-    if args.config_overrides:
-        try:
-            config.update_from_string(args.config_overrides)
-        except (ValueError, AttributeError) as err:
-            raise ConfigError(f"--config_overrides {args.config_overrides!r}: {err}") from None
+    apply_to_config(config, parse_overrides(args.config_overrides))
     try:
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher
@@ -192,12 +189,9 @@ def from_config(args: GenerationModelArguments, tokenizer) -> torch.nn.Module:
                   if args.config_name else AutoConfig.for_model(args.model_type))
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"cannot build a config from {args.config_name or args.model_type}: {err}") from None
-    if args.config_overrides:
-        try:
-            config.update_from_string(args.config_overrides)
-        except (ValueError, AttributeError) as err:
-            raise ConfigError(f"--config_overrides {args.config_overrides!r}: {err}") from None
-    if "vocab_size" not in (args.config_overrides or ""):
+    overrides = parse_overrides(args.config_overrides)
+    apply_to_config(config, overrides)
+    if "vocab_size" not in overrides:
         config.vocab_size = len(tokenizer)
     if args.train_tokenizer_vocab_size:  # the config's special token ids belong to another vocabulary
         config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -253,16 +247,16 @@ def warm_start_encoder_decoder(encoder: str, decoder_layers: int,
 
 
 def config_changes(path: str, overrides: str | None) -> dict:
-    """--config_overrides as typed values, read the way transformers' update_from_string reads them."""
-    if not overrides:
+    """--config_overrides as values typed like the encoder config's fields (unknown fields refused by name)."""
+    changes = parse_overrides(overrides)
+    if not changes:
         return {}
     try:
         config = AutoConfig.from_pretrained(path)
-        before = config.to_dict()
-        config.update_from_string(overrides)
-    except (OSError, ValueError, AttributeError) as err:
-        raise ConfigError(f"--config_overrides {overrides!r}: {err}") from None
-    return {k: v for k, v in config.to_dict().items() if before.get(k) != v}
+    except (OSError, ValueError) as err:
+        raise ModelError(f"--encoder_decoder_from {path}: cannot read its config ({err}).") from None
+    apply_to_config(config, changes)
+    return {key: getattr(config, key) for key in changes}
 
 
 def set_special_tokens(model, tokenizer) -> None:

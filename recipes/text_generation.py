@@ -28,6 +28,7 @@ from accel_train import (
     ModelError,
     TrainConfig,
     build_accelerator,
+    default_loss,
     load_metric,
     make_loader,
     parse_config,
@@ -87,6 +88,13 @@ def build_model(model_args: GenerationModelArguments, raw, task):
         raise ModelError("the processes trained different tokenizers from the same texts; train it once, save it "
                          "and pass --tokenizer_name.")
     return build_generation_model(model_args, tokenizer), tokenizer
+
+
+def build_loss(config: TrainConfig):
+    """The loop's default loss: per-sequence token cross-entropy sums and counts (-100 ignored, the causal shift
+    taken), so every optimizer step is the token mean of the whole step on all processes, whatever the
+    accumulation, and eval_loss / eval_perplexity are token-weighted over the whole validation set."""
+    return default_loss(config.label_smoothing_factor)
 
 
 def build_metrics(accelerator, model, generator, modules):
@@ -150,7 +158,7 @@ def main(argv=None) -> dict[str, float]:
     result = train(model, make_loader(train_set, config, train=True, collate_fn=collator,
                                       lengths=lengths if data_args.group_by_length else None,
                                       num_processes=accelerator.num_processes),
-                   config=config, accelerator=accelerator,
+                   config=config, loss_fn=build_loss(config), accelerator=accelerator,
                    eval_loader=make_loader(eval_set, config, train=False, collate_fn=collator),
                    metrics_fn=build_metrics(accelerator, model, every_eval, modules), processing_class=tokenizer,
                    hooks=[Finish(splits, tokenizer, facts.seq2seq, config, gen_args, modules)],

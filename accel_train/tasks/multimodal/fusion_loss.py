@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ...errors import ConfigError
-from .loss import StepClock, clip_loss, draw_captions, gather_with_grad
+from .loss import StepClock, clip_loss, draw_captions, frozen_towers, gather_with_grad
 
 TASKS = ("itc", "itm")
 EVAL_STREAM = 2**31  # the generator stream of evaluation negatives: no training step reaches it
@@ -226,8 +226,7 @@ class FusionLoss:
         self.token_dropout, self.grad_norms = token_dropout, grad_norms
 
     def frozen(self) -> frozenset:
-        step = self.clock.step
-        return frozenset(t for t, k in self.freeze_steps.items() if k < 0 or step < k)
+        return frozen_towers(self.freeze_steps, self.clock.step)
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training

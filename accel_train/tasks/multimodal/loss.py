@@ -105,6 +105,12 @@ class StepClock:
         return self.state.epoch if self.state is not None else 0
 
 
+def frozen_towers(freeze_steps: Mapping[str, int], step: int) -> frozenset:
+    """The towers frozen at optimizer step `step`: those frozen for the first N steps (N > step) or the whole run
+    (N < 0)."""
+    return frozenset(tower for tower, n in freeze_steps.items() if n < 0 or step < n)
+
+
 class ContrastiveLoss:
     """`loss_fn(model, batch)` for `train()` with a `DualEncoder` and `ImageTextCollator` batches.
 
@@ -132,8 +138,7 @@ class ContrastiveLoss:
         self.prompts = prompts
 
     def frozen(self) -> frozenset:
-        step = self.clock.step
-        return frozenset(t for t, k in self.freeze_steps.items() if k < 0 or step < k)
+        return frozen_towers(self.freeze_steps, self.clock.step)
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training

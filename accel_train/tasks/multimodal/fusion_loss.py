@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ...errors import ConfigError
-from .loss import StepClock, clip_loss, draw_captions, gather_with_grad
+from .loss import StepClock, clip_loss, draw_captions, frozen_towers, gather_with_grad, select_captions
 
 TASKS = ("itc", "itm")
 EVAL_STREAM = 2**31  # the generator stream of evaluation negatives: no training step reaches it
@@ -226,8 +226,7 @@ class FusionLoss:
         self.token_dropout, self.grad_norms = token_dropout, grad_norms
 
     def frozen(self) -> frozenset:
-        step = self.clock.step
-        return frozenset(t for t, k in self.freeze_steps.items() if k < 0 or step < k)
+        return frozen_towers(self.freeze_steps, self.clock.step)
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training
@@ -259,15 +258,6 @@ class FusionLoss:
             norms = task_grad_norms({t: weights[t] * per_task[t].mean() for t in TASKS}, list(pairs.features))
             log.update({f"{t}_grad_norm": norms[t] for t in TASKS})
         return {"loss": total.mean(), "log": log}
-
-
-def select_captions(batch: Mapping[str, torch.Tensor], pick: torch.Tensor):
-    """The picked caption of each item: (input_ids, attention_mask) without all-padding columns, caption ids."""
-    rows = torch.arange(len(pick), device=pick.device)
-    input_ids = batch["caption_input_ids"][rows, pick]
-    mask = batch["caption_attention_mask"][rows, pick]
-    keep = mask.any(0)  # the padding was for the longest of all K captions
-    return input_ids[:, keep], mask[:, keep], batch["caption_ids"][rows, pick]
 
 
 def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:

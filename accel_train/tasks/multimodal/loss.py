@@ -105,6 +105,12 @@ class StepClock:
         return self.state.epoch if self.state is not None else 0
 
 
+def frozen_towers(freeze_steps: Mapping[str, int], step: int) -> frozenset:
+    """The towers frozen at optimizer step `step`: those frozen for the first N steps (N > step) or the whole run
+    (N < 0)."""
+    return frozenset(tower for tower, n in freeze_steps.items() if n < 0 or step < n)
+
+
 class ContrastiveLoss:
     """`loss_fn(model, batch)` for `train()` with a `DualEncoder` and `ImageTextCollator` batches.
 
@@ -132,8 +138,7 @@ class ContrastiveLoss:
         self.prompts = prompts
 
     def frozen(self) -> frozenset:
-        step = self.clock.step
-        return frozenset(t for t, k in self.freeze_steps.items() if k < 0 or step < k)
+        return frozen_towers(self.freeze_steps, self.clock.step)
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training
@@ -141,7 +146,7 @@ class ContrastiveLoss:
         ids = batch["image_ids"]
         pick = (draw_captions(ids, batch["num_captions"], self.seed, self.clock.epoch, self.num_train_images)
                 if training else torch.zeros_like(ids))
-        input_ids, mask, caption_ids = _select(batch, pick)
+        input_ids, mask, caption_ids = select_captions(batch, pick)
         if not training:
             return self.evaluate(model, images, input_ids, mask, ids, caption_ids)
         if self.chunk_size and self.chunk_size < len(ids):
@@ -206,7 +211,7 @@ def accumulation_refusal(steps: int) -> str:
             "back-propagated one chunk at a time (GradCache), with the gradients of the large batch.")
 
 
-def _select(batch: Mapping[str, torch.Tensor], pick: torch.Tensor):
+def select_captions(batch: Mapping[str, torch.Tensor], pick: torch.Tensor):
     """The drawn caption of each item: (input_ids, attention_mask) without all-padding columns, caption ids."""
     rows = torch.arange(len(pick), device=pick.device)
     input_ids = batch["caption_input_ids"][rows, pick]

@@ -1,0 +1,58 @@
+"""Text generation for recipes: data, tokens, models and generation metrics, in one import.
+
+    from accel_train.tasks.text.generation import (GenerationDataArguments, load_raw_data, resolve_columns,
+                                                   tokenize_splits, build_generation_model, Generator, ...)
+
+The pieces live beside this module: `generation_data` (arguments, raw splits, column checks),
+`generation_tokens` (token ids, collators), `generation_model` (models, tokenizers, LoRA),
+`generation_eval` (generate on N processes, score), `generation_demo` (the rule-generated demo task).
+"""
+
+from .generation_data import (
+    GenerationDataArguments,
+    TaskColumns,
+    check_texts,
+    load_raw_data,
+    resolve_columns,
+    training_texts,
+)
+from .generation_demo import load_date_demo
+from .generation_eval import (
+    GeneratedItems,
+    GenerationArguments,
+    Generator,
+    evaluate_generation,
+    lead_words,
+    repeated_ngram_share,
+    score_generations,
+    write_predictions,
+)
+from .generation_model import (
+    GenerationModelArguments,
+    add_lora,
+    build_generation_model,
+                              config_is_seq2seq,
+    load_tokenizer,
+    model_facts,
+    train_bpe_tokenizer,
+    vocabulary_digest,
+    warm_start_encoder_decoder,
+)
+from .generation_tokens import (
+    IGNORE_INDEX,
+    GenerationCollator,
+    ModelFacts,
+    TokenizedSplit,
+    TrainCollator,
+    tokenize_splits,
+)
+
+__all__ = [
+    "GenerationDataArguments", "TaskColumns", "check_texts", "load_raw_data", "resolve_columns", "training_texts",
+    "load_date_demo",
+    "GeneratedItems", "GenerationArguments", "Generator", "evaluate_generation", "lead_words", "repeated_ngram_share",
+    "score_generations", "write_predictions",
+    "GenerationModelArguments", "add_lora", "build_generation_model", "config_is_seq2seq", "load_tokenizer",
+    "model_facts", "train_bpe_tokenizer", "vocabulary_digest", "warm_start_encoder_decoder",
+    "IGNORE_INDEX", "GenerationCollator", "ModelFacts", "TokenizedSplit", "TrainCollator", "tokenize_splits",
+]

@@ -1,0 +1,206 @@
+"""Text generation: raw splits to token ids, and the collators that pad them.
+
+Every split becomes a `datasets.Dataset` with
+
+* ``input_ids`` and ``labels`` — what the model trains on. Seq2seq: the source, and the target ids (the
+  decoder start token dropped when the tokenizer put it there: the model prepends it when it shifts the
+  labels right). Causal: prompt + completion + eos, the labels -100 on the prompt unless `train_on_prompt`.
+  Language modelling: blocks of `block_size` tokens, labels = input ids (the model shifts them). The
+  validation split's labels are on the completion only, whatever `train_on_prompt` says;
+* ``prompt_ids`` (pairs and chat only) — what generation starts from: the source of a seq2seq model, the
+  prompt of a causal LM; with ``item``, the row number, so outputs find their source and reference.
+
+The labels always end with the end-of-sequence token: where pad and eos are the same token (a causal LM
+without a pad token), padding is marked with -100 by the collator, never by looking for the pad id, so the
+model still learns to stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+
+from ...errors import ConfigError, DataError
+from .generation_data import GenerationDataArguments, TaskColumns, check_texts
+
+IGNORE_INDEX = -100  # the label transformers' losses skip
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What tokenization needs to know of the model: its family, decoder start token and position limits."""
+
+    seq2seq: bool
+    decoder_start_token_id: int | None = None
+    source_positions: int | None = None  # encoder (seq2seq)
+    target_positions: int | None = None  # decoder (seq2seq)
+    positions: int | None = None  # a causal LM's
+
+
+@dataclass
+class TokenizedSplit:
+    tokens: datasets.Dataset  # input_ids, labels (+ prompt_ids, item for pairs and chat)
+    sources: list[str]  # shown in predictions.jsonl
+    references: list[str]  # the raw targets
+    can_generate: bool  # pairs and chat; not language-modelling blocks
+
+
+def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataArguments, task: TaskColumns,
+                    model: ModelFacts) -> dict[str, TokenizedSplit]:
+    """{"train": ..., "validation": ...} as token ids, checked first (lengths, columns, empty targets)."""
+    check_lengths(args, task, model)
+    out = {}
+    for name, split in raw.items():
+        check_texts(split, task, name)
+        if name != "train":  # --train_on_prompt widens what is learned; evaluation scores the completion only
+            args = dataclasses.replace(args, train_on_prompt=False)
+        if task.kind == "lm":
+            block = args.block_size or min(1024, model.positions or 1024)
+            out[name] = TokenizedSplit(lm_blocks(split[task.source], tokenizer, block, name), [], [], False)
+            continue
+        if task.kind == "chat":
+            rows = [chat_example(m, tokenizer, args) for m in split[task.messages]]
+            sources = [tokenizer.decode(r["prompt_ids"], skip_special_tokens=True) for r in rows]
+            references = [m[-1]["content"] for m in split[task.messages]]
+        else:
+            sources, references = list(split[task.source]), list(split[task.target])
+            if model.seq2seq:
+                rows = [seq2seq_example(s, t, tokenizer, args, model.decoder_start_token_id)
+                        for s, t in zip(sources, references, strict=True)]
+            else:
+                rows = [causal_example(s, t, tokenizer, args) for s, t in zip(sources, references, strict=True)]
+        columns = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "prompt_ids")}
+        columns["item"] = list(range(len(rows)))
+        out[name] = TokenizedSplit(datasets.Dataset.from_dict(columns), sources, references, True)
+    return out
+
+
+def check_lengths(args: GenerationDataArguments, task: TaskColumns, model: ModelFacts) -> None:
+    """Lengths beyond the model's position embeddings would index past them (an IndexError deep inside)."""
+    if model.seq2seq:
+        limits = (("max_source_length", args.max_source_length, model.source_positions, "the encoder"),
+                  ("max_target_length", args.max_target_length, model.target_positions, "the decoder"))
+    elif task.kind == "lm":
+        limits = (("block_size", args.block_size or 0, model.positions, "the model"),)
+    else:
+        limits = (("max_source_length + --max_target_length", args.max_source_length + args.max_target_length,
+                   model.positions, "the model"),)
+    for flag, value, limit, where in limits:
+        if limit and value > limit:
+            raise ConfigError(f"--{flag} = {value} exceeds the {limit} positions of {where}: lower it to {limit} "
+                            "or less (inputs are truncated to it).")
+
+
+def seq2seq_example(source: str, target: str, tokenizer, args: GenerationDataArguments,
+                    decoder_start_token_id: int | None) -> dict:
+    ids = tokenizer(args.source_prefix + source, max_length=args.max_source_length, truncation=True)["input_ids"]
+    labels = tokenizer(text_target=target, max_length=args.max_target_length, truncation=True)["input_ids"]
+    # A BERT tokenizer opens every text with [CLS], the warm-started decoder's start token, which the model
+    # prepends itself when it shifts the labels: keep it in the labels and the model learns to say it twice.
+    if len(labels) > 1 and labels[0] == decoder_start_token_id:
+        labels = labels[1:]
+    # A tokenizer that does not close texts with eos (a BPE trained here, some others): without it in the
+    # labels the model never learns to stop, and every output runs to --generation_max_new_tokens.
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if labels and labels[-1] != end:
+        labels = labels[:args.max_target_length - 1] + [end]
+    return {"input_ids": ids, "labels": labels, "prompt_ids": ids}
+
+
+def prompt_tokens(text: str, tokenizer, args: GenerationDataArguments) -> list[int]:
+    """Prefix + prompt, cut to leave room for the suffix, + suffix: the completion always follows the suffix."""
+    ids = tokenizer(args.source_prefix + text)["input_ids"]
+    if tokenizer.eos_token_id is not None and ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]  # a tokenizer that closes every text with eos: the prompt is not finished
+    suffix = tokenizer(args.prompt_suffix, add_special_tokens=False)["input_ids"] if args.prompt_suffix else []
+    return ids[:max(args.max_source_length - len(suffix), 1)] + suffix
+
+
+def completion_example(prompt: list[int], completion: list[int], args: GenerationDataArguments) -> dict:
+    ids = prompt + completion
+    labels = list(ids) if args.train_on_prompt else [IGNORE_INDEX] * len(prompt) + completion
+    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt}
+
+
+def causal_example(source: str, target: str, tokenizer, args: GenerationDataArguments) -> dict:
+    completion = tokenizer(target, add_special_tokens=False)["input_ids"][:args.max_target_length - 1]
+    return completion_example(prompt_tokens(source, tokenizer, args), completion + [tokenizer.eos_token_id], args)
+
+
+def chat_example(messages: list[dict], tokenizer, args: GenerationDataArguments) -> dict:
+    """The conversation before the last reply is the prompt (with the template's generation prompt); the reply
+    (with the template's end-of-turn tokens) is the completion. Without a chat template: 'role: content' lines."""
+    if getattr(tokenizer, "chat_template", None):
+        prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise DataError("the tokenizer's chat template renders a conversation differently with and without its "
+                            "last reply, so the reply cannot be separated from the prompt; use --prompt_column / "
+                            "--completion_column instead.")
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        # the template closes the reply with its end-of-turn token, which the model's generation config stops at
+        reply = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+        end = []
+    else:
+        prompt_text = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1]) + "assistant:"
+        prompt = tokenizer(prompt_text)["input_ids"]
+        reply = tokenizer(" " + messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        end = [tokenizer.eos_token_id]
+    prompt = prompt[-args.max_source_length:]  # keep the end: the latest turns and the generation prompt
+    return completion_example(prompt, (reply + end)[:args.max_target_length], args)
+
+
+def lm_blocks(texts: Sequence[str], tokenizer, block_size: int, name: str) -> datasets.Dataset:
+    """Concatenate the texts (eos after each) and cut blocks of `block_size` tokens; the remainder is dropped."""
+    stream: list[int] = []
+    for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        stream.extend(ids + [tokenizer.eos_token_id])
+    count = len(stream) // block_size
+    if count == 0:
+        raise DataError(f"the {name} split has {len(stream)} tokens, fewer than one block of --block_size "
+                        f"{block_size}; give more text or a smaller --block_size.")
+    blocks = [stream[i * block_size:(i + 1) * block_size] for i in range(count)]
+    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def pad(rows: Sequence[Sequence[int]], value: int, side: str, multiple: int | None = None) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    if multiple:
+        width = -(-width // multiple) * multiple
+    fill = [[value] * (width - len(r)) for r in rows]
+    return torch.tensor([list(r) + f if side == "right" else f + list(r) for r, f in zip(rows, fill, strict=True)])
+
+
+class TrainCollator:
+    """Right-padded training batch: ``input_ids`` (pad id), ``attention_mask``, ``labels`` (-100). A seq2seq
+    model builds its decoder inputs from the labels; a causal LM shifts them. Written here rather than taken
+    from transformers because one collator then serves both families and pads labels by length, never by
+    value (pad may equal eos)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id, self.multiple = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [r["input_ids"] for r in rows]
+        return {"input_ids": pad(ids, self.pad_token_id, "right", self.multiple),
+                "attention_mask": pad([[1] * len(r) for r in ids], 0, "right", self.multiple),
+                "labels": pad([r["labels"] for r in rows], IGNORE_INDEX, "right", self.multiple)}
+
+
+class GenerationCollator:
+    """Batch of prompts to generate from: padded on the left for a causal LM (the new tokens must follow each
+    prompt directly), on the right for an encoder; ``item`` carries the row numbers."""
+
+    def __init__(self, pad_token_id: int, side: str):
+        self.pad_token_id, self.side = pad_token_id, side
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [r["prompt_ids"] for r in rows]
+        return {"input_ids": pad(ids, self.pad_token_id, self.side),
+                "attention_mask": pad([[1] * len(r) for r in ids], 0, self.side),
+                "item": torch.tensor([r["item"] for r in rows])}

@@ -3,7 +3,8 @@
     session = Session(spec)                      check, prepare, plan (core/session.py); nothing written yet
     observer = Observer(session, recorder)       the pre-flight check refuses a broken run here
     state = session.start(hooks)                 resume or fresh; run directory, log, start-up report
-    run_loop(session, state, meter, probe)       the step loop (core/loop.py)
+    call_hooks(hooks, "on_train_start", state)   the hooks' set-up (report facts, schedule plot): not timed
+    run_loop(session, state, meter, probe, stop) the step loop (core/loop.py); train_runtime times it
     session.finish(state, meter, runtime)        final evaluation, the finish seam, results written once
     export_formats_at_end(...)                   --export_formats: TorchScript / ExportedProgram / ONNX, verified
 """
@@ -20,7 +21,7 @@ from accelerate import Accelerator
 
 from .config import TrainConfig
 from .core.evaluation import MetricsFn
-from .core.hooks import EarlyStopping
+from .core.hooks import EarlyStopping, call_hooks
 from .core.loop import run_loop
 from .core.meter import StepMeter
 from .core.session import RunSpec, Session
@@ -80,10 +81,12 @@ def train(
     observer = Observer(session, recorder)
     state = session.start([*spec.hooks, *_builtin_hooks(session.config), observer])
     meter = StepMeter(session.accelerator)
-    started = time.perf_counter()
     try:
+        # set-up, not training time: what hooks do before the first step (the observer's run facts, schedule plot)
+        stop = call_hooks(session.hooks, "on_train_start", state)
+        started = time.perf_counter()
         with observer.probe(state.step) as probe:
-            run_loop(session, state, meter, probe)
+            run_loop(session, state, meter, probe, stop)
         formats = session.config.export_formats
         result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
     except Preempted:  # a checkpoint was saved on purpose: not a crash

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import DataError
 from .guard import StepGuard, on_nonfinite
-from .hooks import call_hooks
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .optim import steps_on_evaluation
@@ -25,13 +24,14 @@ from .session import Session
 from .state import TrainState
 
 
-def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any | None = None) -> None:
-    """Train from `state` until the plan's last step or a stop agreed by every rank. `probe` (opt-in diagnostics:
-    None unless a diagnostics flag is set) is told when a step's gradients are complete and when it is taken."""
+def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any | None = None,
+             stop: bool = False) -> None:
+    """Train from `state` until the plan's last step or a stop agreed by every rank (`stop`: the hooks' answer to
+    on_train_start, which the caller runs). `probe` (opt-in diagnostics: None unless a diagnostics flag is set) is
+    told when a step's gradients are complete and when it is taken."""
     acc, model, optimizer, scheduler = session.accelerator, session.model, session.optimizer, session.scheduler
     config, plan, loader = session.config, session.plan, session.train_loader
     window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
-    stop = call_hooks(session.hooks, "on_train_start", state)
     model.train()
     with StepGuard(acc, check_gradients=acc.scaler is None) as guard:
         while state.step < plan.total_steps and not stop:

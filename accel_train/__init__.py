@@ -42,12 +42,14 @@ from .errors import (
 from .observe.report import compare_runs, write_report
 from .rundir.checkpoint import list_checkpoints, resolve_checkpoint
 from .rundir.export import export_model
+from .rundir.metrics_log import end_training_safely
 from .tasks.metrics import load_metric, shipped_metrics
 from .train import train
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "end_training_safely",
     "TrainConfig",
     "parse_config",
     "save_config",

@@ -30,6 +30,7 @@ from .deploy import export_formats_at_end
 from .errors import Preempted
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
+from .rundir.metrics_log import end_training_safely
 from .rundir.outdir import record_crash
 
 
@@ -64,7 +65,8 @@ def train(
     An error raised once the run has started is recorded in output_dir/crash_rank<R>.json (then re-raised).
     `result.metrics` is the same dict on every process: the main process's (what all_results.json holds).
     `end_training=False` keeps the process group alive for other collective work after training; call
-    `result.accelerator.end_training()` then.
+    `end_training_safely(result.accelerator)` then (`accelerator.end_training()` after a pause that lets gloo's
+    threads finish: see rundir/metrics_log.py).
 
         result = train(model, make_loader(train_set, config, train=True), config=config, loss_fn=loss_fn,
                        eval_loader=make_loader(val_set, config, train=False), metrics_fn=metrics_fn)
@@ -98,7 +100,7 @@ def train(
         export_formats_at_end(session.accelerator, session.model, session.config.output_dir, formats,
                               session.processing_class, session.eval_loader)
         if end_training:
-            session.accelerator.end_training()
+            end_training_safely(session.accelerator)
     return result
 
 

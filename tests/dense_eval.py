@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from accel_train import build_accelerator, evaluate_model, make_loader, parse_config
+from accel_train import build_accelerator, end_training_safely, evaluate_model, make_loader, parse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import object_detection  # noqa: E402
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     if accelerator.is_main_process:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.output_dir) / "eval.json").write_text(json.dumps(metrics, indent=2))
-    accelerator.end_training()
+    end_training_safely(accelerator)
 
 
 if __name__ == "__main__":

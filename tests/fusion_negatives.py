@@ -11,6 +11,7 @@ row, to check the pairing.
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ def main(out_dir: str, steps: int = 300) -> None:
     Path(out_dir, f"negatives_rank{rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():  # every rank done before the group goes: a rank leaving early aborted its peer
         dist.barrier()
+        time.sleep(0.2)  # gloo's threads free the last collectives' tensors under the GIL first (end_training_safely)
         dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,23 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
         if end_training:
-            self.accelerator.end_training()
+            end_training_safely(self.accelerator)
         elif self.main:
             for tracker in self.accelerator.trackers:
                 tracker.finish()
+
+
+def end_training_safely(accelerator) -> None:
+    """`accelerator.end_training()` (trackers finished, process group destroyed), after a pause on several processes.
+
+    Why the pause: gloo's worker threads free a finished collective's tensors under the GIL, and a process group
+    destroyed while one of them waits for it deadlocks — the destructor joins that thread while holding the GIL.
+    It happens when the group goes (DDP's reducer holds it) within moments of the last collective, e.g. as a script
+    returns right after training: seen in CI as a launched process that never exited after writing its results.
+    Sleeping lets the threads take the GIL and finish first; nothing is gathered after this point."""
+    if accelerator.num_processes > 1:
+        time.sleep(0.2)
+    accelerator.end_training()
 
 
 def say(message: str) -> None:

@@ -13,11 +13,11 @@ It patches two private methods of `accelerate.state.PartialState`, so it is pinn
 written against and refuses any other: re-check `_prepare_backend` and `set_device` before raising the pin. It lives
 under tests/ and is applied only by the test launches; the package never imports it.
 
-After the script returns, the process leaves with os._exit: FSDP2's modules and device mesh keep the gloo process
-group object alive past `destroy_process_group()`, and tearing it down during interpreter finalisation sometimes
-aborts the process ("terminate called without an active exception", exit -6) after a run that finished and wrote
-everything (seen once in CI on a resumed FSDP2 run; the failure mode pytorch/pytorch#179291 describes). A GPU run
-uses NCCL and never reaches this shim.
+After the script returns, the process leaves with os._exit, a second guard beside the pause of
+`end_training_safely`: a gloo group torn down while a worker thread still holds a finished collective can abort the
+process ("terminate called without an active exception", exit -6) or hang it, after a run that finished and wrote
+everything (seen in CI on a resumed FSDP2 run and on plain DDP runs; the failure mode pytorch/pytorch#179291
+describes). A GPU run uses NCCL and never reaches this shim.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ...errors import ConfigError
-from .loss import StepClock, clip_loss, draw_captions, frozen_towers, gather_with_grad, select_captions
+from .loss import ImageTextLoss, StepClock, clip_loss, gather_with_grad
 
 TASKS = ("itc", "itm")
 EVAL_STREAM = 2**31  # the generator stream of evaluation negatives: no training step reaches it
@@ -202,7 +202,7 @@ def task_grad_norms(losses: Mapping[str, torch.Tensor], shared: list[torch.Tenso
     return {t: norms[i] for i, t in enumerate(losses)}
 
 
-class FusionLoss:
+class FusionLoss(ImageTextLoss):
     """`loss_fn(model, batch)` for `train()` with a `FusionEncoder` and `ImageTextCollator` batches.
 
     Training: each image's caption for the epoch (`draw_captions`), `train_transform` on the images,
@@ -218,23 +218,13 @@ class FusionLoss:
                  grad_norms: bool = True):
         if not 0 <= token_dropout < 1:
             raise ConfigError(f"--token_dropout {token_dropout}: must be in [0, 1).")
-        self.train_transform, self.eval_transform = train_transform, eval_transform
-        self.seed, self.num_train_images, self.text_length = seed, num_train_images, text_length
+        super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)
+        self.text_length, self.token_dropout, self.grad_norms = text_length, token_dropout, grad_norms
         self.weights = dict(weights or {t: 1.0 for t in TASKS})
-        self.clock = clock or StepClock()
-        self.freeze_steps = dict(freeze_steps or {})
-        self.token_dropout, self.grad_norms = token_dropout, grad_norms
-
-    def frozen(self) -> frozenset:
-        return frozen_towers(self.freeze_steps, self.clock.step)
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training
-        images = (self.train_transform if training else self.eval_transform)(batch["pixel_values"])
-        ids = batch["image_ids"]
-        pick = (draw_captions(ids, batch["num_captions"], self.seed, self.clock.epoch, self.num_train_images)
-                if training else torch.zeros_like(ids))
-        input_ids, mask, caption_ids = select_captions(batch, pick)
+        images, ids, input_ids, mask, caption_ids = self.pairs(batch, training)
         if training and self.token_dropout:
             mask = drop_tokens(mask, self.token_dropout)
         # evaluation draws its negatives from a fixed stream: the same pairs at every evaluation

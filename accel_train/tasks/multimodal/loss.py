@@ -111,7 +111,31 @@ def frozen_towers(freeze_steps: Mapping[str, int], step: int) -> frozenset:
     return frozenset(tower for tower, n in freeze_steps.items() if n < 0 or step < n)
 
 
-class ContrastiveLoss:
+class ImageTextLoss:
+    """What both image-text losses do before their own part: the step clock, tower freezing, and each batch's
+    images (train or eval transform) with one caption per image (the epoch's drawn caption in training, the
+    pair's own in evaluation)."""
+
+    def __init__(self, train_transform: Callable, eval_transform: Callable, seed: int, num_train_images: int,
+                 clock: StepClock | None, freeze_steps: Mapping[str, int] | None):
+        self.train_transform, self.eval_transform = train_transform, eval_transform
+        self.seed, self.num_train_images = seed, num_train_images
+        self.clock = clock or StepClock()
+        self.freeze_steps = dict(freeze_steps or {})
+
+    def frozen(self) -> frozenset:
+        return frozen_towers(self.freeze_steps, self.clock.step)
+
+    def pairs(self, batch: Mapping[str, torch.Tensor], training: bool):
+        """(images, image ids, caption input_ids, attention_mask, caption ids) of the batch."""
+        images = (self.train_transform if training else self.eval_transform)(batch["pixel_values"])
+        ids = batch["image_ids"]
+        pick = (draw_captions(ids, batch["num_captions"], self.seed, self.clock.epoch, self.num_train_images)
+                if training else torch.zeros_like(ids))
+        return (images, ids, *select_captions(batch, pick))
+
+
+class ContrastiveLoss(ImageTextLoss):
     """`loss_fn(model, batch)` for `train()` with a `DualEncoder` and `ImageTextCollator` batches.
 
     Training: draws each image's caption for the epoch, transforms the images with `train_transform`, runs
@@ -131,22 +155,12 @@ class ContrastiveLoss:
             raise ConfigError(accumulation_refusal(accelerator.gradient_accumulation_steps))
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"--gradient_cache_chunk_size {chunk_size}: must be >= 1 (or unset).")
-        self.accelerator, self.train_transform, self.eval_transform = accelerator, train_transform, eval_transform
-        self.seed, self.num_train_images, self.chunk_size = seed, num_train_images, chunk_size
-        self.clock = clock or StepClock()
-        self.freeze_steps = dict(freeze_steps or {})
-        self.prompts = prompts
-
-    def frozen(self) -> frozenset:
-        return frozen_towers(self.freeze_steps, self.clock.step)
+        super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)
+        self.accelerator, self.chunk_size, self.prompts = accelerator, chunk_size, prompts
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training
-        images = (self.train_transform if training else self.eval_transform)(batch["pixel_values"])
-        ids = batch["image_ids"]
-        pick = (draw_captions(ids, batch["num_captions"], self.seed, self.clock.epoch, self.num_train_images)
-                if training else torch.zeros_like(ids))
-        input_ids, mask, caption_ids = select_captions(batch, pick)
+        images, ids, input_ids, mask, caption_ids = self.pairs(batch, training)
         if not training:
             return self.evaluate(model, images, input_ids, mask, ids, caption_ids)
         if self.chunk_size and self.chunk_size < len(ids):

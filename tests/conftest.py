@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,12 +62,42 @@ def launch(script: str | Path, args: list[str], num_processes: int = 1, check: b
     else:
         cmd += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += [*(launcher_args or []), str(script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(ACCELERATE_USE_CPU="1"), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_in_own_group(cmd, env or subprocess_env(ACCELERATE_USE_CPU="1"), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
     return proc
+
+
+def run_in_own_group(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), but a timeout (or an interrupt) kills
+    the launcher *and every process below it*: torch's launcher starts each worker in a session of its own, so
+    neither killing the launcher nor its process group reaches a hung worker, which would outlive its test."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and all its descendants (found through /proc before any is killed, so none is re-parented
+    out of reach first)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def read_jsonl(path: Path) -> list[dict]:

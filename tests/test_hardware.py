@@ -2,11 +2,13 @@
 "nodes" on one machine equal one process, and checkpoints move between world sizes."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, launch, subprocess_env, toy_records
+from conftest import ROOT, free_port, kill_tree, launch, run_in_own_group, subprocess_env, toy_records
 from safetensors.torch import load_file
 
 from accel_train.cli import plan_launch
@@ -65,15 +67,13 @@ def test_cpu_presets_run_the_nlp_recipe(tmp_path, request):
               str(sst_like["train"]), "--validation_file", str(sst_like["dev"]), "--max_steps", "4",
               "--per_device_train_batch_size", "4", *QUIET]
     env = subprocess_env()
-    single = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             "accelerate_configs/cpu.yaml", *recipe, "--output_dir", str(tmp_path / "cpu")],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    single = run_in_own_group([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               "accelerate_configs/cpu.yaml", *recipe, "--output_dir", str(tmp_path / "cpu")], env, 600)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "1 process(es), NO, device cpu" in single.stdout
-    multi = subprocess.run([sys.executable, "-m", "accel_train.cli", "launch", "--cpu", "--config_file",
-                            "accelerate_configs/cpu_multiprocess.yaml", "--main_process_port", str(free_port()),
-                            *recipe, "--output_dir", str(tmp_path / "multi")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    multi = run_in_own_group([sys.executable, "-m", "accel_train.cli", "launch", "--cpu", "--config_file",
+                              "accelerate_configs/cpu_multiprocess.yaml", "--main_process_port", str(free_port()),
+                              *recipe, "--output_dir", str(tmp_path / "multi")], env, 600)
     assert multi.returncode == 0, multi.stderr[-3000:]
     assert "2 process(es), MULTI_CPU" in multi.stdout
     for name in ("cpu", "multi"):
@@ -91,7 +91,12 @@ def launch_two_nodes(args, tmp_path):
         log = open(tmp_path / f"node{rank}.log", "w")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(ACCELERATE_USE_CPU="1"), stdout=log,
                                       stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=600) for p in procs]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:  # a node that hangs (or a timeout) must not leave its workers behind
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
     assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
 
 
@@ -182,3 +187,26 @@ def test_a_lone_cpu_process_gets_the_cores_accelerate_launch_withheld(tmp_path):
     assert pinned["threads"] == 1
     pair = _threads(launch(script, out, num_processes=2))
     assert [r["threads"] for r in sorted(pair, key=lambda r: r["rank"])] == [1, 1]
+
+
+def test_a_launch_that_times_out_leaves_no_worker_behind(tmp_path):
+    """The launch helpers kill the launcher's whole process group on a timeout: a hung worker of a failed test
+    must not outlive it (one did, in CI, and held a core for the rest of the suite)."""
+    script = tmp_path / "hang.py"
+    script.write_text("import os, pathlib, sys, time\n"
+                      f"pathlib.Path({str(tmp_path)!r}, f'worker{{os.getpid()}}').touch()\n"
+                      "time.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(script, [], num_processes=2, timeout=30)
+    workers = [int(p.name.removeprefix("worker")) for p in tmp_path.glob("worker*")]
+    assert len(workers) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # a killed child that nobody reaped yet is a zombie: gone for our purposes
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+    assert not [pid for pid in workers if alive(pid)]

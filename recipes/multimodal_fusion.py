@@ -80,6 +80,9 @@ class TaskArguments:
     log_task_grad_norms: bool = field(default=True, metadata={
         "help": "Log each weighted task loss's gradient norm at the towers' outputs (two partial backward passes)."})
     rerank_k: int = field(default=16, metadata={"help": "ITC candidates per query re-ranked by ITM."})
+    contrastive_steps: int = field(default=0, metadata={
+        "help": "Two-stage schedule: the first N optimizer steps train ITC alone; then the towers, projections and "
+                "temperature stay fixed and the fusion layers and ITM head learn ITM alone. 0: both tasks together."})
 
     def __post_init__(self):
         weights = parse_loss_weights(self.loss_weights)
@@ -88,6 +91,12 @@ class TaskArguments:
         if self.loss_weighting == "uncertainty" and set(weights.values()) != {1.0}:
             raise ConfigError(f"--loss_weights {self.loss_weights} with --loss_weighting uncertainty: the learned "
                               "weights replace the fixed ones; leave --loss_weights at itc=1,itm=1.")
+        if self.contrastive_steps and self.loss_weighting != "fixed":
+            raise ConfigError(f"--contrastive_steps {self.contrastive_steps} with --loss_weighting "
+                              f"{self.loss_weighting}: the two stages train one task each, so there is nothing to "
+                              "weigh; use --loss_weighting fixed.")
+        if self.contrastive_steps < 0:
+            raise ConfigError(f"--contrastive_steps {self.contrastive_steps}: must be >= 0 (0: one stage).")
         if self.rerank_k < 1:
             raise ConfigError(f"--rerank_k {self.rerank_k}: must be >= 1.")
 
@@ -149,7 +158,7 @@ def build_loss(config: TrainConfig, data_args: ImageTextArguments, tasks: TaskAr
     return FusionLoss(train_transform, EvalTransform(mean, std), seed=config.seed, num_train_images=len(train_set),
                       text_length=data_args.max_seq_length, weights=parse_loss_weights(tasks.loss_weights),
                       clock=StepClock(), token_dropout=towers.token_dropout, grad_norms=tasks.log_task_grad_norms,
-                      freeze_steps=towers.freeze_steps())
+                      freeze_steps=towers.freeze_steps(), contrastive_steps=tasks.contrastive_steps)
 
 
 def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: TaskArguments) -> FusionMetrics:
@@ -162,7 +171,9 @@ def main(argv=None) -> dict[str, float]:
         raise ConfigError(f"--gradient_accumulation_steps {config.gradient_accumulation_steps}: the contrastive loss "
                           "and the hard negatives of a micro-batch come from fewer pairs than the batch it stands for, "
                           "so accumulation is refused; raise --per_device_train_batch_size or the number of processes.")
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if towers.freezes() else []
+    # a frozen tower, or a stage that leaves one half idle, gives parameters no gradient: DDP must expect it
+    idle = towers.freezes() or tasks.contrastive_steps > 0
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if idle else []
     accelerator = build_accelerator(config, handlers)
     demo = not (data_args.data_dir or data_args.dataset_name)
     data, make_datasets = load_data(data_args, config.seed, accelerator)

@@ -277,6 +277,43 @@ def test_task_gradient_norms_are_those_of_each_weighted_loss_at_the_vision_featu
     assert float(log["itc_weight"]) == 2.0 and float(log["itm_weight"]) == 0.5
 
 
+def test_two_stages_train_itc_then_only_the_fusion_half_on_itm():
+    class Clock:
+        step, epoch = 0, 0
+
+    model, transform = tiny_model().train(), EvalTransform([0.5] * 3, [0.25] * 3)
+    loss_fn = FusionLoss(transform, transform, seed=0, num_train_images=6, text_length=8, clock=Clock(),
+                         contrastive_steps=2)
+    fusion = {n for n, _ in model.named_parameters() if n.startswith("fusion.")}
+    for step, stage in ((0, "itc"), (1, "itc"), (2, "itm"), (9, "itm")):
+        Clock.step = step
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        model.zero_grad(set_to_none=True)
+        out = loss_fn(model, fake_batch())
+        out["loss"].backward()
+        log = out["log"]
+        trained = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        if stage == "itc":  # ITC alone: no ITM logits computed, the fusion half gets no gradient at all
+            assert any(n.startswith("vision.") and not torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+            assert not trained & fusion and {"vision_projection.weight", "logit_scale"} <= trained
+            assert out["loss"].item() == pytest.approx(float(log["itc_loss"]))
+            assert float(log["itm_loss"]) == 0 and float(log["itm_weight"]) == 0
+        else:  # ITM alone: only fusion parameters have a gradient (AdamW skips the rest: grad None)
+            assert trained and trained <= fusion
+            assert all(p.grad is None for n, p in model.named_parameters() if n not in fusion)
+            # the fixed vision tower's batch norms neither use nor move batch statistics: ITC stays as it was
+            moved = [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])]
+            assert not [n for n in moved if n.startswith("vision.")]
+            assert out["loss"].item() == pytest.approx(float(log["itm_loss"]))
+            assert float(log["itc_loss"]) > 0 and float(log["itc_weight"]) == 0  # still logged
+    model.eval()  # evaluation scores both tasks, whatever the stage
+    assert set(loss_fn(model, fake_batch())) >= {"per_sample_loss", "image_tokens"}
+    with pytest.raises(ConfigError, match="--contrastive_steps 3 with --loss_weighting uncertainty"):
+        recipe.parse(["--contrastive_steps", "3", "--loss_weighting", "uncertainty"])
+    with pytest.raises(ConfigError, match="--contrastive_steps -1"):
+        recipe.parse(["--contrastive_steps", "-1"])
+
+
 def test_loss_weight_flags_are_checked():
     assert parse_loss_weights("itc=1, itm=0.25") == {"itc": 1.0, "itm": 0.25}
     for bad in ("itc=1", "itc=1,itm=x", "itc=0,itm=0", "itc=1,itm=-1", "itc=1,itm=1,mlm=1"):

@@ -15,7 +15,6 @@ per-tower learning rates.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from ...errors import ConfigError, ModelError
 from ..vision.models import SmallResNet
-from .model import DualEncoder, PooledVision, tower_param_groups
+from .model import DualEncoder, PooledVision, frozen_tower, tower_param_groups
 
 
 def vision_tokens(vision: nn.Module, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +125,9 @@ class FusionEncoder(DualEncoder):
     [B, N, C] (the vision tower's last feature map), ``text_states`` [B, L, H] and ``text_mask`` [B, L]
     (the text tower's last hidden states), and ``task_log_vars`` when the model learns task weights
     (`num_task_weights` > 0: the log variances of Kendall et al. 2018, starting at 0). `itm_pairs(out)` ->
-    (image_tokens, text_states, text_mask) names pairs to match *inside* the forward, so that under DDP every
-    parameter is used within it; their logits come back as ``itm_logits``. `match(...)` scores pairs directly
-    (evaluation, re-ranking)."""
+    (image_tokens, text_states, text_mask), or None for no pairs, names pairs to match *inside* the forward, so
+    that under DDP every parameter is used within it; their logits come back as ``itm_logits``. `match(...)`
+    scores pairs directly (evaluation, re-ranking)."""
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0, fusion_layers: int = 2,
@@ -148,14 +147,14 @@ class FusionEncoder(DualEncoder):
                 itm_pairs: Callable | None = None) -> dict[str, torch.Tensor]:
         out = {"logit_scale": self.logit_scale.clamp(0, self.max_log_scale).exp()}
         if pixel_values is not None:
-            with torch.no_grad() if "vision" in frozen else nullcontext():
+            with frozen_tower(self.vision, "vision" in frozen):
                 tokens, pooled = vision_tokens(self.vision, pixel_values)
             out["image_tokens"] = tokens
             out["image_embeds"] = nn.functional.normalize(self.vision_projection(pooled), dim=-1)
         if input_ids is not None:
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
-            with torch.no_grad() if "text" in frozen else nullcontext():
+            with frozen_tower(self.text, "text" in frozen):
                 states = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             mask = attention_mask.unsqueeze(-1).to(states.dtype)
             pooled = (states * mask).sum(1) / mask.sum(1).clamp_min(1)  # mean pooling, as DualEncoder.encode_text
@@ -165,8 +164,9 @@ class FusionEncoder(DualEncoder):
             # a copy, not the leaf: DDP looking for unused parameters walks from the outputs' autograd nodes, and
             # a bare parameter has none (it would be marked unused, then receive its gradient: "ready twice")
             out["task_log_vars"] = self.task_log_vars.clone()
-        if itm_pairs is not None:
-            out["itm_logits"] = self.match(*itm_pairs(out))
+        chosen = itm_pairs(out) if itm_pairs is not None else None
+        if chosen is not None:
+            out["itm_logits"] = self.match(*chosen)
         return out
 
 

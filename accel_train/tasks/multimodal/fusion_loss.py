@@ -112,17 +112,21 @@ class HardNegativePairs:
     captions. After the call, `valid` [2B] says which negatives exist (a row whose every candidate is a
     positive has none), `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch) and
     `features` holds the towers' outputs as the model computed them (under DDP looking for unused
-    parameters, the forward's returned tensors are copies that the losses do not flow through)."""
+    parameters, the forward's returned tensors are copies that the losses do not flow through). With
+    `match=False` it only records `features` and names no pairs (the model then computes no ITM logits)."""
 
     def __init__(self, image_ids: torch.Tensor, caption_ids: torch.Tensor, seed: int, step: int,
-                 caption_sets: torch.Tensor | None = None):
+                 caption_sets: torch.Tensor | None = None, match: bool = True):
         self.image_ids, self.caption_ids, self.seed, self.step = image_ids, caption_ids, seed, step
+        self.match = match
         self.caption_sets = caption_ids[:, None] if caption_sets is None else caption_sets
         self.valid: torch.Tensor | None = None
         self.features: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, out: Mapping[str, torch.Tensor]):
         self.features = (out["image_tokens"], out["text_states"])
+        if not self.match:  # the contrastive stage of a two-stage schedule: the features only, no pairs to match
+            return None
         images, texts = out["image_embeds"].detach().float(), out["text_embeds"].detach().float()
         all_images, all_texts = gather_plain(images), gather_plain(texts)
         all_image_ids, all_caption_ids = gather_plain(self.image_ids), gather_plain(self.caption_ids)
@@ -192,7 +196,8 @@ def task_grad_norms(losses: Mapping[str, torch.Tensor], shared: list[torch.Tenso
     shared = [s for s in shared if s.requires_grad]
     squares = []
     for loss in losses.values():
-        grads = torch.autograd.grad(loss, shared, retain_graph=True, allow_unused=True) if shared else []
+        reaches = shared and loss.requires_grad  # a task idle in this stage of a two-stage schedule: norm 0
+        grads = torch.autograd.grad(loss, shared, retain_graph=True, allow_unused=True) if reaches else []
         zero = torch.zeros((), device=loss.device)
         squares.append(sum(((g.float() ** 2).sum() for g in grads if g is not None), zero))
     squares = torch.stack(squares)
@@ -215,26 +220,44 @@ class FusionLoss(ImageTextLoss):
     def __init__(self, train_transform: Callable, eval_transform: Callable, *, seed: int, num_train_images: int,
                  text_length: int, weights: Mapping[str, float] | None = None, clock: StepClock | None = None,
                  freeze_steps: Mapping[str, int] | None = None, token_dropout: float = 0.0,
-                 grad_norms: bool = True):
+                 grad_norms: bool = True, contrastive_steps: int = 0):
         if not 0 <= token_dropout < 1:
             raise ConfigError(f"--token_dropout {token_dropout}: must be in [0, 1).")
+        if contrastive_steps < 0:
+            raise ConfigError(f"--contrastive_steps {contrastive_steps}: must be >= 0 (0: one stage).")
         super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)
         self.text_length, self.token_dropout, self.grad_norms = text_length, token_dropout, grad_norms
         self.weights = dict(weights or {t: 1.0 for t in TASKS})
+        self.contrastive_steps = contrastive_steps
+
+    def stage(self) -> str:
+        """"joint" (one stage), or with `contrastive_steps` N: "itc" for the first N optimizer steps (ITC alone,
+        the fusion half idle), then "itm" (towers, projections and temperature fixed; the fusion half learns
+        ITM alone on hard negatives from the now fixed ITC similarities)."""
+        if not self.contrastive_steps:
+            return "joint"
+        return "itc" if self.clock.step < self.contrastive_steps else "itm"
 
     def __call__(self, model, batch: Mapping[str, torch.Tensor]):
         training = model.training
+        stage = self.stage() if training else "joint"
         images, ids, input_ids, mask, caption_ids = self.pairs(batch, training)
         if training and self.token_dropout:
             mask = drop_tokens(mask, self.token_dropout)
         # evaluation draws its negatives from a fixed stream: the same pairs at every evaluation
         pairs = HardNegativePairs(ids, caption_ids, self.seed, self.clock.step if training else EVAL_STREAM,
-                                  caption_sets=batch["caption_ids"])
-        out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask,
-                    frozen=self.frozen() if training else (), itm_pairs=pairs)
-        per_task = {"itc": clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], ids, caption_ids)[1],
-                    "itm": itm_loss(out["itm_logits"], pairs.valid)}
-        total, weights = weigh(per_task, self.weights, out.get("task_log_vars"))
+                                  caption_sets=batch["caption_ids"], match=stage != "itc")
+        frozen = self.frozen() if training else frozenset()
+        if stage == "itm":
+            frozen = frozen | {"text", "vision"}
+        out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask, frozen=frozen, itm_pairs=pairs)
+        if stage == "itm":  # nothing reaches the projections or the temperature: AdamW leaves them as they are
+            out = {**out, **{k: out[k].detach() for k in ("image_embeds", "text_embeds", "logit_scale")}}
+        per_task = {"itc": clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], ids, caption_ids)[1]}
+        per_task["itm"] = (per_task["itc"].new_zeros(len(ids)) if stage == "itc"
+                           else itm_loss(out["itm_logits"], pairs.valid))
+        weights = self.weights if stage == "joint" else {t: float(t == stage) for t in TASKS}
+        total, weights = weigh(per_task, weights, out.get("task_log_vars"))
         if not training:
             return {"loss": total.mean(), "per_sample_loss": total, "image_ids": ids, "caption_ids": caption_ids,
                     "image_embeds": out["image_embeds"].float(), "text_embeds": out["text_embeds"].float(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -55,16 +55,38 @@ class DualEncoder(nn.Module):
                 attention_mask: torch.Tensor | None = None, frozen=()) -> dict[str, torch.Tensor]:
         out = {"logit_scale": self.logit_scale.clamp(0, self.max_log_scale).exp()}
         if pixel_values is not None:
-            with torch.no_grad() if "vision" in frozen else nullcontext():
+            with frozen_tower(self.vision, "vision" in frozen):
                 features = self.vision(pixel_values)
             out["image_embeds"] = nn.functional.normalize(self.vision_projection(features), dim=-1)
         if input_ids is not None:
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
-            with torch.no_grad() if "text" in frozen else nullcontext():
+            with frozen_tower(self.text, "text" in frozen):
                 features = self.encode_text(input_ids, attention_mask)
             out["text_embeds"] = nn.functional.normalize(self.text_projection(features), dim=-1)
         return out
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+@contextmanager
+def frozen_tower(tower: nn.Module, frozen: bool):
+    """Runs `tower` frozen when `frozen`: without gradients, and with its batch-norm layers on their running
+    statistics, which stay as they are (in training mode they would keep moving with every batch, so a frozen
+    ResNet would still change — and its features with it). Dropout is left as the model's mode says."""
+    if not frozen:
+        yield
+        return
+    norms = [m for m in tower.modules() if isinstance(m, BATCH_NORMS) and m.training]
+    for m in norms:
+        m.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m in norms:
+            m.train()
 
 
 class PooledVision(nn.Module):

@@ -153,6 +153,29 @@ def test_vision_tokens_pool_to_the_dual_encoder_features_and_unknown_towers_are_
 # ----------------------------------------------------------------------------------------- hard negatives
 
 
+def test_a_small_resnet_run_warm_starts_the_vision_tower(tmp_path):
+    from safetensors.torch import save_file
+
+    from accel_train.deploy.factory import describe_model
+    from accel_train.tasks.multimodal.model import build_vision_tower
+
+    torch.manual_seed(0)
+    trained = SmallResNet(10, widths=(4, 8), blocks_per_stage=1, stem_stride=2)  # a classifier, as the recipe saves
+    describe_model(trained).save(tmp_path)
+    save_file(trained.state_dict(), tmp_path / "model.safetensors")
+    tower, processor = build_vision_tower("small_resnet", str(tmp_path), 32, {"widths": [64]})  # preset ignored
+    assert processor is None and tower.num_features == 8 and not isinstance(tower.head, torch.nn.Linear)
+    x = torch.randn(2, 3, 32, 32)
+    trained.eval(), tower.eval()
+    assert torch.equal(tower(x), trained.blocks(trained.stem(x)).mean((2, 3)))  # the same features, no head
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="no model.safetensors"):
+        build_vision_tower("small_resnet", str(tmp_path), 32)
+    (tmp_path / "model_factory.json").write_text('{"factory": "some.module:Net", "kwargs": {}}')
+    with pytest.raises(ModelError, match="the run trained some.module:Net"):
+        build_vision_tower("small_resnet", str(tmp_path), 32)
+
+
 def test_sampled_negatives_are_never_forbidden_and_follow_the_softmax():
     g = torch.Generator().manual_seed(0)
     similarity = torch.randn(64, 12, generator=g) * 3

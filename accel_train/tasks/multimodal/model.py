@@ -7,9 +7,11 @@ tower), everything else (``text_projection``, ``vision_projection``, ``logit_sca
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,12 +139,15 @@ def build_vision_tower(model_type: str, name_or_path: str | None, image_size: in
     """(vision tower with `num_features`, transformers image processor or None).
 
     `name_or_path`: pretrained transformers weights (`AutoModel`; a whole CLIP-like checkpoint gives its vision
-    tower), with their image processor when they have one. Otherwise a tower built from a config:
+    tower), with their image processor when they have one; or the output directory of an accel_train
+    SmallResNet run, its classifier dropped (`small_resnet_from_run`). Otherwise a tower built from a config:
     ``small_resnet`` (`accel_train.vision.SmallResNet` without its classifier) or a transformers model type
     (``vit``, ``convnext``, ``resnet``, ...), with `overrides` applied to its config."""
     from transformers import AutoImageProcessor, AutoModel
 
     overrides = dict(overrides or {})
+    if name_or_path and (Path(name_or_path) / RUN_FACTORY_FILE).is_file():
+        return small_resnet_from_run(Path(name_or_path)), None
     if name_or_path:
         try:
             model = AutoModel.from_pretrained(name_or_path, dtype=torch.float32)
@@ -164,6 +169,37 @@ def build_vision_tower(model_type: str, name_or_path: str | None, image_size: in
         raise ModelError(f"--vision_model_type {model_type}: unknown; use small_resnet or a transformers vision "
                          "model type such as vit, convnext or resnet.") from None
     return PooledVision(AutoModel.from_config(config)), None
+
+
+RUN_FACTORY_FILE = "model_factory.json"  # what every accel_train run directory records about its model
+SMALL_RESNET = "accel_train.tasks.vision.models:SmallResNet"
+
+
+def small_resnet_from_run(run: Path) -> SmallResNet:
+    """The SmallResNet of an accel_train run (the output directory of recipes/image_classification.py), without
+    its classifier, as a pretrained vision tower: offline, a network trained on
+    another labelled image set is the pretraining there is."""
+    try:
+        recorded = json.loads((run / RUN_FACTORY_FILE).read_text())
+        factory, kwargs = recorded["factory"], dict(recorded.get("kwargs", {}))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ModelError(f"--vision_model_name_or_path {run}: unreadable {RUN_FACTORY_FILE} ({err}).") from None
+    if factory != SMALL_RESNET:
+        raise ModelError(f"--vision_model_name_or_path {run}: the run trained {factory}; a run directory is "
+                         "accepted only for a SmallResNet (recipes/image_classification.py). For transformers "
+                         "weights give a directory with config.json.")
+    weights = run / "model.safetensors"
+    if not weights.is_file():
+        raise ModelError(f"--vision_model_name_or_path {run}: no model.safetensors (is training still running?).")
+    from safetensors.torch import load_file
+
+    model = SmallResNet(**{**kwargs, "num_labels": 0})
+    state = {k: v for k, v in load_file(weights).items() if not k.startswith("head.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelError(f"--vision_model_name_or_path {run}: the weights do not fit the recorded SmallResNet "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
+    return model
 
 
 def tower_of(parameter_name: str) -> str:

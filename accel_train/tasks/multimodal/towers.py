@@ -27,7 +27,8 @@ class TowerModelArguments:
     vision_model_type: str = field(default="small_resnet", metadata={
         "help": "small_resnet, or a transformers vision model type built from a config (vit, convnext, resnet)."})
     vision_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Pretrained transformers vision weights; their image processor sets size, mean and std."})
+        "help": "Pretrained transformers vision weights (their image processor sets size, mean and std), or the "
+                "output directory of an image_classification.py run with a small_resnet (its classifier dropped)."})
     vision_config_overrides: str | None = field(default=None, metadata={
         "help": 'Vision config changes, JSON (\'{"widths": [16, 32]}\') or key=value,key=value.'})
     embed_dim: int = field(default=256, metadata={"help": "Size of the shared (contrastive) embedding."})

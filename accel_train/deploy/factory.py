@@ -27,10 +27,10 @@ from typing import Any
 from torch import nn
 
 from ..errors import ExportError
+from ..rundir.layout import MODEL_FACTORY as FACTORY_FILE
+from ..tasks.vision.models import SMALL_RESNET_FACTORY
 
-FACTORY_FILE = "model_factory.json"
 DUAL_ENCODER_FACTORY = "accel_train.deploy.factories:dual_encoder"
-SMALL_RESNET_FACTORY = "accel_train.tasks.vision.models:SmallResNet"
 
 
 @dataclass(frozen=True)

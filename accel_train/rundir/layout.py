@@ -11,6 +11,7 @@
       diagnostics/         gradient flow, activation statistics, memory snapshots
       profiler/            torch.profiler traces
       model.safetensors, config.json, tokenizer ...   the exported final model
+      model_factory.json   how to rebuild a plain nn.Module's architecture (a transformers model has config.json)
       crash_rank<R>.json   why a run stopped with an error (type, message, traceback, step), per rank
 """
 
@@ -28,6 +29,7 @@ REPORT = "report.md"
 REPORT_DIR = "report"
 DIAGNOSTICS_DIR = "diagnostics"
 PROFILER_DIR = "profiler"
+MODEL_FACTORY = "model_factory.json"
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
 RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError, ModelError
+from ...rundir.layout import MODEL_FACTORY
 from ..model_config import build_config, check_constructor
-from ..vision.models import SmallResNet
+from ..vision.models import SMALL_RESNET_FACTORY, SmallResNet
 
 TOWERS = ("head", "vision", "text")  # the order of the param groups: the loop logs the first group's lr
 
@@ -146,7 +147,7 @@ def build_vision_tower(model_type: str, name_or_path: str | None, image_size: in
     from transformers import AutoImageProcessor, AutoModel
 
     overrides = dict(overrides or {})
-    if name_or_path and (Path(name_or_path) / RUN_FACTORY_FILE).is_file():
+    if name_or_path and (Path(name_or_path) / MODEL_FACTORY).is_file():
         return small_resnet_from_run(Path(name_or_path)), None
     if name_or_path:
         try:
@@ -171,20 +172,16 @@ def build_vision_tower(model_type: str, name_or_path: str | None, image_size: in
     return PooledVision(AutoModel.from_config(config)), None
 
 
-RUN_FACTORY_FILE = "model_factory.json"  # what every accel_train run directory records about its model
-SMALL_RESNET = "accel_train.tasks.vision.models:SmallResNet"
-
-
 def small_resnet_from_run(run: Path) -> SmallResNet:
     """The SmallResNet of an accel_train run (the output directory of recipes/image_classification.py), without
-    its classifier, as a pretrained vision tower: offline, a network trained on
-    another labelled image set is the pretraining there is."""
+    its classifier, as a pretrained vision tower: offline, a network trained on another labelled image set is
+    the pretraining there is."""
     try:
-        recorded = json.loads((run / RUN_FACTORY_FILE).read_text())
+        recorded = json.loads((run / MODEL_FACTORY).read_text())
         factory, kwargs = recorded["factory"], dict(recorded.get("kwargs", {}))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ModelError(f"--vision_model_name_or_path {run}: unreadable {RUN_FACTORY_FILE} ({err}).") from None
-    if factory != SMALL_RESNET:
+        raise ModelError(f"--vision_model_name_or_path {run}: unreadable {MODEL_FACTORY} ({err}).") from None
+    if factory != SMALL_RESNET_FACTORY:
         raise ModelError(f"--vision_model_name_or_path {run}: the run trained {factory}; a run directory is "
                          "accepted only for a SmallResNet (recipes/image_classification.py). For transformers "
                          "weights give a directory with config.json.")

@@ -68,3 +68,7 @@ class SmallResNet(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(pixel_values))
+
+
+# How a run's model_factory.json names this class (the deploy layer writes it; the image-text towers read it).
+SMALL_RESNET_FACTORY = f"{SmallResNet.__module__}:{SmallResNet.__qualname__}"

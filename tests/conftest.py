@@ -62,14 +62,14 @@ def launch(script: str | Path, args: list[str], num_processes: int = 1, check: b
     else:
         cmd += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += [*(launcher_args or []), str(script), *args]
-    proc = run_in_own_group(cmd, env or subprocess_env(ACCELERATE_USE_CPU="1"), timeout)
+    proc = run_process_tree(cmd, env or subprocess_env(ACCELERATE_USE_CPU="1"), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
     return proc
 
 
-def run_in_own_group(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run_process_tree(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), but a timeout (or an interrupt) kills
     the launcher *and every process below it*: torch's launcher starts each worker in a session of its own, so
     neither killing the launcher nor its process group reaches a hung worker, which would outlive its test."""

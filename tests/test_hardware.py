@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, kill_tree, launch, run_in_own_group, subprocess_env, toy_records
+from conftest import ROOT, free_port, kill_tree, launch, run_process_tree, subprocess_env, toy_records
 from safetensors.torch import load_file
 
 from accel_train.cli import plan_launch
@@ -67,11 +67,11 @@ def test_cpu_presets_run_the_nlp_recipe(tmp_path, request):
               str(sst_like["train"]), "--validation_file", str(sst_like["dev"]), "--max_steps", "4",
               "--per_device_train_batch_size", "4", *QUIET]
     env = subprocess_env()
-    single = run_in_own_group([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    single = run_process_tree([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                "accelerate_configs/cpu.yaml", *recipe, "--output_dir", str(tmp_path / "cpu")], env, 600)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "1 process(es), NO, device cpu" in single.stdout
-    multi = run_in_own_group([sys.executable, "-m", "accel_train.cli", "launch", "--cpu", "--config_file",
+    multi = run_process_tree([sys.executable, "-m", "accel_train.cli", "launch", "--cpu", "--config_file",
                               "accelerate_configs/cpu_multiprocess.yaml", "--main_process_port", str(free_port()),
                               *recipe, "--output_dir", str(tmp_path / "multi")], env, 600)
     assert multi.returncode == 0, multi.stderr[-3000:]
@@ -190,10 +190,10 @@ def test_a_lone_cpu_process_gets_the_cores_accelerate_launch_withheld(tmp_path):
 
 
 def test_a_launch_that_times_out_leaves_no_worker_behind(tmp_path):
-    """The launch helpers kill the launcher's whole process group on a timeout: a hung worker of a failed test
-    must not outlive it (one did, in CI, and held a core for the rest of the suite)."""
+    """On a timeout the launch helpers kill the launcher and every process below it: a hung worker of a failed
+    test must not outlive it (one did, in CI, and held a core for the rest of the suite)."""
     script = tmp_path / "hang.py"
-    script.write_text("import os, pathlib, sys, time\n"
+    script.write_text("import os, pathlib, time\n"
                       f"pathlib.Path({str(tmp_path)!r}, f'worker{{os.getpid()}}').touch()\n"
                       "time.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired):

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, free_port, launch, make_rows, read_jsonl, run_in_own_group, subprocess_env
+from conftest import ROOT, free_port, launch, make_rows, read_jsonl, run_process_tree, subprocess_env
 from safetensors.torch import load_file
 
 from accel_train import LaunchError, TrainConfig, build_accelerator
@@ -82,7 +82,7 @@ def sharded_launch(preset: str, args: list[str], fault: str | None = None, shim:
            "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
            *([str(SHIM)] if shim else []), str(RECIPE), *args]
     env = subprocess_env(**extensions_env(), **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
-    return run_in_own_group(cmd, env, LAUNCH_TIMEOUT)
+    return run_process_tree(cmd, env, LAUNCH_TIMEOUT)
 
 
 def ok(proc) -> str:

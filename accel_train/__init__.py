@@ -18,7 +18,7 @@ from .core.accelerator import build_accelerator, precision_in_effect
 from .core.data import LengthGroupedSampler, make_loader, seed_worker
 from .core.evaluation import evaluate_model, gather_outputs
 from .core.hooks import EarlyStopping, Hook
-from .core.loss import default_loss
+from .core.loss import default_loss, evaluation_loss
 from .core.optim import (
                          StepPlan,
                          build_optimizer,
@@ -32,6 +32,8 @@ from .errors import (
                          CheckpointError,
                          ConfigError,
                          DataError,
+                         ExportError,
+                         FinishError,
                          LaunchError,
                          ModelError,
                          Preempted,
@@ -59,6 +61,7 @@ __all__ = [
     "TrainResult",
     "TrainState",
     "default_loss",
+    "evaluation_loss",
     "evaluate_model",
     "gather_outputs",
     "load_metric",
@@ -80,6 +83,8 @@ __all__ = [
     "UserError",
     "ConfigError",
     "DataError",
+    "ExportError",
+    "FinishError",
     "CheckpointError",
     "LaunchError",
     "ModelError",

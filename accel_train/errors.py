@@ -44,6 +44,13 @@ class ExportError(ModelError):
     kind = "export error"
 
 
+class FinishError(UserError):
+    """Training finished and its model was written, but the finish seam (a hook's on_finish: generation, test
+    predictions, scoring) failed; the message says what is saved and where."""
+
+    kind = "finish step failed"
+
+
 class TrainingDiverged(UserError):
     """A non-finite loss or gradient under --on_nonfinite stop (or too many skipped steps)."""
 

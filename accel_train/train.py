@@ -20,13 +20,14 @@ import torch
 from accelerate import Accelerator
 
 from .config import TrainConfig
-from .core.evaluation import MetricsFn
+from .core.evaluation import MetricsFn, check_monitored_metric
 from .core.hooks import EarlyStopping, call_hooks
 from .core.loop import run_loop
+from .core.loss import evaluation_loss
 from .core.meter import StepMeter
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
-from .deploy import export_formats_at_end
+from .deploy import check_exportable, export_formats_at_end
 from .errors import Preempted
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
@@ -53,16 +54,18 @@ def train(
 ) -> TrainResult:
     """Train `model` on `train_loader` as `config` says; return the final state and metrics.
 
-    model, loaders and optimizer are passed unprepared; `optimizer` may be an optimizer, a list of param
-    groups, or None (AdamW/SGD per `config.optim`, no weight decay on biases and norms). `loss_fn(model,
-    batch)` returns a scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics, and
-    scalars under "log" to log beside the loss); it must return the mean over the micro-batch, *not* divided by
-    the accumulation count. `metrics_fn(outputs)` receives the gathered evaluation outputs and returns named
-    floats. `final_eval_loaders` ({"test": loader}) are evaluated once, after training, with their name as the
-    metric prefix (test_loss, test_accuracy, ...). A hook's `on_finish(session, metrics)` runs on every process
-    after the final evaluation, with the prepared model (`session.model`), and may add to `metrics` (test
-    predictions, generated text); all_results.json and the report are written after it, once.
-    An error raised once the run has started is recorded in output_dir/crash_rank<R>.json (then re-raised).
+    model, loaders and optimizer are passed unprepared; `optimizer` may be an optimizer, a list of param groups, or
+    None (AdamW/SGD per `config.optim`, no weight decay on biases and norms). `loss_fn(model, batch)` returns a
+    scalar loss or a mapping with "loss" (plus tensors such as "logits" for metrics, and scalars under "log" to log
+    beside the loss); it must return the mean over the micro-batch, *not* divided by the accumulation count; a loss
+    with training-only terms (label smoothing, mixup) carries `evaluation_loss`, the loss without them, which
+    evaluations and the --overfit_batches check use. `metrics_fn(outputs)` receives the gathered evaluation outputs
+    and returns named floats. `final_eval_loaders` ({"test": loader}) are evaluated once, after training, with their
+    name as the metric prefix (test_loss, test_accuracy, ...). A hook's `on_finish(session, metrics)` runs on every
+    process after the final evaluation and after the final model is written, with the prepared model
+    (`session.model`), and may add to `metrics` (test predictions, generated text); all_results.json and the report
+    are written after it, once. An error there raises `FinishError` with the model and the measured results already
+    saved. An error raised once the run has started is recorded in output_dir/crash_rank<R>.json (then re-raised).
     `result.metrics` is the same dict on every process: the main process's (what all_results.json holds).
     `end_training=False` keeps the process group alive for other collective work after training; call
     `end_training_safely(result.accelerator)` then (`accelerator.end_training()` after a pause that lets gloo's
@@ -76,8 +79,13 @@ def train(
                    accelerator, processing_class, tuple(extra_configs), final_eval_loaders)
     if config.overfit_batches:  # debug mode: N fixed batches, repeated, until the loss is near zero
         overfit_config, overfit_loader = overfit_setup(config, train_loader, accelerator)
+        # the plain objective (no label smoothing or mixup): whether *it* can reach zero is the question
+        plain = evaluation_loss(loss_fn) if loss_fn is not None else None
         spec = dataclasses.replace(spec, config=overfit_config, train_loader=overfit_loader, eval_loader=None,
-                                   final_eval_loaders=None)
+                                   final_eval_loaders=None, loss_fn=plain)
+    check_monitored_metric(spec.config, spec.metrics_fn, spec.eval_loader is not None)
+    if spec.config.export_formats:
+        check_exportable(model)
     recorder = ConfusionRecorder(spec.metrics_fn)  # the observer keeps each evaluation's confusion matrix
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)

@@ -128,7 +128,8 @@ def build_model(args: ModelArguments, class_names: list[str], image_size: int):
 
 
 def build_loss(augment, eval_transform, mixing: MixupCutmix, label_smoothing: float, channels_last: bool):
-    """Augment + mix while training, standardise only in evaluation; per-sample cross-entropy."""
+    """Augment + mix while training, standardise only in evaluation; per-sample cross-entropy, label-smoothed in
+    training only (`evaluation_loss` is the plain one)."""
 
     def loss_fn(model, batch):
         images, targets = batch["pixel_values"], batch["labels"]
@@ -144,6 +145,9 @@ def build_loss(augment, eval_transform, mixing: MixupCutmix, label_smoothing: fl
                                                    reduction="none")
         return {"loss": losses.mean(), "per_sample_loss": losses, "logits": logits}
 
+    if label_smoothing or mixing.enabled:  # evaluation (and the overfit check) measure plain cross-entropy
+        loss_fn.evaluation_loss = build_loss(augment, eval_transform, MixupCutmix(mixing.num_classes), 0.0,
+                                             channels_last)
     return loss_fn
 
 

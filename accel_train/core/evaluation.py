@@ -16,10 +16,25 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from ..errors import DataError
+from ..config import TrainConfig
+from ..errors import ConfigError, DataError
 from .loss import as_loss_output, batch_size_of
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
+LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_items", "eval_samples")  # what evaluate_model reports itself
+
+
+def check_monitored_metric(config: TrainConfig, metrics_fn: MetricsFn | None, has_eval_loader: bool) -> None:
+    """Refuse, before training, a --metric_for_best_model that no evaluation will report (it would fail at the first
+    evaluation, an epoch in). Checked where the names are known: without a metrics function (only the loss entries),
+    or with one that lists what it returns in a `metric_names` attribute."""
+    name = config.best_metric_name
+    if name is None or not has_eval_loader or (metrics_fn is not None and not hasattr(metrics_fn, "metric_names")):
+        return
+    known = [*LOSS_METRICS, *getattr(metrics_fn, "metric_names", ())]
+    if name not in known:
+        raise ConfigError(f"--metric_for_best_model {config.metric_for_best_model}: the evaluations of this run "
+                          f"report only {', '.join(known)}; choose one of them.")
 
 
 @torch.no_grad()

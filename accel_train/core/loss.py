@@ -9,6 +9,11 @@ A loss function `loss_fn(model, batch)` returns one of
 
 Either mapping may carry per-sample tensors for the metrics and scalars under "log" (logged beside the loss).
 
+Evaluation never includes training-only terms: a loss function with regularisers that are not the objective being
+measured (label smoothing, mixup, auxiliary penalties) carries `evaluation_loss`, the same loss without them, which
+every evaluation (and the `--overfit_batches` check, which must judge whether the objective itself can reach zero)
+uses instead: `evaluation_loss(loss_fn)`. `default_loss(label_smoothing)` has one.
+
 What an optimizer step's gradient is (the loop applies it after the window's backward passes, before clipping):
 
 * means: the mean over the micro-batches the window really had (a short last window of an epoch, or of a stream,
@@ -28,6 +33,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from ..errors import ConfigError
+
+IGNORE_INDEX = -100  # a per-token label no loss counts (transformers' losses skip it too)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -102,7 +109,19 @@ def default_loss(label_smoothing: float = 0.0) -> Callable:
             )
         return result
 
+    if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy
+        loss_fn.evaluation_loss = default_loss(0.0)
     return loss_fn
+
+
+def evaluation_loss(loss_fn: Callable) -> Callable:
+    """The loss an evaluation computes: `loss_fn.evaluation_loss` when the loss function has one (its objective
+    without training-only terms such as label smoothing or mixup), else `loss_fn` itself.
+
+        def loss_fn(model, batch): ...                     # smoothed cross-entropy
+        loss_fn.evaluation_loss = plain_cross_entropy      # what eval_loss, best model and early stopping follow
+    """
+    return getattr(loss_fn, "evaluation_loss", None) or loss_fn
 
 
 def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float = 0.0) -> dict[str, torch.Tensor]:
@@ -115,9 +134,9 @@ def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float 
     logits = model(**inputs).logits
     if not encoder_decoder and hasattr(bare, "generate"):  # a causal LM: position t predicts token t + 1
         logits, labels = logits[:, :-1], labels[:, 1:]
-    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
                                                label_smoothing=label_smoothing, reduction="none")
-    counted = labels != -100
+    counted = labels != IGNORE_INDEX
     return {"loss_sum": (losses * counted).sum(dim=1), "num_items": counted.sum(dim=1)}
 
 

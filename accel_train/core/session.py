@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ..config import TrainConfig
-from ..errors import CheckpointError, ConfigError, Preempted
+from ..errors import CheckpointError, ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.export import export_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
@@ -38,7 +38,7 @@ from .batch_size import fit_micro_batch
 from .data import dataset_size
 from .evaluation import MetricsFn, evaluate_model
 from .hooks import call_hooks, hook_keys, saved_hook_state
-from .loss import default_loss
+from .loss import default_loss, evaluation_loss
 from .meter import StepMeter, peak_memory
 from .optim import (
     apply_hyperparameters,
@@ -46,6 +46,7 @@ from .optim import (
     build_optimizer,
     build_scheduler,
     current_lr,
+    group_peaks,
     make_plan,
     run_hyperparameters,
     steps_on_evaluation,
@@ -100,6 +101,7 @@ class Session:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
         self.accelerator, self.config, self.plan = acc, config, plan
+        self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
         self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
@@ -109,6 +111,7 @@ class Session:
                               "--eval_strategy steps or epoch, or choose another schedule.")
         self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
         self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
+        self.eval_loss_fn = evaluation_loss(loss_fn)  # without training-only terms (label smoothing, mixup)
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
         self.hooks: list[Any] = []  # attached by start(), once the run has been checked
         self.log = RunLog(acc, config.output_dir, plan.total_steps, config.run_name or "accel_train",
@@ -132,7 +135,7 @@ class Session:
         start_run_dir(acc, self.config, self.existing, self.extra_configs)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
-        state.hyperparameters = run_hyperparameters(self.config, self.plan)
+        state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader))
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
@@ -159,12 +162,12 @@ class Session:
                 f"of batches of {per_batch} for this world size; resume with the original world size.")
         acc.load_state(str(path))
         self.notes += apply_hyperparameters(self.optimizer, self.scheduler, state.hyperparameters,
-                                            run_hyperparameters(config, plan),
+                                            run_hyperparameters(config, plan, self.group_peaks),
                                             engine_owned=acc.distributed_type.value == "DEEPSPEED")
         state.batch_in_epoch = state.samples_in_epoch // per_batch
         state.world_size = acc.num_processes
         self._restore_hooks(state)
-        self._check_best(state)
+        self._check_best(state, path)
         self.verified.add(path.name)
         if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
             moved = ckpt.supersede_newer(config.output_dir, state.step)
@@ -185,9 +188,16 @@ class Session:
             if hasattr(hook, "load_state_dict") and saved is not None:
                 hook.load_state_dict(saved)
 
-    def _check_best(self, state: TrainState) -> None:
-        """A best value is compared only with values of the same metric in the same direction."""
+    def _check_best(self, state: TrainState, resumed_from: Path) -> None:
+        """A best value is compared only with values of the same metric in the same direction, and names a
+        checkpoint of this run's directory (resuming from another run's checkpoint, its best is not here)."""
         name, greater = self.config.best_metric_name, self.config.best_is_greater
+        here = checkpoints_dir(self.config.output_dir)
+        if state.best_checkpoint and resumed_from.resolve().parent != here.resolve():
+            self.notes.append(f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, "
+                              f"not in this run's {here}: the best is tracked afresh")
+            state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
+            return
         if state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
             self.notes.append(f"the checkpoint's best model was chosen by {state.best_metric_name} "
                               f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by "
@@ -245,7 +255,7 @@ class Session:
 
     def evaluate(self, state: TrainState) -> tuple[dict[str, float], bool]:
         """Evaluate on the evaluation loader, log it, step a plateau schedule; (metrics, is it the best so far)."""
-        metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.loss_fn, self.metrics_fn)
+        metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn, self.metrics_fn)
         self.last_eval = (state.step, metrics)
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
@@ -291,9 +301,11 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------- finish
     def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:
-        """The last log and checkpoint, the best checkpoint restored if asked, the final evaluation; then the finish
-        seam: every hook's on_finish(session, metrics) (a recipe's predictions and test metrics), on_train_end
-        (the report), the exported model and all_results.json, written once."""
+        """The last log and checkpoint, the best checkpoint restored if asked, the final evaluation, and the final
+        model written (weights, config, tokenizer); then the finish seam: every hook's on_finish(session, metrics)
+        (a recipe's generation, predictions and test metrics), on_train_end (the report) and all_results.json,
+        written once. The model is written before the seam, so that an error there loses nothing trained:
+        all_results.json then holds what was measured, and a FinishError says where everything is."""
         acc, cfg = self.accelerator, self.config
         if meter.micro_batches and cfg.logging_strategy != "no":
             self.log_train(state, meter)
@@ -315,23 +327,57 @@ class Session:
             metrics["train_skipped_steps"] = state.skipped_steps
         if state.nonfinite_skips:
             metrics["train_nonfinite_skips"] = state.nonfinite_skips
+        export_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
         before = dict(metrics)
-        call_hooks(self.hooks, "on_finish", self, metrics)
+        self.run_finish_seam(state, metrics, before)
         # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during
         # training logged, and the evaluations the finish seam added (a recipe's test split)
+        self.log_final(state, metrics, before)
+        call_hooks(self.hooks, "on_train_end", state, metrics)
+        if acc.num_processes > 1:  # timings and peak memory differ by rank: every rank returns the main one's
+            metrics = broadcast_object_list([metrics])[0]
+        self.write_results(metrics)
+        self.log.close(end_training)
+        return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
+
+    def run_finish_seam(self, state: TrainState, metrics: dict[str, float], before: dict[str, float]) -> None:
+        """Every hook's on_finish. An error there comes after the model was written: all_results.json gets what was
+        measured, and a FinishError (chained to the cause, which the crash record keeps) says what is saved."""
+        for hook in self.hooks:
+            method = getattr(hook, "on_finish", None)
+            if method is None:
+                continue
+            try:
+                method(self, metrics)
+            except Exception as error:  # noqa: BLE001 - any failure here must not hide that the model is saved
+                self.log_final(state, metrics, before)
+                self.write_results(metrics)
+                self.log.close(end_training=False)
+                raise FinishError(self.finish_failure(hook, error, metrics)) from error
+
+    def finish_failure(self, hook: Any, error: Exception, metrics: dict[str, float]) -> str:
+        """The one-paragraph message of a failed finish seam: what failed, what is saved, what to do (a hook's
+        `finish_advice`, when it has one)."""
+        out, rank = Path(self.config.output_dir), self.accelerator.process_index
+        measured = ", ".join(f"{k} {_short(v)}" for k, v in metrics.items()
+                             if k.startswith(("eval_", "test_")) and k.endswith(("_loss", "_accuracy")))
+        advice = getattr(hook, "finish_advice", None)
+        return (f"training finished and nothing it trained is lost: the final model is saved in {out} (weights, "
+                f"config and tokenizer) and {out / RESULTS} holds what was measured"
+                + (f" ({measured})" if measured else "") + f", but {type(hook).__name__}.on_finish failed with "
+                f"{type(error).__name__}: {error}. The traceback is in {out}/crash_rank{rank}.json "
+                f"(`accel-train report {out}` shows it)." + (f" {advice}" if advice else ""))
+
+    def log_final(self, state: TrainState, metrics: dict[str, float], before: dict[str, float]) -> None:
         final = {**self.unlogged, **{k: v for k, v in metrics.items()
                                      if k.startswith(("eval_", "test_")) and k not in before}}
         if final:
             self.log.log({**final, "epoch": self.epoch_float(state)}, state.step, final=True)
-        call_hooks(self.hooks, "on_train_end", state, metrics)
-        export_model(acc, self.model, cfg.output_dir, self.processing_class)
-        if acc.num_processes > 1:  # timings and peak memory differ by rank: every rank returns the main one's
-            metrics = broadcast_object_list([metrics])[0]
-        if acc.is_main_process:
-            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
+
+    def write_results(self, metrics: dict[str, float]) -> None:
+        if self.accelerator.is_main_process:
+            (Path(self.config.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
             self.log.write("final metrics: " + ", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
-        self.log.close(end_training)
-        return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 
     def final_metrics(self, state: TrainState) -> dict[str, float]:
         """The evaluation of the final (or restored best) model, reusing this step's if it ran; then the final
@@ -341,12 +387,12 @@ class Session:
         if self.eval_loader is not None:
             step, metrics = self.last_eval
             if step != state.step:
-                metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.loss_fn,
+                metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn,
                                          self.metrics_fn)
                 fresh.update(metrics)
         metrics = dict(metrics)
         for name, loader in self.final_eval_loaders.items():
-            fresh.update(evaluate_model(self.accelerator, self.model, loader, self.loss_fn, self.metrics_fn,
+            fresh.update(evaluate_model(self.accelerator, self.model, loader, self.eval_loss_fn, self.metrics_fn,
                                         prefix=name))
         metrics.update(fresh)
         self.unlogged = fresh  # finish() logs them

@@ -20,6 +20,7 @@ from .factory import FACTORY_FILE, ModelFactory, RecordModelFactory, describe_mo
 from .formats import FORMATS
 from .inputs import Sample, sample_from_batch, sample_from_file, sample_from_texts, synthetic_sample
 from .rebuild import TrainedModel, load_trained_model
+from .targets import check_exportable
 
 __all__ = [
     "FORMATS",
@@ -27,6 +28,7 @@ __all__ = [
     "export_run",
     "export_model_artifacts",
     "export_formats_at_end",
+    "check_exportable",
     "ExportResult",
     "load_trained_model",
     "TrainedModel",

@@ -69,6 +69,21 @@ def is_dual_encoder(model: nn.Module) -> bool:
     return all(hasattr(model, name) for name in ("encode_text", "text_projection", "vision_projection", "vision"))
 
 
+def check_exportable(model: nn.Module) -> None:
+    """Refuse, before training, a model the exporter cannot take, with the reason and what to do instead (called by
+    `train()` when --export_formats is set, so that the last step of a run is not the first to fail)."""
+    name = type(model).__name__
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        raise ExportError(f"--export_formats: {name} is a LoRA adapter on a base model, which the exporter does not "
+                          "take; add --merge_lora (the run then ends with a plain model with the adapter merged) and "
+                          "export that run directory with `accel-train export OUTPUT_DIR --format ...`.")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ExportError(f"--export_formats: {name} is an encoder-decoder, which generates by running its decoder "
+                          "once per new token; the exporter writes a single forward of fixed inputs and takes no "
+                          "encoder-decoder yet. Drop --export_formats (the final model is saved with "
+                          "save_pretrained), or train a causal LM, which exports.")
+
+
 def export_targets(model: nn.Module, sample: Sample) -> list[ExportTarget]:
     """The artifacts for `model` (in eval mode): one, or a text and a vision tower for a dual encoder."""
     name = type(model).__name__

@@ -131,8 +131,8 @@ class Observer:
             self.warned_evaluation = True
             samples = metrics.get("eval_samples")
             what = f"the evaluation ({int(samples)} samples)" if isinstance(samples, (int, float)) else "the evaluation"
-            self._say(f"warning: {what}: " + "; ".join(problems) + ". Evaluate on more samples (--max_eval_samples "
-                      "draws a seeded, stratified subset) or a larger validation split.")
+            self.session.log.warn(f"{what}: " + "; ".join(problems) + ". Evaluate on more samples (--max_eval_samples "
+                                  "draws a seeded, stratified subset) or a larger validation split.")
 
     def on_train_end(self, state, metrics: dict) -> None:
         self._check_evaluation(metrics)

@@ -35,11 +35,21 @@ def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, fol
     the tokenizer / processor files) beside the model.safetensors Accelerate saved there, whose names are the bare
     model's, so `AutoModel*.from_pretrained(checkpoint)` and `pipeline(model=checkpoint)` load it. Only for
     transformers models whose weights sit whole in that file (not FSDP / DeepSpeed shards); True when written.
+    A LoRA (peft) model writes its adapter instead (adapter_config.json, adapter_model.safetensors): the checkpoint
+    then loads with `peft.PeftModel.from_pretrained(base_model, checkpoint)`; no config.json is written, so that
+    `AutoModel*.from_pretrained(checkpoint)` never builds a model with fresh weights from it.
     Main process only; call it before the checkpoint's manifest is written, so the files are covered by it."""
     folder = Path(folder)
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if not (folder / "model.safetensors").is_file():
+        return False
+    if is_adapter_model(bare):  # a LoRA (peft) run: the checkpoint loads with PeftModel.from_pretrained(base, it)
+        bare.save_pretrained(folder)  # adapter_config.json + adapter_model.safetensors; the base config untouched
+        if processing_class is not None:
+            processing_class.save_pretrained(folder)
+        return True
     config = getattr(bare, "config", None)
-    if not (folder / "model.safetensors").is_file() or not hasattr(config, "save_pretrained"):
+    if not hasattr(config, "save_pretrained"):
         return False
     config.architectures = [type(bare).__name__]  # what save_pretrained records: pipeline() picks the class by it
     config.save_pretrained(folder)
@@ -49,6 +59,12 @@ def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, fol
     if processing_class is not None:
         processing_class.save_pretrained(folder)
     return True
+
+
+def is_adapter_model(model: torch.nn.Module) -> bool:
+    """A peft model (LoRA): what it saves is an adapter, and its `config` attribute is the base model's, which
+    must never be rewritten as the adapter's (a config.json naming PeftModelForCausalLM loads fresh weights)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:

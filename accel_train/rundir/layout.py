@@ -2,7 +2,8 @@
 
     output_dir/
       config.yaml          the resolved config (recipe arguments included)
-      metrics.jsonl        one record per log / evaluation
+      metrics.jsonl        one record per log / evaluation (and per warning: {"step", "warning"})
+      predictions.jsonl    a recipe's generated outputs, one row per item (text generation)
       all_results.json     the final metrics, written once at the end
       runs/                tracker logs (TensorBoard)
       checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
@@ -23,6 +24,7 @@ from pathlib import Path
 CONFIG = "config.yaml"
 HISTORY = "metrics.jsonl"
 RESULTS = "all_results.json"
+PREDICTIONS = "predictions.jsonl"
 TRACKER_DIR = "runs"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT = "report.md"

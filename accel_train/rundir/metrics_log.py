@@ -30,7 +30,7 @@ class RunLog:
         self.main = accelerator.is_main_process
         self.total_steps, self.project_name, self.disable_bar = total_steps, project_name, disable_bar
         self.bar: tqdm | None = None
-        self.initial_step = 0
+        self.initial_step = self.last_step = 0
 
     def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
         if self.main:
@@ -44,6 +44,7 @@ class RunLog:
         """Append `record` at `step` to metrics.jsonl (non-finite numbers as null) and send it to the trackers; an
         evaluation (eval_* / test_* keys) also prints one line. `final`: the evaluation after training, marked
         "final": true in the file (the report's curves leave it out)."""
+        self.last_step = step
         if self.main:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(json_safe({"step": step, **record, **({"final": True} if final else {})})) + "\n")
@@ -53,6 +54,14 @@ class RunLog:
         if "loss" in record and self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
                                  samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
+
+    def warn(self, message: str) -> None:
+        """A warning: printed on the main process and kept in metrics.jsonl as {"step", "warning"} at the step last
+        logged, where the run report lists it (its "Warnings" section)."""
+        if self.main:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"step": self.last_step, "warning": message}) + "\n")
+            self.write(f"warning: {message}")
 
     def advance(self) -> None:
         if self.bar is None:

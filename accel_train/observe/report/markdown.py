@@ -185,6 +185,9 @@ def render(run, plots: dict[str, str]) -> str:
                 f"{run.config.get('overfit_batches')} fixed batch(es) (target: 5% of the first loss).", ""]
     if run.crashes:
         out += ["## Crash", "", *_crash(run)]
+    warnings = [r for r in run.records if isinstance(r.get("warning"), str)]
+    if warnings:
+        out += ["## Warnings", "", *[f"- step {r.get('step')}: {r['warning']}" for r in warnings], ""]
     if run.results:
         out += ["## Results", "", *_table(sorted(run.results.items()), ("metric", "value")), ""]
     out += ["## Pre-flight check", "", *_preflight(run), "", "## Curves", ""]

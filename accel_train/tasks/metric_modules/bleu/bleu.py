@@ -1,11 +1,12 @@
 """BLEU (Papineni et al., 2002): corpus-level, up to 4-grams, with the brevity penalty, on a 0-1 scale.
 
-Shipped with accel_train so that `accel_train.load_metric("bleu")` works offline. The hub module imports a
-helper file it downloads at load time; this one computes BLEU itself, in `corpus_bleu` below. Texts are
-tokenised with sacrebleu's 13a tokenizer by default (the hub module's choice too), or by any callable given
-as `tokenizer`. The reference length of a prediction is the length of its closest reference (the shorter
-one on a tie). `smooth=True` adds one to the matches and candidates of every order (Lin & Och, 2004), the
-hub module's smoothing.
+Shipped with accel_train so that `accel_train.load_metric("bleu")` works offline. The hub module imports a helper
+file it downloads at load time; this one computes BLEU itself, in `corpus_bleu` below. Texts are tokenised with
+sacrebleu's 13a tokenizer by default (the hub module's choice too), every Chinese or Japanese character set apart
+first (`accel_train.tasks.text_units.bleu_tokens`; a Chinese sentence was one "word", so its BLEU was 0 unless
+identical), or by any callable given as `tokenizer`. The reference length of a prediction is the length of its
+closest reference (the shorter one on a tie). `smooth=True` adds one to the matches and candidates of every order
+(Lin & Och, 2004), the hub module's smoothing.
 """
 
 import math
@@ -13,7 +14,8 @@ from collections import Counter
 
 import datasets
 import evaluate
-from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+from accel_train.tasks.text_units import bleu_tokens
 
 
 def ngram_counts(tokens, order):
@@ -60,8 +62,7 @@ class Bleu(evaluate.Metric):
         )
 
     def _compute(self, predictions, references, tokenizer=None, max_order=4, smooth=False):
-        thirteen_a = Tokenizer13a()
-        split = tokenizer or (lambda text: thirteen_a(text).split())
+        split = tokenizer or bleu_tokens
         refs = [[ref] if isinstance(ref, str) else list(ref) for ref in references]
         return corpus_bleu([split(p) for p in predictions], [[split(r) for r in rs] for rs in refs],
                            max_order=max_order, smooth=smooth)

@@ -14,17 +14,20 @@ import pytest
 import torch
 from conftest import ROOT, launch, read_jsonl
 
-from accel_train import ConfigError, DataError, ModelError, load_metric
+from accel_train import ConfigError, DataError, ExportError, FinishError, ModelError, load_metric
 from accel_train.tasks.text.generation import (
     IGNORE_INDEX,
     GenerationDataArguments,
     GenerationModelArguments,
     TrainCollator,
     build_generation_model,
+    chat_example,
+    collapse_warning,
     load_raw_data,
     model_facts,
     repeated_ngram_share,
     resolve_columns,
+    rolled_rows,
     score_generations,
     tokenize_splits,
     train_bpe_tokenizer,
@@ -347,3 +350,277 @@ def test_a_misspelled_config_override_names_the_field_for_every_model_source(tmp
             "--config_overrides", "hiden_size=64")
     with pytest.raises(ConfigError, match="did you mean 'hidden_dropout_prob'"):
         run(tmp_path, *data_flags(dates), "--config_overrides", "hidden_dropout=0.0")
+
+
+# ------------------------------------------------------------------------------------------------ the numbers are text
+
+
+def test_predictions_jsonl_rescored_gives_the_reported_numbers(tmp_path, dates):
+    out = tmp_path / "rescore"
+    metrics = text_generation.main([*data_flags(dates), *T5, *QUIET, "--output_dir", str(out), "--max_steps", "2",
+                                    "--max_generate_samples", "12", "--generation_max_new_tokens", "6",
+                                    "--lead_baseline_words", "2"])
+    rows = read_jsonl(out / "predictions.jsonl")
+    raw = [json.loads(line)["summary"] for line in open(dates["validation"])][:12]
+    assert [r["reference"] for r in rows] == raw  # the raw target strings, not the target tokens decoded
+    modules = {name: load_metric(name) for name in text_generation.METRICS}
+    again = score_generations([r["output"] for r in rows], [r["reference"] for r in rows], modules)
+    for name, value in again.items():
+        if name != "gen_len":
+            assert metrics[f"eval_{name}"] == pytest.approx(value), name
+    lead = score_generations([" ".join(r["source"].split()[:2]) for r in rows], raw, modules)
+    assert metrics["eval_lead2_rouge1"] == pytest.approx(lead["rouge1"])
+
+
+def test_the_demo_targets_are_strings_its_tokenizer_writes_exactly():
+    tokenizer = _tokenizer()
+    pairs = date_pairs(300, 0)
+    written = tokenizer.batch_decode(tokenizer(pairs["summary"])["input_ids"], skip_special_tokens=True)
+    assert written == pairs["summary"]
+    assert not set(pairs["text"]) & set(pairs["summary"])  # copying the source never scores
+
+
+def test_subsets_are_seeded_samples_not_the_first_rows(tmp_path):
+    rows = [{"text": f"source {i}", "summary": f"target {i}"} for i in range(100)]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    args = GenerationDataArguments(train_file=path, text_column="text", summary_column="summary",
+                                   validation_split=20, max_train_samples=10, max_eval_samples=5)
+    first, again, other = (load_raw_data(args, seed) for seed in (0, 0, 1))
+    assert len(first["train"]) == 10 and len(first["validation"]) == 5
+    assert first["train"]["text"] == again["train"]["text"] != other["train"]["text"]
+    held_out = load_raw_data(GenerationDataArguments(train_file=path, text_column="text", summary_column="summary",
+                                                     validation_split=20), 0)["train"]["text"]
+    assert first["train"]["text"] != held_out[:10] and set(first["train"]["text"]) <= set(held_out)
+
+
+# ------------------------------------------------------------------------------------------------ nothing lost
+
+
+def test_a_failed_generation_at_the_end_keeps_the_trained_model_and_says_so(tmp_path, dates, monkeypatch):
+    import accel_train.tasks.text.generation_finish as finish
+
+    def broken(*args, **kwargs):
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr(finish, "evaluate_generation", broken)
+    out = tmp_path / "lost"
+    with pytest.raises(FinishError, match="nothing it trained is lost") as caught:
+        text_generation.main([*data_flags(dates), *T5, *QUIET, "--output_dir", str(out), "--max_steps", "2"])
+    assert "GenerationFinish.on_finish failed with IndexError" in str(caught.value)
+    assert "--generation_num_beams" in str(caught.value)  # the recipe's advice
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "all_results.json", "crash_rank0.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "all_results.json").read_text())["eval_loss"] > 0
+
+
+def test_what_would_fail_at_the_end_is_refused_before_training(tmp_path, dates):
+    small = [*LLAMA[:-1], LLAMA[-1].replace("=512", "=64")]
+    with pytest.raises(ConfigError, match=r"--max_source_length \+ --generation_max_new_tokens = 72 exceeds the 64 "
+                                          r"positions of the model"):
+        run(tmp_path, *data_flags(dates), *small, "--max_source_length", "40", "--max_target_length", "20",
+            "--generation_max_new_tokens", "32")
+    with pytest.raises(ConfigError, match=r"generation_max_new_tokens \(\+ the decoder start token\) = 601 exceeds "
+                                          r"the 512 positions of the decoder"):
+        run(tmp_path, *data_flags(dates), "--generation_max_new_tokens", "600")
+    with pytest.raises(ConfigError, match="is a generation score.*add --predict_with_generate"):
+        run(tmp_path, *data_flags(dates), *T5, "--metric_for_best_model", "rougeL")
+    with pytest.raises(ExportError, match="is an encoder-decoder"):
+        run(tmp_path, *data_flags(dates), *T5, "--export_formats", "onnx")
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------ chats
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}<|pad|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}")
+
+
+def test_every_assistant_turn_is_learned_and_a_cut_reply_keeps_its_end_of_turn(bpe):
+    bpe.chat_template = CHAT_TEMPLATE  # "<|pad|>" closes every turn: the end-of-turn token here
+    chat = [{"role": "system", "content": "dates"}, {"role": "user", "content": "march 3, 2021"},
+            {"role": "assistant", "content": "3 march 2021"}, {"role": "user", "content": "the ninth of may, 1999"},
+            {"role": "assistant", "content": "9 may 1999"}]
+    example = chat_example(chat, bpe, max_source_length=200, max_target_length=40)
+    learned = [bpe.decode([t for t, label in zip(example.input_ids, example.labels, strict=True) if label != -100])]
+    assert learned == ["3 march 2021<|pad|>9 may 1999<|pad|>"]  # both replies with their end-of-turn, nothing else
+    assert example.replies == 2 and example.cut == 0
+    assert bpe.decode(example.prompt_ids).endswith("the ninth of may, 1999<|pad|><|endoftext|>assistant: ")
+    cut = chat_example(chat, bpe, max_source_length=200, max_target_length=3)
+    assert cut.cut == 2 and cut.replies == 2
+    assert cut.labels[-1] == bpe.convert_tokens_to_ids("<|pad|>")  # the cut reply still ends its turn
+    reply_ends = [i for i, t in enumerate(cut.labels) if t == bpe.convert_tokens_to_ids("<|pad|>")]
+    assert all(cut.labels[i - 1] != -100 for i in reply_ends) and len(reply_ends) == 2
+
+
+def test_a_template_that_refuses_a_role_is_a_clear_error_before_training(tmp_path, dates):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tmp_path / "tok"
+    d = date_pairs(200, 0)
+    tokenizer = train_bpe_tokenizer(d["text"] + d["summary"], 300)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}" + CHAT_TEMPLATE)
+    tokenizer.save_pretrained(tokenizer_dir)
+    assert AutoTokenizer.from_pretrained(tokenizer_dir).chat_template
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}] * 8)
+    with pytest.raises(DataError, match=r"train row 0: the tokenizer's chat template refused the conversation: System "
+                                        r"role not supported.*no 'system' role"):
+        run(tmp_path, "--train_file", path, "--messages_column", "messages", "--model_type", "llama",
+            "--tokenizer_name", str(tokenizer_dir), "--config_overrides", LLAMA[-1])
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_a_causal_lm_needs_an_eos_token_and_its_saved_tokenizer_pads_on_the_left(tmp_path, dates):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tmp_path / "no_eos"
+    d = date_pairs(200, 0)
+    tokenizer = train_bpe_tokenizer(d["text"] + d["summary"], 300)
+    tokenizer.eos_token, tokenizer.bos_token = None, None
+    tokenizer.save_pretrained(tokenizer_dir)
+    with pytest.raises(ModelError, match="causal LM's tokenizer has no end-of-sequence token"):
+        run(tmp_path, *data_flags(dates), "--model_type", "llama", "--tokenizer_name", str(tokenizer_dir),
+            "--config_overrides", LLAMA[-1])
+    out = tmp_path / "left"
+    text_generation.main([*data_flags(dates), *LLAMA, *QUIET, "--output_dir", str(out), "--max_steps", "1",
+                          "--max_generate_samples", "2", "--generation_max_new_tokens", "2"])
+    assert AutoTokenizer.from_pretrained(out).padding_side == "left"
+
+
+# ------------------------------------------------------------------------------------------------ collapse
+
+
+def test_collapsed_outputs_and_an_ignored_source_are_warned_about():
+    sources = [f"source {i}" for i in range(20)]
+    references = [f"target {i}" for i in range(20)]
+    collapsed = collapse_warning(sources, references, ["target 0"] * 18 + ["a", "b"], 0.01, seq2seq=True)
+    assert "generation collapsed: 20 distinct sources gave 3 distinct outputs, 'target 0' for 18 of 20" in collapsed
+    assert "raises the token loss by only 0.010 nats per token" in collapsed and "cross-attention" in collapsed
+    assert collapse_warning(sources, references, references, 2.5, seq2seq=True) is None
+    # one answer for every question is no collapse when the references say the same
+    assert collapse_warning(sources, ["yes"] * 20, ["yes"] * 20, None, seq2seq=False) is None
+    tokens = __import__("datasets").Dataset.from_dict({"input_ids": [[1, 2, 7, 8], [3, 9]], "labels": [
+        [-100, -100, 7, 8], [-100, 9]], "prompt_ids": [[1, 2], [3]]})
+    assert rolled_rows(tokens, False, 1)["input_ids"] == [[3, 7, 8], [1, 2, 9]]
+    assert rolled_rows(tokens, False, 1)["labels"] == [[-100, 7, 8], [-100, -100, 9]]
+    assert rolled_rows(tokens, True, 1)["input_ids"] == [[3, 9], [1, 2, 7, 8]]
+
+
+def test_a_warning_reaches_the_log_and_the_report(tmp_path, dates):
+    out = tmp_path / "warned"
+    quiet = [q for q in QUIET if q != "--no_run_report"]
+    text_generation.main([*data_flags(dates), *T5, *quiet, "--output_dir", str(out), "--max_steps", "1",
+                          "--learning_rate", "0", "--max_generate_samples", "20", "--generation_max_new_tokens", "4"])
+    warnings = [r for r in read_jsonl(out / "metrics.jsonl") if "warning" in r]
+    assert warnings and "nats per token" in warnings[0]["warning"]  # an untrained model does not read its source
+    assert "## Warnings" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+
+@pytest.fixture
+def llama_base(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = tmp_path / "base"
+    d = date_pairs(200, 0)
+    tokenizer = train_bpe_tokenizer(d["text"] + d["summary"], 300)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                     ).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+def test_lora_checkpoints_load_with_peft_and_merge_lora_writes_a_plain_model_that_exports(tmp_path, dates, llama_base):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from accel_train.deploy import export_run
+    from accel_train.rundir.checkpoint import list_checkpoints
+
+    out = tmp_path / "lora"
+    text_generation.main([*data_flags(dates, "--prompt_suffix", " ="), "--model_name_or_path", str(llama_base),
+                          "--lora_r", "4", *QUIET, "--output_dir", str(out), "--max_steps", "4", "--learning_rate",
+                          "1e-2", "--max_generate_samples", "4", "--save_strategy", "steps", "--save_steps", "4",
+                          "--merge_lora"])
+    checkpoint = list_checkpoints(out)[-1]
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "config.json").exists()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    from_checkpoint = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_base), checkpoint)
+    adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_base), out / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: config.json + weights, no adapter files
+    base = AutoModelForCausalLM.from_pretrained(llama_base)
+    with torch.no_grad():
+        logits = [m.eval()(input_ids=ids).logits for m in (from_checkpoint, adapter, merged, base)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-6)  # the last checkpoint is the final adapter
+    assert torch.allclose(logits[2], logits[1], atol=1e-5)  # merged = base + adapter
+    assert not torch.allclose(logits[3], logits[1], atol=1e-3)  # and not the fresh base
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not (out / "adapter_config.json").exists()
+    [result] = export_run(out, "torchscript")
+    assert result.verified and result.max_abs_diff < 1e-4
+
+
+def test_lora_is_refused_where_its_adapter_could_not_be_loaded_or_exported(tmp_path, dates, llama_base):
+    with pytest.raises(ConfigError, match="--lora_r adapts a pretrained model"):
+        run(tmp_path, *data_flags(dates), *LLAMA, "--lora_r", "4")
+    with pytest.raises(ExportError, match="add --merge_lora"):
+        run(tmp_path, *data_flags(dates), "--model_name_or_path", str(llama_base), "--lora_r", "4",
+            "--export_formats", "torchscript")
+
+
+# ------------------------------------------------------------------------------------------------ sharded generation
+
+
+@pytest.mark.parametrize("engine, processes, synced", [("FSDP", 2, True), ("DEEPSPEED", 2, True),
+                                                        ("MULTI_CPU", 2, False), ("FSDP", 1, False)])
+def test_generation_on_sharded_weights_keeps_the_processes_in_step(bpe, engine, processes, synced):
+    from types import SimpleNamespace
+
+    from accel_train.tasks.text.generation import GenerationArguments, Generator, TokenizedSplit
+
+    split = TokenizedSplit(__import__("datasets").Dataset.from_dict({"prompt_ids": [[1]], "item": [0]}), [], [], True)
+    generator = Generator(split, bpe, False, GenerationArguments(), 1)
+    accelerator = SimpleNamespace(num_processes=processes, distributed_type=SimpleNamespace(value=engine))
+    assert generator.generation_kwargs(accelerator).get("synced_gpus", False) is synced
+
+
+@pytest.mark.slow
+def test_generation_under_fsdp2_does_not_hang_when_processes_finish_at_different_lengths(tmp_path, dates):
+    """A memorised model writes outputs of different lengths; one item per batch, so the two processes' batches end
+    at different steps (seen: 13 and 9 new tokens in the first batch). Every forward under FSDP2 all-gathers the
+    weights, so generate() runs with synced_gpus (the rule below). On gloo this run also finished without the flag
+    (the collectives did not visibly mismatch on CPU), so this test pins that sharded generation is complete and
+    right; `test_generation_on_sharded_weights_keeps_the_processes_in_step` pins the flag."""
+    from conftest import free_port, run_process_tree, subprocess_env
+
+    memorised = tmp_path / "memorised"
+    metrics = text_generation.main([*data_flags(dates), *LLAMA, "--prompt_suffix", " =", *QUIET, "--output_dir",
+                                    str(memorised), "--overfit_batches", "1", "--per_device_train_batch_size", "32",
+                                    "--learning_rate", "1e-3", "--max_steps", "400",
+                                    "--generation_max_new_tokens", "16"])
+    assert metrics["overfit_passed"] == 1.0
+    out = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
+           str(free_port()), "--mixed_precision", "no", str(ROOT / "tests" / "sharded_cpu.py"), str(RECIPE),
+           "--train_file", dates["train"], "--validation_file", dates["train"], "--text_column", "text",
+           "--summary_column", "summary", "--prompt_suffix", " =", "--model_name_or_path", str(memorised),
+           *QUIET, "--output_dir", str(out), "--max_steps", "1", "--learning_rate", "0",
+           "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "1", "--max_generate_samples", "32",
+           "--generation_max_new_tokens", "16"]
+    proc = run_process_tree(cmd, subprocess_env(), 300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "2 process(es), FSDP" in output
+    rows = read_jsonl(out / "predictions.jsonl")
+    assert [r["item"] for r in rows] == list(range(32))
+    assert len({len(r["output"].split()) for r in rows}) > 1 or len({len(r["output"]) for r in rows}) > 1
+    assert sum(r["output"] == r["reference"] for r in rows) >= 28  # the memorised answers, generated sharded

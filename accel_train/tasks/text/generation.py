@@ -4,10 +4,21 @@
                                                    tokenize_splits, build_generation_model, Generator, ...)
 
 The pieces live beside this module: `generation_data` (arguments, raw splits, column checks),
-`generation_tokens` (token ids, collators), `generation_model` (models, tokenizers, LoRA),
-`generation_eval` (generate on N processes, score), `generation_demo` (the rule-generated demo task).
+`generation_tokens` (token ids, collators), `generation_chat` (conversations: every reply learned),
+`generation_model` (models, tokenizers, LoRA and its merge), `generation_eval` (generate on N processes, score
+text), `generation_checks` (what is refused before training, collapse and source reliance after it),
+`generation_finish` (the finish-seam hooks), `generation_demo` (the rule-generated demo task).
 """
 
+from .generation_chat import ChatExample, chat_example
+from .generation_checks import (
+    GENERATION_SCORES,
+    check_best_metric,
+    collapse_warning,
+    output_diversity,
+    rolled_rows,
+    source_reliance,
+)
 from .generation_data import (
     GenerationDataArguments,
     TaskColumns,
@@ -27,12 +38,14 @@ from .generation_eval import (
     score_generations,
     write_predictions,
 )
+from .generation_finish import GenerationFinish, MergeLora
 from .generation_model import (
     GenerationModelArguments,
     add_lora,
     build_generation_model,
-                              config_is_seq2seq,
+    config_is_seq2seq,
     load_tokenizer,
+    merge_lora,
     model_facts,
     train_bpe_tokenizer,
     vocabulary_digest,
@@ -48,6 +61,10 @@ from .generation_tokens import (
 )
 
 __all__ = [
+    "ChatExample", "chat_example",
+    "GENERATION_SCORES", "check_best_metric", "collapse_warning", "output_diversity", "rolled_rows",
+    "source_reliance",
+    "GenerationFinish", "MergeLora", "merge_lora",
     "GenerationDataArguments", "TaskColumns", "check_texts", "load_raw_data", "resolve_columns", "training_texts",
     "load_date_demo",
     "GeneratedItems", "GenerationArguments", "Generator", "evaluate_generation", "lead_words", "repeated_ngram_share",

@@ -26,6 +26,7 @@ import datasets
 import pandas as pd
 
 from ...errors import ConfigError, DataError
+from ..sampling import subsample
 from .generation_demo import load_date_demo
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -60,8 +61,10 @@ class GenerationDataArguments:
         "help": "Causal LMs: learn the prompt tokens too (default: the loss is on the completion only)."})
     validation_split: float = field(default=0.05, metadata={
         "help": "Held out from train when there is no validation split: a fraction in (0, 1) or a count >= 1."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N validation rows."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Train on a seeded random subset of N rows (not the first N: files are often sorted)."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Evaluate on a seeded random subset of N validation rows."})
     group_by_length: bool = field(default=True, metadata={"help": "Batches of similar lengths: less padding."})
 
     def __post_init__(self):
@@ -141,8 +144,8 @@ def load_raw_data(args: GenerationDataArguments, seed: int) -> datasets.DatasetD
         parts = ds["train"].train_test_split(test_size=size, seed=seed)
         ds = datasets.DatasetDict({"train": parts["train"], "validation": parts["test"]})
     for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
-        if limit is not None and len(ds[split]) > limit:
-            ds[split] = ds[split].select(range(limit))
+        if limit is not None and len(ds[split]) > limit:  # a seeded sample, in the split's order
+            ds[split] = ds[split].select(subsample(len(ds[split]), limit, seed))
         if len(ds[split]) == 0:
             raise DataError(f"the {split} split is empty; give it examples.")
     return datasets.DatasetDict({"train": ds["train"], "validation": ds["validation"]})

@@ -6,6 +6,13 @@ the sampler repeated to even out the last batch: every process ends with each it
 `score_generations` turns texts into numbers with the shipped `evaluate` modules: ROUGE-1/2/L/Lsum (Porter
 stemming), BLEU and sacreBLEU, exact match (all 0-100), the mean generated length in tokens, and the share of
 outputs that repeat a word trigram (0-100; degenerate decoding loops show there first).
+
+Text metrics score text: the decoded output (special tokens skipped, the tokenizer's own clean-up of the spaces
+its decoder puts around punctuation) against the *raw* reference string of the data, both after one
+normalisation (`tasks.text_units.normalise_text`: Unicode NFKC, white space collapsed). predictions.jsonl holds
+exactly the strings scored, so `score_generations` on its rows gives all_results.json's numbers. A tokenizer that
+cannot write the reference (an uncased one cannot write capitals, MiniLM's writes "1987-03-21" as
+"1987 - 03 - 21") loses there: that is what the metric measures.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from ..text_units import normalise_text
 from .generation_tokens import GenerationCollator, TokenizedSplit
 
 WORD = re.compile(r"\w+|[^\w\s]")
+SHARDED = ("FSDP", "DEEPSPEED")  # engines whose processes hold a shard of the weights each
 
 
 @dataclass(frozen=True)
@@ -52,11 +61,13 @@ def repeated_ngram_share(texts: Sequence[str], n: int = 3) -> float:
 
 def score_generations(predictions: Sequence[str], references: Sequence[str], metrics: Mapping[str, Any],
                       lengths: Sequence[int] | None = None) -> dict[str, float]:
-    """ROUGE, BLEU, sacreBLEU, exact match (0-100), repeated-trigram share (0-100), mean generated tokens.
+    """ROUGE, BLEU, sacreBLEU, exact match (0-100), repeated-trigram share (0-100), mean generated tokens, of the
+    texts after `normalise_text` (NFKC, white space collapsed; idempotent, so scoring predictions.jsonl again gives
+    the same numbers).
 
     `metrics` holds loaded `evaluate` modules by name (rouge, bleu, sacrebleu, exact_match); missing ones
     are skipped. Empty predictions are scored as they are (zero)."""
-    predictions, references = list(predictions), list(references)
+    predictions, references = [normalise_text(p) for p in predictions], [normalise_text(r) for r in references]
     scores: dict[str, float] = {}
     if "rouge" in metrics:
         rouge = metrics["rouge"].compute(predictions=predictions, references=references, use_stemmer=True)
@@ -106,11 +117,16 @@ class Generator:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def generation_kwargs(self) -> dict[str, Any]:
+    def generation_kwargs(self, accelerator) -> dict[str, Any]:
         kwargs = {"max_new_tokens": self.args.generation_max_new_tokens, "num_beams": self.args.generation_num_beams,
                   "do_sample": False, "pad_token_id": self.tokenizer.pad_token_id}
         if self.args.no_repeat_ngram_size:
             kwargs["no_repeat_ngram_size"] = self.args.no_repeat_ngram_size
+        if accelerator.num_processes > 1 and accelerator.distributed_type.value in SHARDED:
+            # every forward all-gathers the sharded weights: a process whose batch ended early must keep stepping
+            # with the others (transformers' synced_gpus, which it sets by itself only for transformers' own FSDP
+            # wrapping and ZeRO-3), or the others wait in a collective it never joins
+            kwargs["synced_gpus"] = True
         return kwargs
 
     @torch.no_grad()
@@ -124,11 +140,12 @@ class Generator:
         bare.eval()
         items, tokens = [], []
         eos = self.end_tokens(bare)
+        kwargs = self.generation_kwargs(accelerator)
         try:
             for batch in self.loader:
                 with accelerator.autocast():
                     out = bare.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        **self.generation_kwargs())
+                                        **kwargs)
                 new = out if self.seq2seq else out[:, batch["input_ids"].shape[1]:]
                 new = accelerator.pad_across_processes(new.contiguous(), dim=1, pad_index=self.tokenizer.pad_token_id)
                 gathered = accelerator.gather_for_metrics({"item": batch["item"], "tokens": new})
@@ -140,7 +157,7 @@ class Generator:
         for row in tokens:
             kept = self.strip(row, eos, getattr(bare.config, "decoder_start_token_id", None))
             lengths.append(len(kept))
-            texts.append(self.tokenizer.decode(kept, skip_special_tokens=True).strip())
+            texts.append(normalise_text(self.tokenizer.decode(kept, skip_special_tokens=True)))
         order = sorted(range(len(items)), key=items.__getitem__)
         return GeneratedItems([items[i] for i in order], [texts[i] for i in order], [lengths[i] for i in order])
 
@@ -161,26 +178,15 @@ class Generator:
         return row
 
     def references(self, items: Sequence[int]) -> list[str]:
-        """The references scored against: the target as the model sees it (its tokens decoded), as the Hugging
-        Face examples do, so a lower-casing tokenizer or --max_target_length does not count as an error."""
-        labels = self.split.tokens.select(items)["labels"]
-        prompt_lengths = [len(p) for p in self.split.tokens.select(items)["prompt_ids"]]
-        out = []
-        for ids, prompt in zip(labels, prompt_lengths, strict=True):
-            target = ids if self.seq2seq else ids[prompt:]
-            out.append(self.tokenizer.decode([t for t in target if t >= 0], skip_special_tokens=True).strip())
-        return out
-
-    def normalise(self, texts: Sequence[str]) -> list[str]:
-        """Texts through the tokenizer and back: a baseline scored like the model's outputs."""
-        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        return [self.tokenizer.decode(i, skip_special_tokens=True).strip() for i in ids]
+        """The raw reference strings of `items` (the data's targets, or a chat's last reply), normalised."""
+        return [normalise_text(self.split.references[i]) for i in items]
 
 
 def evaluate_generation(generator: Generator, accelerator, model, metrics: Mapping[str, Any],
                         prefix: str) -> tuple[dict[str, float], list[dict]]:
-    """Generate, score, and the rows of predictions.jsonl (item, source, reference, output); with
-    --lead_baseline_words N, the lead-N baseline scored on the same items under `{prefix}_leadN_`."""
+    """Generate, score, and the rows of predictions.jsonl (item, source, and the reference and output exactly as
+    scored); with --lead_baseline_words N, the lead-N baseline (the source's first N words, as written) scored on
+    the same items under `{prefix}_leadN_`."""
     done = generator.generate(accelerator, model)
     references = generator.references(done.items)
     scores = {f"{prefix}_{k}": v for k, v in score_generations(done.outputs, references, metrics, done.lengths).items()}
@@ -188,10 +194,10 @@ def evaluate_generation(generator: Generator, accelerator, model, metrics: Mappi
     n = generator.args.lead_baseline_words
     sources = [generator.split.sources[i] for i in done.items]
     if n > 0:
-        lead = generator.normalise([lead_words(s, n) for s in sources])
+        lead = [lead_words(s, n) for s in sources]
         scores.update({f"{prefix}_lead{n}_{k}": v for k, v in score_generations(lead, references, metrics).items()})
-    rows = [{"item": i, "source": s, "reference": generator.split.references[i], "output": o}
-            for i, s, o in zip(done.items, sources, done.outputs, strict=True)]
+    rows = [{"item": i, "source": s, "reference": r, "output": o}
+            for i, s, r, o in zip(done.items, sources, references, done.outputs, strict=True)]
     return scores, rows
 
 

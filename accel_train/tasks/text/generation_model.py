@@ -7,10 +7,13 @@ generate (no causal-LM or seq2seq head, or one that attends to future tokens) is
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -26,6 +29,8 @@ from transformers import (
 from ...errors import ConfigError, ModelError
 from ..model_config import apply_to_config, parse_overrides
 from .generation_tokens import ModelFacts
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class GenerationModelArguments:
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
     lora_target_modules: str = field(default="all-linear", metadata={
         "help": "Comma-separated module names for LoRA, or all-linear."})
+    merge_lora: bool = field(default=False, metadata={
+        "help": "At the end, also write the base model with the LoRA adapter merged into its weights: output_dir "
+                "then holds a plain from_pretrained model (what accel-train export takes), the adapter moves to "
+                "output_dir/adapter."})
     trust_remote_code: bool = False
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, ... (default: auto)."})
 
@@ -71,6 +80,12 @@ class GenerationModelArguments:
                               "--model_type): a pretrained model's embeddings belong to its own tokenizer.")
         if self.lora_r < 0 or self.decoder_layers < 1:
             raise ConfigError("--lora_r must be >= 0 and --decoder_layers >= 1.")
+        if self.lora_r and not self.model_name_or_path:
+            raise ConfigError("--lora_r adapts a pretrained model (--model_name_or_path): the base weights of a model "
+                              "built from a config or warm-started here are saved nowhere, so the adapter could not "
+                              "be loaded onto them later. Train such a model fully (drop --lora_r).")
+        if self.merge_lora and not self.lora_r:
+            raise ConfigError("--merge_lora merges a LoRA adapter: give --lora_r too.")
 
 
 def config_is_seq2seq(args: GenerationModelArguments) -> bool:
@@ -150,6 +165,14 @@ def build_generation_model(args: GenerationModelArguments, tokenizer) -> torch.n
                          "belong together (check --tokenizer_name, or vocab_size in --config_overrides).")
     set_special_tokens(model, tokenizer)
     check_can_generate(model, tokenizer)
+    if not model.config.is_encoder_decoder:
+        if tokenizer.eos_token_id is None:
+            raise ModelError("this causal LM's tokenizer has no end-of-sequence token: a causal LM learns to stop "
+                             "by writing it after every completion (and between language-modelling texts). Give a "
+                             "tokenizer that has one (--tokenizer_name), or add it: tokenizer.eos_token = '...'.")
+        # generation pads prompts on the left, and so does the saved tokenizer: save_pretrained writes init_kwargs,
+        # not the attribute
+        tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
     if args.freeze_encoder:
         if not model.config.is_encoder_decoder:
             raise ConfigError("--freeze_encoder: this model is a causal LM, it has no separate encoder.")
@@ -312,6 +335,31 @@ def add_lora(model, args: GenerationModelArguments):
         return peft.get_peft_model(model, config)
     except ValueError as err:
         raise ConfigError(f"--lora_target_modules {targets}: {err}") from None
+
+
+def merge_lora(output_dir: str | Path, model, args: GenerationModelArguments, tokenizer) -> Path:
+    """Write the base model with the trained LoRA adapter merged into its weights into `output_dir` (a plain
+    `from_pretrained` model: config, weights, tokenizer) and move the adapter the run saved there into
+    `output_dir/adapter`. The base is loaded afresh from --model_name_or_path with the run's own config (special
+    tokens, overrides) and the adapter from the saved files, so the live (possibly sharded) model is not touched.
+    Main process only; returns the adapter's folder."""
+    import peft
+
+    out = Path(output_dir)
+    adapter = out / "adapter"
+    adapter.mkdir(exist_ok=True)
+    for name in ADAPTER_FILES:
+        if (out / name).exists():
+            shutil.move(str(out / name), str(adapter / name))
+    trained = model.get_base_model()
+    auto = AutoModelForSeq2SeqLM if trained.config.is_encoder_decoder else AutoModelForCausalLM
+    base = auto.from_pretrained(args.model_name_or_path, config=copy.deepcopy(trained.config), dtype=torch.float32,
+                                trust_remote_code=args.trust_remote_code)
+    merged = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.generation_config = copy.deepcopy(trained.generation_config)
+    merged.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return adapter
 
 
 def model_facts(model) -> ModelFacts:

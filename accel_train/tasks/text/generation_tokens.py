@@ -2,17 +2,18 @@
 
 Every split becomes a `datasets.Dataset` with
 
-* ``input_ids`` and ``labels`` — what the model trains on. Seq2seq: the source, and the target ids (the
-  decoder start token dropped when the tokenizer put it there: the model prepends it when it shifts the
-  labels right). Causal: prompt + completion + eos, the labels -100 on the prompt unless `train_on_prompt`.
-  Language modelling: blocks of `block_size` tokens, labels = input ids (the model shifts them). The
-  validation split's labels are on the completion only, whatever `train_on_prompt` says;
+* ``input_ids`` and ``labels`` — what the model trains on. Seq2seq: the source, and the target ids (the decoder
+  start token dropped when the tokenizer put it there: the model prepends it when it shifts the labels right).
+  Causal: prompt + completion + eos, the labels -100 on the prompt unless `train_on_prompt`. Chats
+  (`generation_chat.py`): every assistant turn with its end-of-turn tokens learned. Language modelling: blocks of
+  `block_size` tokens, labels = input ids (the model shifts them). The validation split's labels are on the
+  completion only, whatever `train_on_prompt` says;
 * ``prompt_ids`` (pairs and chat only) — what generation starts from: the source of a seq2seq model, the
   prompt of a causal LM; with ``item``, the row number, so outputs find their source and reference.
 
-The labels always end with the end-of-sequence token: where pad and eos are the same token (a causal LM
-without a pad token), padding is marked with -100 by the collator, never by looking for the pad id, so the
-model still learns to stop.
+The labels always end with the end-of-sequence (or end-of-turn) token, also when --max_target_length cuts a target
+(how many were cut is counted per split): where pad and eos are the same token (a causal LM without a pad token),
+padding is marked with -100 by the collator, never by looking for the pad id, so the model still learns to stop.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Any
 import datasets
 import torch
 
+from ...core.loss import IGNORE_INDEX
 from ...errors import ConfigError, DataError
+from .generation_chat import ChatExample, chat_example
 from .generation_data import GenerationDataArguments, TaskColumns, check_texts
-
-IGNORE_INDEX = -100  # the label transformers' losses skip
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,17 @@ class ModelFacts:
 class TokenizedSplit:
     tokens: datasets.Dataset  # input_ids, labels (+ prompt_ids, item for pairs and chat)
     sources: list[str]  # shown in predictions.jsonl
-    references: list[str]  # the raw targets
+    references: list[str]  # the raw targets (a chat's last reply)
     can_generate: bool  # pairs and chat; not language-modelling blocks
+    targets: int = 0  # targets (pairs) or assistant replies (chats) in the split
+    targets_cut: int = 0  # of those, cut to --max_target_length
 
 
 def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataArguments, task: TaskColumns,
-                    model: ModelFacts) -> dict[str, TokenizedSplit]:
-    """{"train": ..., "validation": ...} as token ids, checked first (lengths, columns, empty targets)."""
-    check_lengths(args, task, model)
+                    model: ModelFacts, max_new_tokens: int = 0) -> dict[str, TokenizedSplit]:
+    """{"train": ..., "validation": ...} as token ids, checked first (lengths against the model's positions, with
+    `max_new_tokens` of generation; columns; empty targets)."""
+    check_lengths(args, task, model, max_new_tokens)
     out = {}
     for name, split in raw.items():
         check_texts(split, task, name)
@@ -64,9 +68,11 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
             out[name] = TokenizedSplit(lm_blocks(split[task.source], tokenizer, block, name), [], [], False)
             continue
         if task.kind == "chat":
-            rows = [chat_example(m, tokenizer, args) for m in split[task.messages]]
+            chats = [chat_rows(m, tokenizer, args, name, row) for row, m in enumerate(split[task.messages])]
+            rows = [c.row() for c in chats]
             sources = [tokenizer.decode(r["prompt_ids"], skip_special_tokens=True) for r in rows]
             references = [m[-1]["content"] for m in split[task.messages]]
+            targets, cut = sum(c.replies for c in chats), sum(c.cut for c in chats)
         else:
             sources, references = list(split[task.source]), list(split[task.target])
             if model.seq2seq:
@@ -74,31 +80,46 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
                         for s, t in zip(sources, references, strict=True)]
             else:
                 rows = [causal_example(s, t, tokenizer, args) for s, t in zip(sources, references, strict=True)]
+            targets, cut = len(rows), sum(r.pop("cut") for r in rows)
         columns = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "prompt_ids")}
         columns["item"] = list(range(len(rows)))
-        out[name] = TokenizedSplit(datasets.Dataset.from_dict(columns), sources, references, True)
+        out[name] = TokenizedSplit(datasets.Dataset.from_dict(columns), sources, references, True, targets, cut)
     return out
 
 
-def check_lengths(args: GenerationDataArguments, task: TaskColumns, model: ModelFacts) -> None:
-    """Lengths beyond the model's position embeddings would index past them (an IndexError deep inside)."""
-    if model.seq2seq:
+def chat_rows(messages, tokenizer, args: GenerationDataArguments, split: str, row: int) -> ChatExample:
+    try:
+        return chat_example(messages, tokenizer, args.max_source_length, args.max_target_length,
+                            args.train_on_prompt)
+    except DataError as err:
+        raise DataError(f"{split} row {row}: {err}") from None
+
+
+def check_lengths(args: GenerationDataArguments, task: TaskColumns, model: ModelFacts, max_new_tokens: int = 0) -> None:
+    """Lengths beyond the model's position embeddings would index past them (an IndexError deep inside, in
+    training or, worse, in the generation at the end of the run): checked before anything is trained."""
+    if model.seq2seq:  # the decoder also holds its start token
         limits = (("max_source_length", args.max_source_length, model.source_positions, "the encoder"),
-                  ("max_target_length", args.max_target_length, model.target_positions, "the decoder"))
+                  ("max_target_length", args.max_target_length, model.target_positions, "the decoder"),
+                  ("generation_max_new_tokens (+ the decoder start token)", max_new_tokens + 1,
+                   model.target_positions, "the decoder"))
     elif task.kind == "lm":
         limits = (("block_size", args.block_size or 0, model.positions, "the model"),)
     else:
         limits = (("max_source_length + --max_target_length", args.max_source_length + args.max_target_length,
-                   model.positions, "the model"),)
+                   model.positions, "the model"),
+                  ("max_source_length + --generation_max_new_tokens", args.max_source_length + max_new_tokens,
+                   model.positions, "the model (a prompt and what is generated after it)"))
     for flag, value, limit, where in limits:
         if limit and value > limit:
             raise ConfigError(f"--{flag} = {value} exceeds the {limit} positions of {where}: lower it to {limit} "
-                            "or less (inputs are truncated to it).")
+                              "or less (inputs are truncated to it).")
 
 
 def seq2seq_example(source: str, target: str, tokenizer, args: GenerationDataArguments,
                     decoder_start_token_id: int | None) -> dict:
     ids = tokenizer(args.source_prefix + source, max_length=args.max_source_length, truncation=True)["input_ids"]
+    full = tokenizer(text_target=target)["input_ids"]
     labels = tokenizer(text_target=target, max_length=args.max_target_length, truncation=True)["input_ids"]
     # A BERT tokenizer opens every text with [CLS], the warm-started decoder's start token, which the model
     # prepends itself when it shifts the labels: keep it in the labels and the model learns to say it twice.
@@ -109,7 +130,7 @@ def seq2seq_example(source: str, target: str, tokenizer, args: GenerationDataArg
     end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     if labels and labels[-1] != end:
         labels = labels[:args.max_target_length - 1] + [end]
-    return {"input_ids": ids, "labels": labels, "prompt_ids": ids}
+    return {"input_ids": ids, "labels": labels, "prompt_ids": ids, "cut": len(full) > args.max_target_length}
 
 
 def prompt_tokens(text: str, tokenizer, args: GenerationDataArguments) -> list[int]:
@@ -128,31 +149,10 @@ def completion_example(prompt: list[int], completion: list[int], args: Generatio
 
 
 def causal_example(source: str, target: str, tokenizer, args: GenerationDataArguments) -> dict:
-    completion = tokenizer(target, add_special_tokens=False)["input_ids"][:args.max_target_length - 1]
-    return completion_example(prompt_tokens(source, tokenizer, args), completion + [tokenizer.eos_token_id], args)
-
-
-def chat_example(messages: list[dict], tokenizer, args: GenerationDataArguments) -> dict:
-    """The conversation before the last reply is the prompt (with the template's generation prompt); the reply
-    (with the template's end-of-turn tokens) is the completion. Without a chat template: 'role: content' lines."""
-    if getattr(tokenizer, "chat_template", None):
-        prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        full_text = tokenizer.apply_chat_template(messages, tokenize=False)
-        if not full_text.startswith(prompt_text):
-            raise DataError("the tokenizer's chat template renders a conversation differently with and without its "
-                            "last reply, so the reply cannot be separated from the prompt; use --prompt_column / "
-                            "--completion_column instead.")
-        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        # the template closes the reply with its end-of-turn token, which the model's generation config stops at
-        reply = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
-        end = []
-    else:
-        prompt_text = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1]) + "assistant:"
-        prompt = tokenizer(prompt_text)["input_ids"]
-        reply = tokenizer(" " + messages[-1]["content"], add_special_tokens=False)["input_ids"]
-        end = [tokenizer.eos_token_id]
-    prompt = prompt[-args.max_source_length:]  # keep the end: the latest turns and the generation prompt
-    return completion_example(prompt, (reply + end)[:args.max_target_length], args)
+    completion = tokenizer(target, add_special_tokens=False)["input_ids"]
+    kept = completion[:args.max_target_length - 1]
+    row = completion_example(prompt_tokens(source, tokenizer, args), kept + [tokenizer.eos_token_id], args)
+    return {**row, "cut": len(kept) < len(completion)}
 
 
 def lm_blocks(texts: Sequence[str], tokenizer, block_size: int, name: str) -> datasets.Dataset:

@@ -1,0 +1,75 @@
+"""The text-generation recipe's finish seam, as hooks: generation at the end of the run, scored and written to
+predictions.jsonl, with the checks of generation_checks.py; and the LoRA merge.
+
+Both run after the final model is written (core/session.py), so an error here loses nothing trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...config import TrainConfig
+from ...rundir.layout import PREDICTIONS
+from .generation_checks import collapse_warning, output_diversity, source_reliance
+from .generation_eval import GenerationArguments, Generator, evaluate_generation, write_predictions
+from .generation_model import GenerationModelArguments, merge_lora
+from .generation_tokens import TokenizedSplit, TrainCollator
+
+
+class GenerationFinish:
+    """Generate for the validation items (with --overfit_batches, the memorised training items), score them into
+    the run's metrics ({prefix}_rouge1, ..., {prefix}_distinct_outputs_pct, {prefix}_source_reliance), write
+    predictions.jsonl, add how many targets --max_target_length cut (data_*_targets_cut), and warn in the log and
+    the report when the outputs collapsed or the source is ignored."""
+
+    finish_advice = ("If generation ran out of memory or time, lower --generation_num_beams, "
+                     "--per_device_eval_batch_size or --generation_max_new_tokens (or --max_generate_samples 0 to "
+                     "skip it).")
+
+    def __init__(self, splits: dict[str, TokenizedSplit], tokenizer, seq2seq: bool, config: TrainConfig,
+                 gen_args: GenerationArguments, modules, collator: TrainCollator):
+        self.splits, self.tokenizer, self.seq2seq = splits, tokenizer, seq2seq
+        self.config, self.gen_args, self.modules, self.collator = config, gen_args, modules, collator
+
+    def on_finish(self, session, metrics: dict) -> None:
+        acc, config, overfit = session.accelerator, self.config, self.config.overfit_batches > 0
+        for name, split in self.splits.items():
+            if split.targets:
+                metrics[f"data_{name}_targets_cut"] = float(split.targets_cut)
+        split = self.splits["train" if overfit else "validation"]
+        limit = (config.overfit_batches * config.per_device_train_batch_size * acc.num_processes if overfit
+                 else self.gen_args.max_generate_samples)
+        if not split.can_generate or limit == 0:
+            return
+        prefix = "overfit" if overfit else "eval"
+        generator = Generator(split, self.tokenizer, self.seq2seq, self.gen_args, config.per_device_eval_batch_size,
+                              limit)
+        scores, rows = evaluate_generation(generator, acc, session.model, self.modules, prefix)
+        metrics.update(scores)
+        outputs = [r["output"] for r in rows]
+        metrics.update({f"{prefix}_{k}": v for k, v in output_diversity(outputs).items()})
+        reliance = source_reliance(acc, session.model, split.tokens.select(range(len(generator))), self.seq2seq,
+                                   session.eval_loss_fn, self.collator, config.per_device_eval_batch_size)
+        if reliance is not None:
+            metrics[f"{prefix}_source_reliance"] = reliance
+        warning = collapse_warning([r["source"] for r in rows], [r["reference"] for r in rows], outputs, reliance,
+                                   self.seq2seq)
+        if warning:
+            session.log.warn(warning)
+        if acc.is_main_process:
+            write_predictions(Path(config.output_dir) / PREDICTIONS, rows)
+
+
+class MergeLora:
+    """--merge_lora: once the adapter is saved, write the base model with the adapter merged into output_dir (the
+    adapter moves to output_dir/adapter): a plain from_pretrained model that `accel-train export` takes."""
+
+    def __init__(self, model_args: GenerationModelArguments, tokenizer, output_dir: str):
+        self.model_args, self.tokenizer, self.output_dir = model_args, tokenizer, output_dir
+
+    def on_finish(self, session, metrics: dict) -> None:
+        acc = session.accelerator
+        if acc.is_main_process:
+            adapter = merge_lora(self.output_dir, acc.unwrap_model(session.model), self.model_args, self.tokenizer)
+            session.log.write(f"--merge_lora: the merged model is in {self.output_dir}, the adapter in {adapter}")
+        acc.wait_for_everyone()

@@ -102,7 +102,15 @@ def collapse_warning(sources: Sequence[str], references: Sequence[str], outputs:
                     f"token: the model predicts its targets without reading the source"
                     if ignored else f"the source is read (another item's source raises the token loss by "
                     f"{reliance:.2f} nats per token)")
-    reader = "decoder ignores the encoder (cross-attention)" if seq2seq else "model ignores its prompt"
-    return ("; ".join(what) + f". When the {reader}, it learns only the targets' most likely string. Try: more "
-            "steps or epochs, a higher --learning_rate for a model trained from scratch, --freeze_encoder for a "
-            "pretrained encoder, dropout off (--config_overrides), and check that each source belongs to its target.")
+    if seq2seq:
+        advice = ("When the decoder ignores the encoder (its cross-attention), it learns only the targets' most likely "
+                  "string. Try: a pretrained encoder kept frozen (--freeze_encoder; training it at the decoder's rate "
+                  "made every input give one output in benchmarks/text_generation.md), dropout off (--config_overrides "
+                  "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0), more steps or a higher --learning_rate; "
+                  "and check that each source belongs to its target.")
+    else:
+        advice = ("When a causal LM ignores its prompt, it learns only the completions' most likely string. Try: more "
+                  "steps or epochs, a higher --learning_rate for a model trained from scratch (or --train_on_prompt, "
+                  "so that it learns the prompts' language too); and check that each prompt belongs to its "
+                  "completion.")
+    return "; ".join(what) + ". " + advice

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
 from accel_train.deploy import RecordModelFactory
@@ -28,7 +28,7 @@ from accel_train.tasks.multimodal.data import (
     ImageTextDataset,
     load_image_text_data,
 )
-from accel_train.tasks.multimodal.loss import ContrastiveLoss, StepClock, accumulation_refusal
+from accel_train.tasks.multimodal.loss import ContrastiveLoss, StepClock
 from accel_train.tasks.multimodal.metrics import ContrastiveMetrics
 from accel_train.tasks.multimodal.model import DualEncoder, tower_param_groups
 from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
@@ -112,10 +112,7 @@ def parse(argv=None):
 
 def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, towers = parse(argv)
-    if config.gradient_accumulation_steps > 1:
-        raise ConfigError(accumulation_refusal(config.gradient_accumulation_steps))
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if towers.freezes() else []
-    accelerator = build_accelerator(config, handlers)
+    accelerator = build_accelerator(config)
     demo = not (data_args.data_dir or data_args.dataset_name)
     with accelerator.main_process_first():
         data = load_data(data_args, config.seed)
@@ -144,7 +141,7 @@ def main(argv=None) -> dict[str, float]:
                                 towers.weight_decays(config.weight_decay))
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   optimizer=groups, hooks=[loss_fn.clock, finish, record], processing_class=tokenizer,
+                   optimizer=groups, hooks=[finish, record], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, towers])
     return result.metrics
 

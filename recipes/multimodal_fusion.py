@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
 from accel_train.tasks.multimodal.data import (
@@ -167,14 +167,7 @@ def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: TaskArgument
 
 def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, tasks, towers = parse(argv)
-    if config.gradient_accumulation_steps > 1:
-        raise ConfigError(f"--gradient_accumulation_steps {config.gradient_accumulation_steps}: the contrastive loss "
-                          "and the hard negatives of a micro-batch come from fewer pairs than the batch it stands for, "
-                          "so accumulation is refused; raise --per_device_train_batch_size or the number of processes.")
-    # a frozen tower, or a stage that leaves one half idle, gives parameters no gradient: DDP must expect it
-    idle = towers.freezes() or tasks.contrastive_steps > 0
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if idle else []
-    accelerator = build_accelerator(config, handlers)
+    accelerator = build_accelerator(config)
     demo = not (data_args.data_dir or data_args.dataset_name)
     data, make_datasets = load_data(data_args, config.seed, accelerator)
     model, tokenizer, processor = build_model(model_args, tasks, data.image_size)
@@ -198,7 +191,7 @@ def main(argv=None) -> dict[str, float]:
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn,
                    metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.get(data.eval_split),
                    final_eval_loaders=final, accelerator=accelerator, optimizer=fusion_param_groups(model, lrs, wds),
-                   hooks=[loss_fn.clock, finish], processing_class=tokenizer,
+                   hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, tasks, towers])
     return result.metrics
 

@@ -183,3 +183,42 @@ def test_a_metric_no_evaluation_reports_is_refused_before_training(tmp_path):
               config=token_config(tmp_path, max_steps=1, metric_for_best_model="rougeL", eval_strategy="steps",
                                   eval_steps=1))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------ what a loss declares, the session does
+
+
+class BatchLoss:
+    """A loss that declares what it needs: a clock hook, no accumulation, unused parameters under DDP."""
+
+    leaves_parameters_unused = True
+
+    def __init__(self):
+        self.seen_steps = []
+        self.hooks = (self,)
+        self.state = None
+
+    def on_train_start(self, state):
+        self.state = state
+
+    def refuse_accumulation(self, steps):
+        return f"--gradient_accumulation_steps {steps}: this loss couples the whole batch."
+
+    def __call__(self, model, batch):
+        self.seen_steps.append(self.state.step)  # the clock was registered without the caller passing it
+        losses = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], reduction="none")
+        return {"loss": losses.mean(), "per_sample_loss": losses}
+
+
+def test_the_session_registers_a_losss_hooks_refuses_accumulation_and_expects_unused_parameters(tmp_path):
+    loader = DataLoader(toy_train.Points(16, 0), batch_size=4)
+    config = token_config(tmp_path / "a", max_steps=3)
+    loss_fn = BatchLoss()
+    result = train(torch.nn.Linear(6, 2), loader, config=config, loss_fn=loss_fn)
+    assert loss_fn.seen_steps == [0, 1, 2]
+    assert result.accelerator.ddp_handler.find_unused_parameters is True
+    reset_accelerate()
+    with pytest.raises(ConfigError, match="--gradient_accumulation_steps 2: this loss couples the whole batch"):
+        train(torch.nn.Linear(6, 2), loader, config=token_config(tmp_path / "b", max_steps=3,
+                                                                 gradient_accumulation_steps=2), loss_fn=BatchLoss())
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()

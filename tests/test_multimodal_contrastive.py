@@ -199,9 +199,12 @@ def test_gradient_cache_replays_dropout_and_leaves_batch_norm_statistics_alone(t
 
 
 def test_accumulation_is_refused_with_the_gradient_cache_alternative(tmp_path, tiny_text):
+    # the loss declares it (refuse_accumulation) and the session refuses, before anything is written
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
     with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 4: .*4x fewer negatives.*"
                                           r"--per_device_train_batch_size by 4.*--gradient_cache_chunk_size"):
-        run(tmp_path, tmp_path, tiny_text, "--gradient_accumulation_steps", "4")
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--gradient_accumulation_steps", "4")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_captions_are_drawn_per_epoch_from_the_seed_alone():

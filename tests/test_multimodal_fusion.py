@@ -453,8 +453,9 @@ def test_the_demo_has_its_own_defaults_and_accumulation_is_refused(tmp_path, tin
     assert (model.fusion_layers, tasks.loss_weights, tasks.loss_weighting, towers.token_dropout) == (
         2, "itc=1,itm=1", "fixed", 0.0)
     assert recipe.parse(["--data_dir", "photos"])[0].num_train_epochs == 20
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
     with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 2: .*raise --per_device_train_batch_size"):
-        run(tmp_path, tmp_path, tiny_text, "--gradient_accumulation_steps", "2")
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--gradient_accumulation_steps", "2")
 
 
 # ------------------------------------------------------------------------------------------ across processes

@@ -9,6 +9,14 @@ A loss function `loss_fn(model, batch)` returns one of
 
 Either mapping may carry per-sample tensors for the metrics and scalars under "log" (logged beside the loss).
 
+What a loss object may declare, and the session then does for it (so that no recipe has to remember it):
+
+* `hooks`: hook objects the loss needs (a step clock that tells it the loop's position): registered with the run's;
+* `refuse_accumulation(steps) -> str`: the loss couples the whole batch (a contrastive loss sees the batch's
+  negatives), so gradient accumulation would change its objective: the session refuses it with this message;
+* `leaves_parameters_unused = True`: some steps give trainable parameters no gradient (a tower frozen for the
+  first steps, a stage that idles half the model): the session sets DDP's `find_unused_parameters`.
+
 Evaluation never includes training-only terms: a loss function with regularisers that are not the objective being
 measured (label smoothing, mixup, auxiliary penalties) carries `evaluation_loss`, the same loss without them, which
 every evaluation (and the `--overfit_batches` check, which must judge whether the objective itself can reach zero)
@@ -112,6 +120,18 @@ def default_loss(label_smoothing: float = 0.0) -> Callable:
     if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy
         loss_fn.evaluation_loss = default_loss(0.0)
     return loss_fn
+
+
+def loss_hooks(*objects: Any) -> list[Any]:
+    """The hooks a loss or metrics object declares (`obj.hooks`), for the session to register."""
+    return [hook for obj in objects for hook in (getattr(obj, "hooks", None) or ())]
+
+
+def check_accumulation(loss_fn: Callable, steps: int) -> None:
+    """A loss that couples the whole batch refuses gradient accumulation, with its own message."""
+    refuse = getattr(loss_fn, "refuse_accumulation", None)
+    if steps > 1 and refuse is not None:
+        raise ConfigError(refuse(steps))
 
 
 def evaluation_loss(loss_fn: Callable) -> Callable:

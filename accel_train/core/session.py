@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list
 
 from ..config import TrainConfig
 from ..errors import CheckpointError, ConfigError, FinishError, Preempted
@@ -38,7 +38,7 @@ from .batch_size import fit_micro_batch
 from .data import dataset_size
 from .evaluation import MetricsFn, evaluate_model
 from .hooks import call_hooks, hook_keys, saved_hook_state
-from .loss import default_loss, evaluation_loss
+from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter, peak_memory
 from .optim import (
     apply_hyperparameters,
@@ -88,6 +88,9 @@ class Session:
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = build_optimizer(model, config, optimizer, acc)
         loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)
+        check_accumulation(loss_fn, config.gradient_accumulation_steps)
+        if getattr(loss_fn, "leaves_parameters_unused", False):  # some steps give trainable parameters no gradient
+            acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         _enable_gradient_checkpointing(model, config)
         if config.auto_find_batch_size:  # the micro-batch and accumulation actually used
             config, train_loader = fit_micro_batch(acc, model, train_loader, loss_fn, config, optimizer)
@@ -111,6 +114,8 @@ class Session:
                               "--eval_strategy steps or epoch, or choose another schedule.")
         self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
         self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
+        # the metrics object the recipe passed (train() wraps it to keep confusion matrices): its declared hooks
+        self.declared_metrics = getattr(spec.metrics_fn, "metrics_fn", spec.metrics_fn)
         self.eval_loss_fn = evaluation_loss(loss_fn)  # without training-only terms (label smoothing, mixup)
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
         self.hooks: list[Any] = []  # attached by start(), once the run has been checked
@@ -129,7 +134,8 @@ class Session:
         fresh, write the run directory and open the log. Call it once the run has been checked: it is the first
         thing that writes."""
         acc = self.accelerator
-        self.hooks = list(hooks)
+        declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
+        self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
         state = (self.resume() if self.config.resume_from_checkpoint else
                  TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
         start_run_dir(acc, self.config, self.existing, self.extra_configs)

@@ -230,6 +230,16 @@ class FusionLoss(ImageTextLoss):
         self.weights = dict(weights or {t: 1.0 for t in TASKS})
         self.contrastive_steps = contrastive_steps
 
+    @property
+    def leaves_parameters_unused(self) -> bool:
+        """A frozen tower, or a stage that idles one half of the model, leaves parameters without a gradient."""
+        return super().leaves_parameters_unused or self.contrastive_steps > 0
+
+    def refuse_accumulation(self, steps: int) -> str:
+        return (f"--gradient_accumulation_steps {steps}: the contrastive loss and the hard negatives of a micro-batch "
+                "come from fewer pairs than the batch it stands for, so accumulation is refused; raise "
+                "--per_device_train_batch_size or the number of processes.")
+
     def stage(self) -> str:
         """"joint" (one stage), or with `contrastive_steps` N: "itc" for the first N optimizer steps (ITC alone,
         the fusion half idle), then "itm" (towers, projections and temperature fixed; the fusion half learns

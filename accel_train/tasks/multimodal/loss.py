@@ -114,7 +114,9 @@ def frozen_towers(freeze_steps: Mapping[str, int], step: int) -> frozenset:
 class ImageTextLoss:
     """What both image-text losses do before their own part: the step clock, tower freezing, and each batch's
     images (train or eval transform) with one caption per image (the epoch's drawn caption in training, the
-    pair's own in evaluation)."""
+    pair's own in evaluation). What the session does for it (core/loss.py): registers its clock (`hooks`), refuses
+    gradient accumulation (`refuse_accumulation`: the loss is over the global batch), and has DDP expect unused
+    parameters while a tower is frozen (`leaves_parameters_unused`)."""
 
     def __init__(self, train_transform: Callable, eval_transform: Callable, seed: int, num_train_images: int,
                  clock: StepClock | None, freeze_steps: Mapping[str, int] | None):
@@ -122,6 +124,15 @@ class ImageTextLoss:
         self.seed, self.num_train_images = seed, num_train_images
         self.clock = clock or StepClock()
         self.freeze_steps = dict(freeze_steps or {})
+        self.hooks = (self.clock,)
+
+    @property
+    def leaves_parameters_unused(self) -> bool:
+        """A tower frozen for some steps gets no gradient then, which DDP must expect."""
+        return any(steps != 0 for steps in self.freeze_steps.values())
+
+    def refuse_accumulation(self, steps: int) -> str:
+        return accumulation_refusal(steps)
 
     def frozen(self) -> frozenset:
         return frozen_towers(self.freeze_steps, self.clock.step)
@@ -145,14 +156,12 @@ class ContrastiveLoss(ImageTextLoss):
     ids for `ContrastiveMetrics`, plus ``zero_shot_logits`` [B, classes] when `prompts` (tokenized class
     prompts, {"input_ids", "attention_mask"}) are given.
 
-    Gradient accumulation is refused: a loss over micro-batches would see fewer negatives than the batch
-    asked for. GradCache gives the memory saving without that loss (see `accumulation_refusal`)."""
+    Gradient accumulation is refused (by the session, `refuse_accumulation`): a loss over micro-batches would see
+    fewer negatives than the batch asked for. GradCache gives the memory saving without that loss."""
 
     def __init__(self, accelerator, train_transform: Callable, eval_transform: Callable, *, seed: int,
                  num_train_images: int, clock: StepClock | None = None, chunk_size: int | None = None,
                  freeze_steps: Mapping[str, int] | None = None, prompts: Mapping[str, torch.Tensor] | None = None):
-        if accelerator.gradient_accumulation_steps > 1:
-            raise ConfigError(accumulation_refusal(accelerator.gradient_accumulation_steps))
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"--gradient_cache_chunk_size {chunk_size}: must be >= 1 (or unset).")
         super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)

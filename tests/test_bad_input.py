@@ -56,6 +56,23 @@ def test_output_dir_with_another_run_is_refused_and_untouched(tmp_path, capsys):
     assert "learning_rate: 0.3" in (out / "config.yaml").read_text()
 
 
+def test_overwrite_output_dir_leaves_nothing_of_the_replaced_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    ok(["--output_dir", str(out), *QUIET])
+    left_by_others = ("predictions.jsonl", "model_factory.json", "export/torchscript/model.pt", "adapter/x.json",
+                      "report.md")
+    for name in left_by_others:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)  # what other recipes and exports leave there
+        (out / name).write_text("{}")
+    assert (out / "model.safetensors").is_file() and (out / "all_results.json").is_file()
+    # the replacing run stops before it writes a model: nothing of the old run may pass for its output
+    fails(capsys, ["--output_dir", str(out), *QUIET, "--overwrite_output_dir", "--poison_index", "0",
+                   "--per_device_train_batch_size", "96"], "non-finite")
+    left = sorted(p.name for p in out.iterdir())
+    assert not {"model.safetensors", "export", "adapter", "predictions.jsonl", "model_factory.json",
+                "all_results.json", "report.md"} & set(left), left
+
+
 def test_unwritable_output_dir(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

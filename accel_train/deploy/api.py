@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
+from ..rundir.layout import EXPORT_DIR
 from .factory import ModelFactory, describe_model
 from .formats import FORMATS, SUFFIX, write_artifact
 from .inputs import Sample, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
@@ -22,7 +23,6 @@ from .targets import export_targets
 from .verify import verify_artifact
 
 DEFAULT_TOLERANCE = 1e-4
-EXPORT_DIR = "export"
 SAMPLE_FILE = "example_inputs.safetensors"  # the run's own evaluation inputs, kept for later exports
 
 

@@ -37,6 +37,14 @@ CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped
 RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
+EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...
+# Everything a run writes at the top of output_dir (globs), which --overwrite_output_dir removes before the new run
+# starts: none of the old run's model, exports or predictions may survive to be taken for the new run's.
+RUN_ARTIFACTS = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, MODEL_FACTORY, CRASH_GLOB,
+                 "nonfinite_step*_rank*.json", "confusion_matrix.png", "*.safetensors", "model.safetensors.index.json",
+                 "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer*", "vocab.*",
+                 "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model", "chat_template.jinja",
+                 "adapter_config.json", "adapter", "README.md", "*.png")
 
 CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")  # step-00000120; step-00000120.bak and the like are not ones

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 
 from ..config import TrainConfig, save_config
 from ..errors import ConfigError
-from .layout import CONFIG, CRASH_GLOB, RUN_FILES, crash_file
+from .layout import CONFIG, CRASH_GLOB, RUN_ARTIFACTS, RUN_FILES, crash_file
 
 
 def refuse_mixed_runs(config: TrainConfig) -> list[str]:
@@ -48,13 +48,13 @@ def check_output_dir(config: TrainConfig, rank: int) -> list[str]:
 
 
 def start_run_dir(accelerator: Accelerator, config: TrainConfig, existing: list[str], extra_configs=()) -> None:
-    """Clear a replaced run (--overwrite_output_dir) and write the resolved config."""
+    """Clear a replaced run (--overwrite_output_dir: everything a run writes there, `RUN_ARTIFACTS`, so that no old
+    model, export or prediction is later taken for the new run's) and write the resolved config."""
     out = Path(config.output_dir)
     if accelerator.is_main_process:
         if existing and config.overwrite_output_dir and not config.resume_from_checkpoint:
-            for name in existing:
-                target = out / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            for target in {path for pattern in RUN_ARTIFACTS for path in out.glob(pattern)}:
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
         save_config([*extra_configs, config], out / CONFIG)
         for stale in out.glob(CRASH_GLOB):  # this attempt's errors, not an earlier one's
             stale.unlink()

@@ -27,7 +27,7 @@ from .core.loss import evaluation_loss
 from .core.meter import StepMeter
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
-from .deploy import check_exportable, export_formats_at_end
+from .deploy import RecordModelFactory, check_exportable, describe_model, export_formats_at_end
 from .errors import Preempted
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
@@ -89,7 +89,8 @@ def train(
     recorder = ConfusionRecorder(spec.metrics_fn)  # the observer keeps each evaluation's confusion matrix
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)
-    state = session.start([*spec.hooks, *_builtin_hooks(session.config), observer])
+    factory = _factory_hook(model, spec, session.accelerator.is_main_process)
+    state = session.start([*spec.hooks, *_builtin_hooks(session.config), *factory, observer])
     meter = StepMeter(session.accelerator)
     try:
         # set-up, not training time: what hooks do before the first step (the observer's run facts, schedule plot)
@@ -110,6 +111,14 @@ def train(
         if end_training:
             end_training_safely(session.accelerator)
     return result
+
+
+def _factory_hook(model: torch.nn.Module, spec: RunSpec, main_process: bool) -> list:
+    """model_factory.json for a model that describes itself (`factory_kwargs`): how `accel-train export` rebuilds it
+    from the run directory or any checkpoint. A transformers model has config.json instead."""
+    if describe_model(model) is None or any(isinstance(h, RecordModelFactory) for h in spec.hooks):
+        return []
+    return [RecordModelFactory(model, spec.config.output_dir, main_process)]
 
 
 def _builtin_hooks(config: TrainConfig) -> list:

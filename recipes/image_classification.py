@@ -28,7 +28,6 @@ from accel_train import (
     run_cli,
     train,
 )
-from accel_train.deploy import RecordModelFactory
 from accel_train.tasks.model_config import build_config, check_constructor, parse_overrides
 from accel_train.tasks.vision.classification import ClassificationMetrics, save_confusion_matrix
 from accel_train.tasks.vision.data import ImageDataArguments, ImageDataset, load_image_data
@@ -184,10 +183,7 @@ def main(argv=None) -> dict[str, float]:
     eval_split = data.eval_split  # validation, else test; a test split besides validation is evaluated at the end
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
     finish = Finish(eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
-    # model_factory.json: how `accel-train export` rebuilds a SmallResNet (transformers models have config.json)
-    record = RecordModelFactory(model, config.output_dir, accelerator.is_main_process)
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn,
-                   hooks=[finish, record],
+    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
                    processing_class=processor, extra_configs=[data_args, aug_args, model_args])
     return result.metrics

@@ -21,7 +21,6 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
-from accel_train.deploy import RecordModelFactory
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
@@ -135,13 +134,11 @@ def main(argv=None) -> dict[str, float]:
     eval_split = data.eval_split
     final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
     finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
-    # model_factory.json: how `accel-train export` rebuilds the dual encoder and its towers
-    record = RecordModelFactory(model, config.output_dir, accelerator.is_main_process)
     groups = tower_param_groups(model, towers.learning_rates(config.learning_rate),
                                 towers.weight_decays(config.weight_decay))
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
                    eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
-                   optimizer=groups, hooks=[finish, record], processing_class=tokenizer,
+                   optimizer=groups, hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, towers])
     return result.metrics
 

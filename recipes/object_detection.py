@@ -27,7 +27,7 @@ from accel_train.tasks.vision.augment import DenseAugmentationArguments
 from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
 from accel_train.tasks.vision.detection import CenterNet, DetectionLoss, DetectionMetrics
 from accel_train.tasks.vision.prediction_plots import PredictionPlot, draw_detection_batch
-from accel_train.tasks.vision.transforms import EvalTransform
+from accel_train.tasks.vision.transforms import EvalTransform, image_processor
 
 # A ResNet whose first stage already runs at stride 2 (2x2 patches): a quarter of the full-resolution cost,
 # and the stride-4 head still sees 16x16 cells on a 64 px canvas. --config_overrides changes any of these.
@@ -87,6 +87,11 @@ def build_metrics(data) -> DetectionMetrics:
     return DetectionMetrics(data.class_names, data.image_size)
 
 
+def preprocessing(data, loss_fn):
+    """Saved beside the model: the image size and the standardisation a deployed model needs (export reads it)."""
+    return image_processor(data.image_size, loss_fn.eval_transform.mean, loss_fn.eval_transform.std)
+
+
 def main(argv=None) -> dict[str, float]:
     config, data_args, aug_args, model_args = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(config)
@@ -111,7 +116,7 @@ def main(argv=None) -> dict[str, float]:
                           Path(config.output_dir) / "report" / "detections.png", accelerator.is_main_process)
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(data),
                    eval_loader=loaders[eval_split], final_eval_loaders=final, accelerator=accelerator, hooks=[plot],
-                   extra_configs=[data_args, aug_args, model_args])
+                   processing_class=preprocessing(data, loss_fn), extra_configs=[data_args, aug_args, model_args])
     prefix = "test" if final else "eval"
     accelerator.print(f"{shown} ({len(data.splits[shown])} images): box mAP@[.5:.95] "
                       f"{result.metrics[f'{prefix}_map']:.3f}, mAP@.5 {result.metrics[f'{prefix}_map_50']:.3f}, "

@@ -28,7 +28,7 @@ from accel_train.tasks.vision.augment import DenseAugmentationArguments
 from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
 from accel_train.tasks.vision.prediction_plots import PredictionPlot, draw_segmentation_batch
 from accel_train.tasks.vision.segmentation import SegmentationLoss, SegmentationMetrics, UNet
-from accel_train.tasks.vision.transforms import EvalTransform
+from accel_train.tasks.vision.transforms import EvalTransform, image_processor
 
 # The encoder's first stage runs at stride 2 (2x2 patches), a quarter of the full-resolution cost; the
 # decoder's last step brings the input image back in at full resolution for sharp stroke edges.
@@ -78,6 +78,11 @@ def build_metrics(data) -> SegmentationMetrics:
     return SegmentationMetrics(data.mask_class_names)
 
 
+def preprocessing(data, loss_fn):
+    """Saved beside the model: the image size and the standardisation a deployed model needs (export reads it)."""
+    return image_processor(data.image_size, loss_fn.eval_transform.mean, loss_fn.eval_transform.std)
+
+
 def main(argv=None) -> dict[str, float]:
     config, data_args, aug_args, model_args = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(config)
@@ -102,7 +107,7 @@ def main(argv=None) -> dict[str, float]:
                           Path(config.output_dir) / "report" / "segmentation.png", accelerator.is_main_process)
     result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(data),
                    eval_loader=loaders[eval_split], final_eval_loaders=final, accelerator=accelerator, hooks=[plot],
-                   extra_configs=[data_args, aug_args, model_args])
+                   processing_class=preprocessing(data, loss_fn), extra_configs=[data_args, aug_args, model_args])
     prefix = "test" if final else "eval"
     accelerator.print(f"{shown} ({len(data.splits[shown])} images): mIoU {result.metrics[f'{prefix}_miou']:.3f}, "
                       f"pixel accuracy {result.metrics[f'{prefix}_pixel_accuracy']:.4f}; pictures: {plot.path}")

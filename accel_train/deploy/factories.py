@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ExportError
+from ..tasks.multimodal.fusion import FusionEncoder
 from ..tasks.multimodal.model import DualEncoder, PooledVision
 from ..tasks.vision.models import SmallResNet
 
@@ -20,6 +21,18 @@ def dual_encoder(text_config: Mapping[str, Any], vision: Mapping[str, Any], embe
                  max_logit_scale: float = 100.0, text_pooler: bool = False) -> DualEncoder:
     """An untrained DualEncoder of the recorded architecture: the text tower from its transformers config, the
     vision tower as ``{"small_resnet": kwargs}`` or ``{"transformers": config}`` (wrapped in PooledVision)."""
+    return DualEncoder(*_towers(text_config, vision, text_pooler), embed_dim, max_logit_scale=max_logit_scale)
+
+
+def fusion_encoder(text_config: Mapping[str, Any], vision: Mapping[str, Any], embed_dim: int,
+                   max_logit_scale: float = 100.0, text_pooler: bool = False, **fusion: Any) -> FusionEncoder:
+    """An untrained FusionEncoder of the recorded architecture: the towers as `dual_encoder`, and its fusion
+    layers and ITM head from `fusion` (fusion_layers, fusion_dim, fusion_heads, ...)."""
+    return FusionEncoder(*_towers(text_config, vision, text_pooler), embed_dim, max_logit_scale=max_logit_scale,
+                         **fusion)
+
+
+def _towers(text_config: Mapping[str, Any], vision: Mapping[str, Any], text_pooler: bool) -> tuple[nn.Module, ...]:
     text = _from_config(text_config)
     if not text_pooler and getattr(text, "pooler", None) is not None:
         text.pooler = None  # the recipe drops it too: the dual encoder mean-pools
@@ -29,7 +42,7 @@ def dual_encoder(text_config: Mapping[str, Any], vision: Mapping[str, Any], embe
         tower = PooledVision(_from_config(vision["transformers"]))
     else:
         raise ExportError(f"dual_encoder: vision {sorted(vision)}: expected 'small_resnet' or 'transformers'.")
-    return DualEncoder(text, tower, embed_dim, max_logit_scale=max_logit_scale)
+    return text, tower
 
 
 def _from_config(config: Mapping[str, Any]) -> nn.Module:

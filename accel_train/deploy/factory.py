@@ -8,18 +8,19 @@ run records one, ``model_factory.json``::
      "kwargs": {"num_labels": 10, "widths": [16, 32, 64], ...}}
 
 `accel-train export` calls ``factory(**kwargs)`` and loads the saved weights into the result (strictly: every
-parameter must match). Recipes record it with the `RecordModelFactory` hook, which describes SmallResNet and
-DualEncoder by itself; for your own module pass ``factory=ModelFactory("my_pkg.models:build", {...})`` to the
-hook, or give ``--factory my_pkg.models:build --factory_kwargs '{...}'`` to `accel-train export`.
+parameter must match). `train()` records it for every model that describes itself — a `factory_kwargs`
+attribute (its JSON-able constructor arguments) and optionally `factory_target` (a builder, when the constructor
+takes modules): SmallResNet, CenterNet, UNet, DualEncoder and FusionEncoder do. For your own module set those two
+attributes in its constructor, pass ``RecordModelFactory(model, output_dir, factory=ModelFactory(...))`` as a hook,
+or give ``--factory my_pkg.models:build --factory_kwargs '{...}'`` to `accel-train export`.
 
-This module imports no model code: models are recognised by their attributes, and built through the string.
+This module imports no model code: a model describes itself, and is built through the string.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,6 @@ from torch import nn
 from ..errors import ExportError
 from ..rundir.layout import MODEL_FACTORY as FACTORY_FILE
 from ..tasks.vision.models import SMALL_RESNET_FACTORY
-
-DUAL_ENCODER_FACTORY = "accel_train.deploy.factories:dual_encoder"
 
 
 @dataclass(frozen=True)
@@ -99,40 +98,14 @@ class ModelFactory:
 
 
 def describe_model(model: nn.Module) -> ModelFactory | None:
-    """A factory that rebuilds `model`'s architecture: SmallResNet and DualEncoder (with a SmallResNet or a
-    transformers vision tower) are recognised; anything else gives None."""
-    if _is(model, "SmallResNet"):
-        return ModelFactory(SMALL_RESNET_FACTORY, small_resnet_kwargs(model))
-    if _is(model, "DualEncoder"):
-        text = model.text
-        if _is(model.vision, "SmallResNet"):
-            vision: dict[str, Any] = {"small_resnet": small_resnet_kwargs(model.vision)}
-        elif _is(model.vision, "PooledVision") and hasattr(model.vision.model, "config"):
-            vision = {"transformers": model.vision.model.config.to_dict()}
-        else:
-            return None
-        return ModelFactory(DUAL_ENCODER_FACTORY, {
-            "text_config": text.config.to_dict(), "text_pooler": getattr(text, "pooler", None) is not None,
-            "vision": vision, "embed_dim": model.text_projection.out_features,
-            "max_logit_scale": round(math.exp(model.max_log_scale), 6)})
-    return None
-
-
-def small_resnet_kwargs(model: nn.Module) -> dict[str, Any]:
-    """SmallResNet's constructor arguments, read back from its layers (a stage starts at a stride-2 block)."""
-    stem = model.stem[0]
-    blocks = list(model.blocks)
-    starts = [i for i, block in enumerate(blocks) if i == 0 or block.conv1.stride[0] == 2]
-    head = model.head
-    return {"num_labels": head.out_features if isinstance(head, nn.Linear) else 0,
-            "widths": [blocks[i].conv1.out_channels for i in starts],
-            "blocks_per_stage": len(blocks) // len(starts), "in_channels": stem.in_channels,
-            "stem_stride": stem.stride[0]}
-
-
-def _is(model: nn.Module, class_name: str) -> bool:
+    """How `model` says to rebuild it: its `factory_kwargs` (JSON-able constructor arguments, set by the model
+    itself) and `factory_target` (default: its own class). None for a model that does not describe itself (a
+    transformers model has config.json instead)."""
+    kwargs = getattr(model, "factory_kwargs", None)
+    if kwargs is None:
+        return None
     cls = type(model)
-    return cls.__name__ == class_name and cls.__module__.startswith("accel_train.")
+    return ModelFactory(getattr(model, "factory_target", None) or f"{cls.__module__}:{cls.__qualname__}", dict(kwargs))
 
 
 class RecordModelFactory:
@@ -142,6 +115,8 @@ class RecordModelFactory:
     Transformers models need nothing (their config.json is saved with the weights): then the hook does nothing.
 
         hooks=[RecordModelFactory(model, config.output_dir, accelerator.is_main_process)]
+
+    `train()` adds it by itself for a model that describes itself (`factory_kwargs`).
     """
 
     def __init__(self, model: nn.Module, output_dir: str | Path, main_process: bool = True,

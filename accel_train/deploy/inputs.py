@@ -159,12 +159,13 @@ def normalize_pixels(pixels: torch.Tensor, processor: Any = None) -> torch.Tenso
 
 
 def sample_from_texts(texts: Sequence[str], tokenizer: Any, source: str, max_length: int = 128) -> Sample:
-    """Rows tokenised by the run's tokenizer, padded to the longest."""
+    """Rows tokenised by the run's tokenizer, padded on the right to the longest (as the loop's evaluation batches
+    are; a causal LM's saved tokenizer pads on the left for generation, and views add padding on the right)."""
     if tokenizer is None:
         raise ExportError(f"example inputs ({source}): texts need the run's tokenizer, and the run directory has "
                           "none (tokenizer files beside the weights).")
     encoded = tokenizer(list(texts)[:SAMPLE_ROWS], padding=True, truncation=True, max_length=max_length,
-                        return_tensors="pt")
+                        return_tensors="pt", padding_side="right")
     tensors = {k: v for k, v in encoded.items() if k in TOKEN_INPUTS}
     return Sample(tensors, source, int(tokenizer.pad_token_id or 0))
 

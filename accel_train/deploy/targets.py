@@ -84,15 +84,35 @@ def check_exportable(model: nn.Module) -> None:
                           "save_pretrained), or train a causal LM, which exports.")
 
 
+class PairScorer(nn.Module):
+    """A fusion model's image-text matching logit of each (image b, caption b) pair: what re-ranking calls."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values, input_ids, attention_mask):
+        out = self.model(pixel_values=pixel_values, input_ids=input_ids, attention_mask=attention_mask,
+                         itm_pairs=lambda o: (o["image_tokens"], o["text_states"], o["text_mask"]))
+        return {"itm_logits": out["itm_logits"]}
+
+
 def export_targets(model: nn.Module, sample: Sample) -> list[ExportTarget]:
-    """The artifacts for `model` (in eval mode): one, or a text and a vision tower for a dual encoder."""
+    """The artifacts for `model` (in eval mode): one; a text and a vision tower for a dual encoder; and for a fusion
+    model (a dual encoder with `match`: FusionEncoder) also its ITM scorer of (image, caption) pairs."""
     name = type(model).__name__
     if is_dual_encoder(model):
-        towers = [("text_tower", ["input_ids", "attention_mask"], "text_embeds", ("vision", "vision_projection")),
-                  ("vision_tower", ["pixel_values"], "image_embeds", ("text", "text_projection"))]
+        fusion = ("fusion",) if hasattr(model, "match") else ()
+        towers = [("text_tower", ["input_ids", "attention_mask"], "text_embeds",
+                   ("vision", "vision_projection", *fusion)),
+                  ("vision_tower", ["pixel_values"], "image_embeds", ("text", "text_projection", *fusion))]
         targets = [ExportTarget(tower, Positional(_without(model, dropped), inputs, [output]), inputs, [output],
                                 sample.select(inputs), f"{name}.{tower}")
                    for tower, inputs, output, dropped in towers if all(k in sample.tensors for k in inputs)]
+        pair = ["pixel_values", "input_ids", "attention_mask"]
+        if fusion and all(k in sample.tensors for k in pair):
+            targets.append(ExportTarget("itm_scorer", Positional(PairScorer(model), pair, ["itm_logits"]), pair,
+                                        ["itm_logits"], sample.select(pair), f"{name}.itm_scorer"))
         if not targets:
             raise ExportError(f"{name}: the example inputs ({sorted(sample.tensors)}) feed neither tower; a text "
                               "tower needs input_ids and attention_mask, a vision tower pixel_values.")

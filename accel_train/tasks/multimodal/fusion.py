@@ -127,7 +127,10 @@ class FusionEncoder(DualEncoder):
     (`num_task_weights` > 0: the log variances of Kendall et al. 2018, starting at 0). `itm_pairs(out)` ->
     (image_tokens, text_states, text_mask), or None for no pairs, names pairs to match *inside* the forward, so
     that under DDP every parameter is used within it; their logits come back as ``itm_logits``. `match(...)`
-    scores pairs directly (evaluation, re-ranking)."""
+    scores pairs directly (evaluation, re-ranking). Exported as the two towers and the ITM scorer of an
+    (image, caption) pair (`factory_target` / `factory_kwargs` rebuild it)."""
+
+    factory_target = "accel_train.deploy.factories:fusion_encoder"
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0, fusion_layers: int = 2,
@@ -137,6 +140,14 @@ class FusionEncoder(DualEncoder):
         self.fusion = CrossModalFusion(text_model.config.hidden_size, vision_model.num_features, fusion_dim,
                                        fusion_layers, fusion_heads, fusion_dropout, fusion_alignment)
         self.task_log_vars = nn.Parameter(torch.zeros(num_task_weights)) if num_task_weights else None
+        self.fusion_kwargs = {"fusion_layers": fusion_layers, "fusion_dim": fusion_dim, "fusion_heads": fusion_heads,
+                              "fusion_dropout": fusion_dropout, "num_task_weights": num_task_weights,
+                              "fusion_alignment": fusion_alignment}
+
+    @property
+    def factory_kwargs(self):
+        towers = super().factory_kwargs
+        return None if towers is None else {**towers, **self.fusion_kwargs}
 
     def match(self, image_tokens: torch.Tensor, text_states: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         """ITM logits [B] of the pairs (image_tokens[b], caption b): positive means "the caption fits"."""

@@ -36,7 +36,12 @@ class DualEncoder(nn.Module):
 
     The temperature is learned as log(1 / T), starting at `init_temperature`, and the scale is clamped to
     `max_logit_scale` (100, as CLIP) so that a few steps with a large learning rate cannot make it explode.
+
+    `factory_target` / `factory_kwargs`: how the run directory says to rebuild it (its towers are modules, so a
+    builder makes them from their configs); None when a tower cannot describe itself.
     """
+
+    factory_target = "accel_train.deploy.factories:dual_encoder"
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0):
@@ -48,6 +53,16 @@ class DualEncoder(nn.Module):
         self.vision_projection = nn.Linear(vision_model.num_features, embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / init_temperature)))
         self.max_log_scale = math.log(max_logit_scale)
+
+    @property
+    def factory_kwargs(self) -> dict[str, Any] | None:
+        vision = tower_description(self.vision)
+        if vision is None or not hasattr(self.text, "config"):
+            return None
+        pooler = getattr(self.text, "pooler", None) is not None
+        return {"text_config": self.text.config.to_dict(), "text_pooler": pooler,
+                "vision": vision, "embed_dim": self.text_projection.out_features,
+                "max_logit_scale": round(math.exp(self.max_log_scale), 6)}
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -68,6 +83,15 @@ class DualEncoder(nn.Module):
                 features = self.encode_text(input_ids, attention_mask)
             out["text_embeds"] = nn.functional.normalize(self.text_projection(features), dim=-1)
         return out
+
+
+def tower_description(vision: nn.Module) -> dict[str, Any] | None:
+    """A vision tower as model_factory.json records it: {"small_resnet": its kwargs} or {"transformers": config}."""
+    if isinstance(vision, SmallResNet):
+        return {"small_resnet": dict(vision.factory_kwargs)}
+    if isinstance(vision, PooledVision) and hasattr(vision.model, "config"):
+        return {"transformers": vision.model.config.to_dict()}
+    return None
 
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

@@ -38,11 +38,14 @@ GAUSSIAN_ALPHA = 0.54  # TTFNet's ratio of the Gaussian's extent to the box's si
 class CenterNet(nn.Module):
     """`forward(pixel_values) -> {"heatmap": class logits [B, C, h, w], "box": side distances in pixels
     [B, 4, h, w]}` at `output_stride`. Deeper backbone stages are upsampled and added into that level
-    (a top-down path as in FPN), so the head sees both fine positions and the wide context of the deep stages."""
+    (a top-down path as in FPN), so the head sees both fine positions and the wide context of the deep stages.
+    `factory_kwargs`: its constructor arguments, for model_factory.json."""
 
     def __init__(self, num_classes: int, widths: Sequence[int] = (16, 32, 64), blocks_per_stage: int = 2,
                  stem_stride: int = 1, output_stride: int = 4, head_width: int = 64):
         super().__init__()
+        self.factory_kwargs = {"num_classes": num_classes, "widths": list(widths), "blocks_per_stage": blocks_per_stage,
+                               "stem_stride": stem_stride, "output_stride": output_stride, "head_width": head_width}
         self.backbone = ResNetStages(widths, blocks_per_stage, stem_stride)
         if output_stride not in self.backbone.strides:
             raise ConfigError(f"output_stride {output_stride}: the backbone's stages have strides "

@@ -39,11 +39,15 @@ class BasicBlock(nn.Module):
 class SmallResNet(nn.Module):
     """ResNet for small images. `forward(pixel_values)` returns logits [B, num_labels], so a recipe calls it
     like a transformers image classifier (whose output has `.logits`); with `num_labels=0` it returns the
-    pooled features [B, num_features] instead (a backbone, as timm's `num_classes=0`)."""
+    pooled features [B, num_features] instead (a backbone, as timm's `num_classes=0`). `factory_kwargs` holds its
+    constructor arguments: how the run directory says to rebuild it."""
 
     def __init__(self, num_labels: int, widths: Sequence[int] = (16, 32, 64), blocks_per_stage: int = 3,
                  in_channels: int = 3, stem_stride: int = 1):
         super().__init__()
+        # how to build it again (model_factory.json, accel-train export): its own constructor arguments
+        self.factory_kwargs = {"num_labels": num_labels, "widths": list(widths), "blocks_per_stage": blocks_per_stage,
+                               "in_channels": in_channels, "stem_stride": stem_stride}
         # stride 1: a 3x3 conv at full resolution; stride s > 1: non-overlapping s x s patches (ConvNeXt's stem)
         kernel, padding = (3, 1) if stem_stride == 1 else (stem_stride, 0)
         self.stem = nn.Sequential(nn.Conv2d(in_channels, widths[0], kernel, stem_stride, padding, bias=False),

@@ -28,11 +28,14 @@ class UNet(nn.Module):
     From the deepest backbone stage up: upsample to the next shallower stage, concatenate it, conv-BN-ReLU;
     a 1x1 convolution gives logits at the first stage's resolution. When that is coarser than the input
     (stem_stride > 1), the logits are upsampled and refined at full resolution by a small convolution that
-    also sees the input image, so thin strokes keep sharp edges without full-resolution features."""
+    also sees the input image, so thin strokes keep sharp edges without full-resolution features.
+    `factory_kwargs`: its constructor arguments, for model_factory.json."""
 
     def __init__(self, num_classes: int, widths: Sequence[int] = (16, 32, 64), blocks_per_stage: int = 2,
                  stem_stride: int = 1, refine_width: int = 16):
         super().__init__()
+        self.factory_kwargs = {"num_classes": num_classes, "widths": list(widths), "blocks_per_stage": blocks_per_stage,
+                               "stem_stride": stem_stride, "refine_width": refine_width}
         self.backbone = ResNetStages(widths, blocks_per_stage, stem_stride)
         decoder, cin = [], widths[-1]
         for width in reversed(widths[:-1]):

@@ -113,7 +113,7 @@ def test_mfu_counts_forward_and_backward_flops(tmp_path):
     from accel_train.core.meter import FlopCount
 
     flops = FlopCount(Accelerator(cpu=True))
-    assert flops.peak is None  # no MFU on a CPU
+    assert flops.peak > 1e9  # a CPU's measured fp32 matmul peak (well above 1 GFLOP/s)
     flops.peak, flops._pending = 1e9, True  # pretend a device with a 1 GFLOP/s peak
     layer = torch.nn.Linear(16, 8, bias=False)
     with flops.measure(batch_samples=4):
@@ -121,3 +121,44 @@ def test_mfu_counts_forward_and_backward_flops(tmp_path):
     with flops.measure(batch_samples=4):  # counts only once
         layer(torch.randn(4, 16)).sum().backward()
     assert flops.mfu(samples_per_second=1000) == pytest.approx(6 * 16 * 8 * 1000 / 1e9)
+    # text: FLOPs per token position of the counted batch x the REAL tokens per second (padding is not model work)
+    text = FlopCount(Accelerator(cpu=True))
+    text.peak, text._pending = 1e9, True
+    with text.measure(batch_samples=2, batch_positions=8):  # 2 rows x 4 positions, whatever their padding
+        layer(torch.randn(2, 4, 16, requires_grad=True)).sum().backward()
+    assert text.model_flops(samples_per_second=10, tokens_per_second=30) == pytest.approx(6 * 16 * 8 * 30)
+
+
+def test_the_matmul_peak_is_measured_per_precision_once_and_cached(tmp_path, monkeypatch):
+    import json
+
+    import torch
+
+    from accel_train.core import meter
+
+    monkeypatch.setattr(meter, "PEAK_CACHE", tmp_path / "peak.json")
+    fp32 = meter.measured_peak(torch.device("cpu"), "fp32", side=256)
+    bf16 = meter.measured_peak(torch.device("cpu"), "bf16", side=256)
+    cached = json.loads((tmp_path / "peak.json").read_text())
+    assert sorted(v for v in cached.values()) == sorted([fp32, bf16]) and fp32 > 1e8 and bf16 > 1e8
+    assert all(f"{torch.get_num_threads()} threads" in key for key in cached)
+    cached = {k: 1.0 for k in cached}  # a second call reads the file, it does not measure again
+    (tmp_path / "peak.json").write_text(json.dumps(cached))
+    assert meter.measured_peak(torch.device("cpu"), "fp32", side=256) == 1.0
+
+
+def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path):
+    import toy_train
+
+    from accel_train.core.meter import measured_peak
+
+    reset_accelerate()
+    result = toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--max_steps", "4", "--logging_steps", "2",
+                             "--per_device_train_batch_size", "8"])
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    metrics = json.loads((tmp_path / "all_results.json").read_text())
+    assert all(0 < r["mfu"] < 1 and r["model_tflops"] > 0 for r in records)
+    import torch
+
+    assert metrics["train_peak_tflops"] == pytest.approx(measured_peak(torch.device("cpu"), "fp32") / 1e12, rel=1e-3)
+    assert metrics["train_mfu"] == pytest.approx(sum(r["mfu"] for r in records) / len(records), rel=1e-3)

@@ -40,7 +40,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
             fed = False
             for batch, waited in _timed(batches):
                 fed, n = True, batch_size_of(batch)
-                with acc.accumulate(model), meter.flops.measure(n):  # MFU: GPU, counted once
+                with acc.accumulate(model), meter.flops.measure(n, _positions(batch)):  # MFU: counted once
                     out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
                     acc.backward(out["objective"])  # Accelerate divides by the accumulation count
                 window.add(out)
@@ -117,6 +117,12 @@ def _timed(loader):
         except StopIteration:
             return
         yield batch, time.perf_counter() - t0
+
+
+def _positions(batch: Any) -> int:
+    """Token positions of a text batch, padding included (B x L), or 0 (no attention mask)."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return mask.numel() if isinstance(mask, torch.Tensor) else 0
 
 
 def _real_tokens(batch: Any):

@@ -4,9 +4,13 @@ Reductions run on every rank; nothing here writes a file."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import platform
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,9 +85,11 @@ class StepMeter:
             record["num_items"] = items
         if tokens:
             record["tokens_per_second"] = tokens / elapsed
-        mfu = self.flops.mfu(samples / elapsed / max(acc.num_processes, 1))  # per device
-        if mfu is not None:
-            record["mfu"] = mfu
+        devices = max(acc.num_processes, 1)
+        flops = self.flops.model_flops(samples / elapsed / devices, tokens / elapsed / devices)  # per device
+        if flops is not None and self.flops.peak:
+            record["model_tflops"] = flops / 1e12
+            record["mfu"] = flops / self.flops.peak
         record.update(peak_memory(acc.device))
         self.reset()
         return record
@@ -102,47 +108,122 @@ PEAK_TFLOPS = {
 }
 
 
+MATMUL_SIDE = 2048  # the square matmul whose speed is this machine's measured peak
+PEAK_CACHE = Path(os.environ.get("ACCEL_TRAIN_CACHE", Path.home() / ".cache" / "accel_train")) / "matmul_peak.json"
+
+
+def precision_of_matmuls(accelerator: Accelerator) -> str:
+    """bf16 / fp16 under mixed precision, else tf32 (GPUs with TF32 on) or fp32."""
+    if accelerator.mixed_precision in ("bf16", "fp16"):
+        return accelerator.mixed_precision
+    tf32 = accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "fp32"
+
+
 def peak_flops(accelerator: Accelerator) -> float | None:
-    """The device's dense peak for the precision the matmuls run in, or None when unknown (CPUs included)."""
-    if accelerator.device.type != "cuda":
+    """The peak the MFU is measured against, in FLOP/s, for the precision the matmuls run in: a known GPU's dense
+    datasheet peak, else (CPUs, other GPUs) this machine's measured matmul peak (`measured_peak`)."""
+    precision = precision_of_matmuls(accelerator)
+    if accelerator.device.type == "cuda":
+        name = torch.cuda.get_device_name(accelerator.device)
+        table = next((v for k, v in PEAK_TFLOPS.items() if k in name.replace("-", " ").split() or k in name), {})
+        if table.get(precision):
+            return table[precision] * 1e12
+    return measured_peak(accelerator.device, precision)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def measured_peak(device: torch.device, precision: str, side: int = MATMUL_SIDE) -> float | None:
+    """The dense matmul speed of `device` in `precision` (fp32, tf32, bf16, fp16), FLOP/s: the best of five timed
+    `side` x `side` matmuls after a warm-up, at this process's thread count. Measured once per machine, device,
+    thread count, torch version and precision, and cached in ~/.cache/accel_train/matmul_peak.json (a run
+    reads it; `ACCEL_TRAIN_CACHE` moves it). None where the precision has no matmul on the device."""
+    key = f"{device_name(device)} | {device.type} | {torch.get_num_threads()} threads | torch {torch.__version__} | " \
+          f"{precision}"
+    try:
+        cache = json.loads(PEAK_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    try:
+        generator = torch.Generator(device).manual_seed(0)  # never the global one: a run's RNG stream stays its own
+        a = torch.randn(side, side, device=device, generator=generator).to(dtype)
+        b = torch.randn(side, side, device=device, generator=generator).to(dtype)
+        best = math.inf
+        for i in range(6):
+            _sync(device)
+            started = time.perf_counter()
+            a @ b
+            _sync(device)
+            if i:  # the first is the warm-up
+                best = min(best, time.perf_counter() - started)
+    except RuntimeError:  # e.g. fp16 matmuls on a CPU without them
         return None
-    name = torch.cuda.get_device_name(accelerator.device)
-    table = next((v for k, v in PEAK_TFLOPS.items() if k in name.replace("-", " ").split() or k in name), None)
-    if table is None:
-        return None
-    precision = accelerator.mixed_precision if accelerator.mixed_precision in ("bf16", "fp16") else (
-        "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
-    tflops = table.get(precision)
-    return tflops * 1e12 if tflops else None
+    cache[key] = 2 * side**3 / best
+    with contextlib.suppress(OSError):
+        PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        PEAK_CACHE.write_text(json.dumps(cache, indent=2))
+    return cache[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class FlopCount:
-    """Counts the model FLOPs of one training micro-batch (forward + backward) with torch's FlopCounterMode,
-    once, on GPU runs: the MFU in the log is those FLOPs per sample x samples/s over the device's peak."""
+    """Counts the model FLOPs of one training micro-batch (forward + backward) with torch's FlopCounterMode, once:
+    per token position when the batch has an attention mask (text: batches differ in length, and length grouping
+    puts the longest first), else per sample (images). The model FLOP/s in the log is the FLOPs per position x the
+    *real* (non-pad) tokens per second — padding is not model work — or per sample x samples/s; the MFU is that over
+    the device's peak (`peak_flops`: a GPU's datasheet, or this machine's measured matmul peak in the precision in
+    effect, CPUs included). For a transformer the count is 6 x parameters per token plus attention."""
 
     def __init__(self, accelerator: Accelerator):
         self.peak = peak_flops(accelerator)
         self.per_sample: float | None = None
+        self.per_token: float | None = None
         self._pending = self.peak is not None
         self._mode = None
         self._samples = 0
+        self._tokens: Any = 0
 
-    def measure(self, batch_samples: int):
-        """A context for the next micro-batch; it counts only the first time."""
+    def measure(self, batch_samples: int, batch_positions: int = 0):
+        """A context for the next micro-batch (its sample count, and its token positions, padding included: B x L);
+        it counts only the first time."""
         if not self._pending:
             return contextlib.nullcontext()
         from torch.utils.flop_counter import FlopCounterMode
 
-        self._pending, self._samples = False, batch_samples
+        self._pending, self._samples, self._tokens = False, batch_samples, batch_positions
         self._mode = FlopCounterMode(display=False)
         return self._mode
 
-    def mfu(self, samples_per_second: float) -> float | None:
+    def mfu(self, samples_per_second: float, tokens_per_second: float = 0.0) -> float | None:
+        flops = self.model_flops(samples_per_second, tokens_per_second)
+        return flops / self.peak if flops is not None and self.peak else None
+
+    def model_flops(self, samples_per_second: float, tokens_per_second: float = 0.0) -> float | None:
+        """Model FLOP/s at this throughput (per device), or None before the count."""
         if self._mode is not None and self.per_sample is None and self._samples:
-            self.per_sample = self._mode.get_total_flops() / self._samples
-        if not self.per_sample or not self.peak:
-            return None
-        return self.per_sample * samples_per_second / self.peak
+            total = self._mode.get_total_flops()
+            self.per_sample = total / self._samples
+            tokens = float(self._tokens)
+            self.per_token = total / tokens if tokens else None
+        if self.per_token and tokens_per_second:
+            return self.per_token * tokens_per_second
+        return self.per_sample * samples_per_second if self.per_sample else None
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

@@ -127,6 +127,7 @@ class Session:
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
         self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
+        self.throughput: list[tuple[float, float]] = []  # (model FLOP/s, MFU) of each logged interval
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -238,6 +239,8 @@ class Session:
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
         record = meter.record()
+        if "mfu" in record:
+            self.throughput.append((record["model_tflops"], record["mfu"]))
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         steps, self.last_log_step = state.step - self.last_log_step, state.step
@@ -333,6 +336,10 @@ class Session:
             metrics["train_skipped_steps"] = state.skipped_steps
         if state.nonfinite_skips:
             metrics["train_nonfinite_skips"] = state.nonfinite_skips
+        if self.throughput and meter.flops.peak:  # means over the logged intervals (evaluations excluded)
+            metrics.update(train_model_tflops=sum(t for t, _ in self.throughput) / len(self.throughput),
+                           train_mfu=sum(m for _, m in self.throughput) / len(self.throughput),
+                           train_peak_tflops=meter.flops.peak / 1e12)
         export_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)

@@ -22,7 +22,7 @@ from .plots import Panel, Series, line_plot, matrix_plot
 NOT_METRICS = ("loss", "samples", "runtime", "items")  # eval_* entries that are not quality metrics
 # What the loop itself logs in a training record; anything else there is a term the loss function logged.
 TRAIN_KEYS = ("step", "loss", "learning_rate", "epoch", "grad_norm", "samples_per_second", "tokens_per_second",
-              "data_wait_fraction", "mfu", "cpu_peak_rss_mb", "gpu_peak_memory_mb", "skipped_steps",
+              "data_wait_fraction", "mfu", "model_tflops", "cpu_peak_rss_mb", "gpu_peak_memory_mb", "skipped_steps",
               "nonfinite_skips", "num_items")
 
 

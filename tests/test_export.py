@@ -258,7 +258,7 @@ def test_plain_models_describe_a_factory_that_rebuilds_their_architecture():
         assert {k: v.shape for k, v in again.state_dict().items()} == shapes
     assert describe_model(nn.Linear(2, 2)) is None
     with pytest.raises(ExportError, match="expected 'package.module:callable'"):
-        ModelFactory("accel_train.vision.SmallResNet")
+        ModelFactory("accel_train.tasks.vision.models.SmallResNet")
 
 
 def test_first_caption_of_an_image_text_batch_feeds_the_text_tower():

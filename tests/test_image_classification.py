@@ -1,4 +1,4 @@
-"""The image-classification recipe and accel_train.vision (issue 5).
+"""The image-classification recipe and accel_train.tasks.vision.
 
 Fast tests build tiny image folders with PIL in tmp_path and train tiny models through `main(argv)`; the
 1-vs-2-process comparison goes through the real launcher and is marked slow.
@@ -17,15 +17,14 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, ModelError, TrainConfig, parse_config
-from accel_train.vision import (
+from accel_train.tasks.vision.data import (
     ImageDataArguments,
     ImageDataset,
-    MixupCutmix,
-    TrainAugmentation,
     load_digits,
     load_image_data,
     load_image_folder,
 )
+from accel_train.tasks.vision.transforms import MixupCutmix, TrainAugmentation
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import image_classification as recipe  # noqa: E402

@@ -1,4 +1,4 @@
-"""The multimodal contrastive recipe and accel_train.contrastive (issue 6).
+"""The multimodal contrastive recipe and accel_train.tasks.multimodal.
 
 Fast tests use a 1-layer BERT built from a config (a word-level vocabulary, no download) and tiny vision towers;
 the 1-vs-2-process comparisons go through the real launcher and are marked slow.
@@ -17,19 +17,17 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, TrainConfig, build_accelerator, build_scheduler, make_plan
-from accel_train.contrastive import (
-    ContrastiveLoss,
-    ContrastiveMetrics,
-    DualEncoder,
-    build_text_tower,
-    clip_loss,
-    draw_captions,
-    retrieval_metrics,
-    tower_param_groups,
-    zero_shot_accuracy,
+from accel_train.tasks.multimodal.data import (
+    ImageTextCollator,
+    ImageTextDataset,
+    digits_with_captions,
+    load_caption_folder,
 )
-from accel_train.tasks.multimodal.data import load_caption_folder
-from accel_train.vision import EvalTransform, ImageTextCollator, ImageTextDataset, SmallResNet, digits_with_captions
+from accel_train.tasks.multimodal.loss import ContrastiveLoss, clip_loss, draw_captions
+from accel_train.tasks.multimodal.metrics import ContrastiveMetrics, retrieval_metrics, zero_shot_accuracy
+from accel_train.tasks.multimodal.model import DualEncoder, build_text_tower, tower_param_groups
+from accel_train.tasks.vision.models import SmallResNet
+from accel_train.tasks.vision.transforms import EvalTransform
 
 sys.path.insert(0, str(ROOT / "recipes"))
 import multimodal_contrastive as recipe  # noqa: E402
@@ -362,7 +360,7 @@ def test_flickr8k_mini_loads_with_five_captions_per_image():
 def test_dataset_name_reads_a_local_datasets_folder_with_caption_lists_and_classes(tmp_path):
     import datasets
 
-    from accel_train.vision import ImageTextArguments, load_image_text_data
+    from accel_train.tasks.multimodal.data import ImageTextArguments, load_image_text_data
 
     features = datasets.Features({"image": datasets.Image(), "sentences": datasets.List(datasets.Value("string")),
                                   "kind": datasets.ClassLabel(names=["dark", "bright"])})

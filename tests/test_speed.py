@@ -153,7 +153,7 @@ def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path):
     from accel_train.core.meter import measured_peak
 
     reset_accelerate()
-    result = toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--max_steps", "4", "--logging_steps", "2",
+    toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--max_steps", "4", "--logging_steps", "2",
                              "--per_device_train_batch_size", "8"])
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     metrics = json.loads((tmp_path / "all_results.json").read_text())

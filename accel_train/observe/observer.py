@@ -191,7 +191,7 @@ def _now() -> str:
 
 
 def _class_names(model, metrics_fn, classes: int) -> list[str]:
-    """The metrics function's class names (accel_train.vision's ClassificationMetrics), else the model's id2label,
+    """The metrics function's class names (accel_train.tasks.vision's ClassificationMetrics), else the model's id2label,
     else the class indices."""
     named = list(getattr(metrics_fn, "class_names", None) or [])
     if len(named) == classes:

@@ -213,7 +213,7 @@ def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
     if (out / "lr_schedule.png").exists():
         plots["lr_schedule"] = out / "lr_schedule.png"
     if "confusion_matrix" not in plots and (run.path / "confusion_matrix.png").exists():
-        plots["confusion_matrix"] = run.path / "confusion_matrix.png"  # a recipe's own (accel_train.vision)
+        plots["confusion_matrix"] = run.path / "confusion_matrix.png"  # a recipe's own (image_classification.py)
     drawn = {p.resolve() for p in plots.values()}
     for extra in sorted(out.glob("*.png")):  # what a recipe wrote into report/ itself
         if extra.resolve() not in drawn:

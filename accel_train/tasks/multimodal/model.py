@@ -166,7 +166,7 @@ def build_vision_tower(model_type: str, name_or_path: str | None, image_size: in
     `name_or_path`: pretrained transformers weights (`AutoModel`; a whole CLIP-like checkpoint gives its vision
     tower), with their image processor when they have one; or the output directory of an accel_train
     SmallResNet run, its classifier dropped (`small_resnet_from_run`). Otherwise a tower built from a config:
-    ``small_resnet`` (`accel_train.vision.SmallResNet` without its classifier) or a transformers model type
+    ``small_resnet`` (`accel_train.tasks.vision.models.SmallResNet` without its classifier) or a transformers model type
     (``vit``, ``convnext``, ``resnet``, ...), with `overrides` applied to its config."""
     from transformers import AutoImageProcessor, AutoModel
 

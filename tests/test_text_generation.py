@@ -263,9 +263,9 @@ def test_generation_gathers_each_item_exactly_once_on_two_processes(tmp_path, da
     assert json.loads((out / "all_results.json").read_text())["eval_generated_items"] == 37
 
 
-def test_lora_adapter_saves_and_loads_with_peft(tmp_path, dates):
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+@pytest.fixture
+def llama_base(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     base = tmp_path / "base"
     d = date_pairs(200, 0)
@@ -276,6 +276,14 @@ def test_lora_adapter_saves_and_loads_with_peft(tmp_path, dates):
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
                      ).save_pretrained(base)
     tokenizer.save_pretrained(base)
+    return base
+
+
+def test_lora_adapter_saves_and_loads_with_peft(tmp_path, dates, llama_base):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = llama_base
     out = tmp_path / "lora"
     metrics = text_generation.main([*data_flags(dates, "--prompt_suffix", " ="), "--model_name_or_path", str(base),
                                     "--lora_r", "4", *QUIET, "--output_dir", str(out), "--max_steps", "8",
@@ -549,20 +557,6 @@ def test_a_warning_reaches_the_log_and_the_report(tmp_path, dates):
 # ------------------------------------------------------------------------------------------------ LoRA
 
 
-@pytest.fixture
-def llama_base(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    base = tmp_path / "base"
-    d = date_pairs(200, 0)
-    tokenizer = train_bpe_tokenizer(d["text"] + d["summary"], 300)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-                     ).save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    return base
 
 
 def test_lora_checkpoints_load_with_peft_and_merge_lora_writes_a_plain_model_that_exports(tmp_path, dates, llama_base):

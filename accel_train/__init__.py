@@ -13,9 +13,9 @@
 and `errors.py` at the bottom. Nothing inside the package imports this module.
 """
 
-from .config import TrainConfig, parse_config, save_config
+from .config import TrainConfig, parse_config, parse_with_defaults, save_config
 from .core.accelerator import build_accelerator, precision_in_effect
-from .core.data import LengthGroupedSampler, make_loader, seed_worker
+from .core.data import LengthGroupedSampler, SplitLoaders, make_loader, pad_multiple, seed_worker, split_loaders
 from .core.evaluation import evaluate_model, gather_outputs
 from .core.hooks import EarlyStopping, Hook
 from .core.loss import default_loss, evaluation_loss
@@ -54,6 +54,7 @@ __all__ = [
     "end_training_safely",
     "TrainConfig",
     "parse_config",
+    "parse_with_defaults",
     "save_config",
     "build_accelerator",
     "precision_in_effect",
@@ -73,6 +74,9 @@ __all__ = [
     "make_plan",
     "StepPlan",
     "make_loader",
+    "split_loaders",
+    "SplitLoaders",
+    "pad_multiple",
     "LengthGroupedSampler",
     "seed_worker",
     "Hook",

@@ -77,9 +77,12 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch size on each process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size on each process."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+    dataloader_num_workers: int | None = field(default=None, metadata={
+        "help": "DataLoader worker processes (default: 4 beside a GPU, kept between epochs; 0 on a CPU, where "
+                "workers only take cores from the training step)."})
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin host memory when on an accelerator."})
-    dataloader_persistent_workers: bool = field(default=False, metadata={"help": "Keep workers between epochs."})
+    dataloader_persistent_workers: bool | None = field(default=None, metadata={
+        "help": "Keep workers between epochs (default: with the default workers beside a GPU)."})
     dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete training batch."})
 
     # --- optimisation
@@ -343,6 +346,8 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.torch_compile_mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         raise bad("torch_compile_mode", cfg.torch_compile_mode,
                   "choose default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs.")
+    if cfg.dataloader_num_workers is not None and cfg.dataloader_num_workers < 0:
+        raise bad("dataloader_num_workers", cfg.dataloader_num_workers, "must be >= 0 (or unset for the default).")
     if cfg.dataloader_persistent_workers and cfg.dataloader_num_workers == 0:
         raise ConfigError("--dataloader_persistent_workers needs --dataloader_num_workers > 0.")
     for fmt in cfg.export_formats or ():
@@ -462,6 +467,19 @@ def parse_config(
         if isinstance(outputs[-1], TrainConfig):
             object.__setattr__(outputs[-1], "origin", "flags")
     return tuple(outputs)
+
+
+def parse_with_defaults(dataclass_types: Sequence[type], argv: Sequence[str] | None, defaults: dict[str, Any],
+                        more: Any) -> tuple:
+    """`parse_config` with defaults that depend on what the flags name: `more(configs) -> dict` is called on a first
+    parse, and what it returns goes on top of `defaults` for the final one (a recipe's demo settings when no data is
+    named, a model's own settings when the default model is used). Flags and the YAML file still win over both.
+
+        parse_with_defaults(TYPES, argv, DEFAULTS, lambda c: {} if c[1].data_dir else DEMO_DEFAULTS)
+    """
+    configs = parse_config(dataclass_types, argv, defaults=defaults)
+    extra = more(configs)
+    return parse_config(dataclass_types, argv, defaults={**defaults, **extra}) if extra else configs
 
 
 def _pop_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:

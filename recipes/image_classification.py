@@ -23,9 +23,9 @@ from accel_train import (
     ModelError,
     TrainConfig,
     build_accelerator,
-    make_loader,
     parse_config,
     run_cli,
+    split_loaders,
     train,
 )
 from accel_train.tasks.model_config import build_config, check_constructor, parse_overrides
@@ -48,14 +48,12 @@ MODEL_PRESETS = {
             "intermediate_size": 384},
     "convnext": {"patch_size": 2, "hidden_sizes": [48, 96, 192, 384], "depths": [2, 2, 2, 2]},
 }
-# Loader workers decode images beside a GPU; on a CPU they compete with the training threads for the same
-# cores (3x slower on 2 cores, benchmarks/image_classification.md), so none there.
-_GPU = torch.cuda.is_available()
+# Loader workers (the library's default: 4 beside a GPU, none on a CPU, where they competed with the training threads
+# for the same cores: 3x slower on 2 cores, benchmarks/image_classification.md).
 DEFAULTS = {
     "output_dir": "outputs/image_classification", "num_train_epochs": 8, "per_device_train_batch_size": 64,
     "per_device_eval_batch_size": 256, "optim": "adamw", "learning_rate": 3e-3, "weight_decay": 0.05,
     "lr_scheduler_type": "cosine", "warmup_steps": 0.1, "label_smoothing_factor": 0.1, "logging_steps": 20,
-    "dataloader_num_workers": 4 if _GPU else 0, "dataloader_persistent_workers": _GPU,
 }
 
 
@@ -178,13 +176,11 @@ def main(argv=None) -> dict[str, float]:
                          model_args.channels_last)
     metrics_fn = build_metrics(data.class_names)
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
-    loaders = {name: make_loader(ds, config, train=name == "train", num_processes=accelerator.num_processes,
-                                 process_index=accelerator.process_index) for name, ds in image_sets.items()}
-    eval_split = data.eval_split  # validation, else test; a test split besides validation is evaluated at the end
-    final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
-    finish = Finish(eval_split, "test" in loaders, metrics_fn, data.class_names, config.output_dir)
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
-                   eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
+    # validation, else test; a test split besides validation is evaluated at the end
+    loaders = split_loaders(image_sets, config, accelerator, data.eval_split)
+    finish = Finish(data.eval_split, "test" in image_sets, metrics_fn, data.class_names, config.output_dir)
+    result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
+                   eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator,
                    processing_class=processor, extra_configs=[data_args, aug_args, model_args])
     return result.metrics
 

@@ -20,7 +20,15 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
+from accel_train import (
+    ConfigError,
+    TrainConfig,
+    build_accelerator,
+    parse_with_defaults,
+    run_cli,
+    split_loaders,
+    train,
+)
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
@@ -103,10 +111,8 @@ def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std,
 
 def parse(argv=None):
     """The four configs; the demo's own defaults apply when no data flag (nor a YAML file) names data."""
-    configs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
-    if configs[1].data_dir or configs[1].dataset_name:
-        return configs
-    return parse_config(CONFIG_TYPES, argv, defaults={**DEFAULTS, **DEMO_DEFAULTS})
+    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS,
+                               lambda c: {} if c[1].data_dir or c[1].dataset_name else DEMO_DEFAULTS)
 
 
 def main(argv=None) -> dict[str, float]:
@@ -128,16 +134,12 @@ def main(argv=None) -> dict[str, float]:
     loss_fn = build_loss(accelerator, config, towers, datasets, mean, std, data.class_names, tokenizer, demo)
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
-    loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collator,
-                                 num_processes=accelerator.num_processes, process_index=accelerator.process_index)
-               for name, ds in datasets.items()}
-    eval_split = data.eval_split
-    final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
+    loaders = split_loaders(datasets, config, accelerator, data.eval_split, collate_fn=collator)
     finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
     groups = tower_param_groups(model, towers.learning_rates(config.learning_rate),
                                 towers.weight_decays(config.weight_decay))
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
-                   eval_loader=loaders.get(eval_split), final_eval_loaders=final, accelerator=accelerator,
+    result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
+                   eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator,
                    optimizer=groups, hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, towers])
     return result.metrics

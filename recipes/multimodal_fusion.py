@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 
 from accelerate.utils import set_seed
 
-from accel_train import ConfigError, TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
+from accel_train import (
+    ConfigError,
+    TrainConfig,
+    build_accelerator,
+    parse_with_defaults,
+    run_cli,
+    split_loaders,
+    train,
+)
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
@@ -122,10 +130,8 @@ CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TaskArguments, 
 
 def parse(argv=None):
     """The five configs; the demo's own defaults apply when no data flag (nor a YAML file) names data."""
-    configs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
-    if configs[1].data_dir or configs[1].dataset_name:
-        return configs
-    return parse_config(CONFIG_TYPES, argv, defaults={**DEFAULTS, **DEMO_DEFAULTS})
+    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS,
+                               lambda c: {} if c[1].data_dir or c[1].dataset_name else DEMO_DEFAULTS)
 
 
 def load_data(data_args: ImageTextArguments, seed: int, accelerator):
@@ -183,15 +189,12 @@ def main(argv=None) -> dict[str, float]:
     wds = {**towers.weight_decays(config.weight_decay), "fusion": config.weight_decay}
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
-    loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collator,
-                                 num_processes=accelerator.num_processes, process_index=accelerator.process_index)
-               for name, ds in datasets.items()}
-    final = {"test": loaders["test"]} if "test" in loaders and data.eval_split != "test" else None
+    loaders = split_loaders(datasets, config, accelerator, data.eval_split, collate_fn=collator)
     finish = FinishReport(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn,
-                   metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.get(data.eval_split),
-                   final_eval_loaders=final, accelerator=accelerator, optimizer=fusion_param_groups(model, lrs, wds),
-                   hooks=[finish], processing_class=tokenizer,
+    result = train(model, loaders.train, config=config, loss_fn=loss_fn,
+                   metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.eval,
+                   final_eval_loaders=loaders.final, accelerator=accelerator,
+                   optimizer=fusion_param_groups(model, lrs, wds), hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, tasks, towers])
     return result.metrics
 

@@ -31,6 +31,7 @@ from accel_train import (
     layerwise_lr_decay_groups,
     load_metric,
     make_loader,
+    pad_multiple,
     parse_config,
     run_cli,
     train,
@@ -51,11 +52,9 @@ from accel_train.tasks.text.classification import (
     truncated_counts,
 )
 
-ON_GPU = torch.cuda.is_available()
-# Beside a GPU, padding batches in the main process starves it (43% of step time on an H200 at batch 256):
-# collate in worker processes there. On a CPU the workers compete with training for the cores.
+# Loader workers are the library's default: 4 beside a GPU (padding batches in the main process starved it, 43% of
+# step time on an H200 at batch 256), none on a CPU, where they compete with training for the cores.
 DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_device_train_batch_size=32,
-                dataloader_num_workers=4 if ON_GPU else 0, dataloader_persistent_workers=ON_GPU,
                 per_device_eval_batch_size=64, learning_rate=2e-4, weight_decay=0.01, warmup_steps=0.1,
                 logging_steps=10, eval_strategy="epoch", save_strategy="epoch", save_total_limit=2,
                 load_best_model_at_end=True)
@@ -263,7 +262,7 @@ def main(argv=None):
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
     # preset may have chosen when --mixed_precision is unset.
     collator = DataCollatorWithPadding(
-        tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision in ("fp16", "bf16") else None)
+        tokenizer, pad_to_multiple_of=pad_multiple(accelerator))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
                                lengths=lengths if dargs.group_by_length else None,

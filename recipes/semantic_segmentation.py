@@ -21,7 +21,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from accel_train import TrainConfig, build_accelerator, make_loader, parse_config, run_cli, train
+from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, split_loaders, train
 from accel_train.tasks.model_config import check_constructor, parse_overrides
 from accel_train.tasks.vision.annotated import load_mask_pairs
 from accel_train.tasks.vision.augment import DenseAugmentationArguments
@@ -96,19 +96,15 @@ def main(argv=None) -> dict[str, float]:
     loss_fn = build_loss(aug_args, model_args, data)
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own augmentation
     collate = DenseCollator(data.max_objects)
-    loaders = {name: make_loader(ds, config, train=name == "train", collate_fn=collate,
-                                 num_processes=accelerator.num_processes, process_index=accelerator.process_index)
-               for name, ds in data.splits.items()}
-    eval_split = data.eval_split
-    final = {"test": loaders["test"]} if "test" in loaders and eval_split != "test" else None
-    shown = "test" if "test" in data.splits else eval_split
+    loaders = split_loaders(data.splits, config, accelerator, data.eval_split, collate_fn=collate)
+    shown = "test" if "test" in data.splits else data.eval_split
     plot = PredictionPlot(model, data.splits[shown], collate, loss_fn.predict,
                           functools.partial(draw_segmentation_batch, class_names=names),
                           Path(config.output_dir) / "report" / "segmentation.png", accelerator.is_main_process)
-    result = train(model, loaders["train"], config=config, loss_fn=loss_fn, metrics_fn=build_metrics(data),
-                   eval_loader=loaders[eval_split], final_eval_loaders=final, accelerator=accelerator, hooks=[plot],
+    result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=build_metrics(data),
+                   eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator, hooks=[plot],
                    processing_class=preprocessing(data, loss_fn), extra_configs=[data_args, aug_args, model_args])
-    prefix = "test" if final else "eval"
+    prefix = "test" if loaders.final else "eval"
     accelerator.print(f"{shown} ({len(data.splits[shown])} images): mIoU {result.metrics[f'{prefix}_miou']:.3f}, "
                       f"pixel accuracy {result.metrics[f'{prefix}_pixel_accuracy']:.4f}; pictures: {plot.path}")
     return result.metrics

@@ -31,7 +31,8 @@ from accel_train import (
     default_loss,
     load_metric,
     make_loader,
-    parse_config,
+    pad_multiple,
+    parse_with_defaults,
     run_cli,
     train,
 )
@@ -74,12 +75,13 @@ METRICS = ("rouge", "bleu", "sacrebleu", "exact_match")
 
 
 def parse(argv=None):
-    configs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
-    data_args, model_args = configs[1], configs[2]
-    named = model_args.model_name_or_path or model_args.config_name or model_args.model_type
-    extra = {**({} if named else WARM_START_DEFAULTS),
-             **({} if data_args.train_file or data_args.dataset_name else DEMO_DEFAULTS)}
-    return parse_config(CONFIG_TYPES, argv, defaults={**DEFAULTS, **extra}) if extra else configs
+    """The four configs; the warm-started model's defaults when no model is named, the demo's when no data is."""
+    def more(configs):
+        data_args, model_args = configs[1], configs[2]
+        named = model_args.model_name_or_path or model_args.config_name or model_args.model_type
+        return {**({} if named else WARM_START_DEFAULTS),
+                **({} if data_args.train_file or data_args.dataset_name else DEMO_DEFAULTS)}
+    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS, more)
 
 
 def load_data(data_args: GenerationDataArguments, model_args: GenerationModelArguments, seed: int):
@@ -138,9 +140,7 @@ def main(argv=None) -> dict[str, float]:
                       ", ".join(f"{k} {len(v.tokens)}" + (f" ({v.targets_cut} of {v.targets} targets cut to "
                                                           f"--max_target_length)" if v.targets_cut else "")
                                 for k, v in splits.items()))
-    # tensor cores want multiples of 8 under mixed precision; on a CPU the extra padding is only extra work
-    half_on_gpu = accelerator.mixed_precision in ("fp16", "bf16") and accelerator.device.type == "cuda"
-    collator = TrainCollator(tokenizer.pad_token_id, 8 if half_on_gpu else None)
+    collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator))
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
     lengths = [len(i) + len(label) for i, label in zip(train_set["input_ids"], train_set["labels"], strict=True)]
     modules = {name: load_metric(name) for name in METRICS}

@@ -178,3 +178,21 @@ def test_the_loop_draws_nothing_from_the_global_rng_before_the_first_forward(tmp
     loader = DataLoader(TensorDataset(torch.randn(16, 3, generator=torch.Generator().manual_seed(0))), batch_size=4)
     train(model, loader, config=config, loss_fn=loss_fn, accelerator=accelerator)
     assert torch.equal(seen[0], expected)
+
+
+def test_split_loaders_name_the_evaluation_and_the_final_test_split_and_workers_come_from_the_library(tmp_path):
+    from accel_train import pad_multiple, split_loaders
+    from accel_train.core.data import loader_workers
+
+    splits = {name: TensorDataset(torch.arange(n)) for name, n in (("train", 8), ("validation", 4), ("test", 3))}
+    config = TrainConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=3)
+    accelerator = SimpleNamespace(num_processes=1, process_index=0, mixed_precision="bf16",
+                                  device=torch.device("cpu"))
+    loaders = split_loaders(splits, config, accelerator, "validation")
+    assert loaders.eval is loaders.by_split["validation"] and loaders.final == {"test": loaders.by_split["test"]}
+    assert loaders.train.batch_size == 2 and loaders.eval.batch_size == 3
+    only_test = split_loaders({k: v for k, v in splits.items() if k != "validation"}, config, accelerator, "test")
+    assert only_test.eval is only_test.by_split["test"] and only_test.final is None  # evaluated, not twice
+    assert pad_multiple(accelerator) is None  # bf16 on a CPU: padding to 8 is only extra work
+    assert loader_workers(config) == (0, False)  # no GPU here: no workers by default
+    assert loader_workers(config.replace(dataloader_num_workers=2)) == (2, False)

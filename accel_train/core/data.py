@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ def make_loader(
     if train and lengths is not None:
         seed = config.data_seed if config.data_seed is not None else config.seed
         sampler = LengthGroupedSampler(lengths, batch_size * num_processes, seed)
-    workers = config.dataloader_num_workers
+    workers, persistent = loader_workers(config)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -86,9 +87,53 @@ def make_loader(
         drop_last=train and config.dataloader_drop_last,
         num_workers=workers,
         pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
-        persistent_workers=config.dataloader_persistent_workers and workers > 0,
+        persistent_workers=persistent and workers > 0,
         worker_init_fn=functools.partial(seed_worker, rank=_rank(process_index)) if workers > 0 else None,
     )
+
+
+@dataclass
+class SplitLoaders:
+    """A recipe's loaders, one per split: `train` (shuffled), `eval` (the split evaluated during training, or None),
+    `final` ({"test": loader} when a test split exists beside the evaluation split: evaluated once, at the end;
+    else None) and `by_split`."""
+
+    train: DataLoader
+    eval: DataLoader | None
+    final: dict[str, DataLoader] | None
+    by_split: dict[str, DataLoader]
+
+
+def split_loaders(splits: Mapping[str, Dataset], config: TrainConfig, accelerator, eval_split: str | None,
+                  collate_fn: Callable | None = None) -> SplitLoaders:
+    """`make_loader` for every split ("train" shuffled, workers seeded per process), and which one `train()`
+    evaluates during training and at the end: the block every recipe with train / validation / test splits needs.
+
+        loaders = split_loaders(data.splits, config, accelerator, data.eval_split, collate_fn=collate)
+        train(model, loaders.train, eval_loader=loaders.eval, final_eval_loaders=loaders.final, ...)
+    """
+    by_split = {name: make_loader(ds, config, train=name == "train", collate_fn=collate_fn,
+                                  num_processes=accelerator.num_processes, process_index=accelerator.process_index)
+                for name, ds in splits.items()}
+    final = {"test": by_split["test"]} if "test" in by_split and eval_split != "test" else None
+    return SplitLoaders(by_split["train"], by_split.get(eval_split) if eval_split else None, final, by_split)
+
+
+def pad_multiple(accelerator) -> int | None:
+    """The multiple to pad sequence lengths to: 8 under fp16 / bf16 on a GPU (tensor cores want it), else None (on a
+    CPU the extra padding is only extra work). A recipe asks the library instead of branching on the hardware."""
+    half = accelerator.mixed_precision in ("fp16", "bf16")
+    return 8 if half and accelerator.device.type == "cuda" else None
+
+
+def loader_workers(config: TrainConfig) -> tuple[int, bool]:
+    """(workers, persistent): the config's, else 4 persistent workers beside a GPU and none on a CPU (measured on
+    this project's 2-core machines, workers only took cores from the step; beside a GPU they hide decoding and
+    augmentation, benchmarks/GPU_RESULTS.md)."""
+    gpu = torch.cuda.is_available()
+    workers = config.dataloader_num_workers if config.dataloader_num_workers is not None else (4 if gpu else 0)
+    persistent = config.dataloader_persistent_workers
+    return workers, (workers > 0 and config.dataloader_num_workers is None) if persistent is None else persistent
 
 
 def dataset_size(loader) -> int | None:

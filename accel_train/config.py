@@ -120,8 +120,11 @@ class TrainConfig:
     )
 
     # --- precision and reproducibility
-    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
-        default=None, metadata={"help": "no / fp16 / bf16; default: what `accelerate launch`/`accelerate config` set."}
+    mixed_precision: Literal["no", "fp16", "bf16", "auto"] | None = field(
+        default=None, metadata={"help": "no / fp16 / bf16; auto: bf16 where the hardware computes it natively (a GPU "
+                                        "with bf16, a CPU with AVX512-BF16 or AMX), else fp32, unless the launcher "
+                                        "asked for a precision; default: what `accelerate launch`/`accelerate config` "
+                                        "set."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for model init, dropout and data order."})
     data_seed: int | None = field(default=None, metadata={"help": "Seed for data order only (default: seed)."})

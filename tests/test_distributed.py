@@ -106,3 +106,22 @@ def test_early_stopping_stops_all_ranks_together_and_keeps_the_best(tmp_path):
     assert f"step-{best[0]:08d}" in kept  # the best survives keep-last-1
     results = json.loads((out / "all_results.json").read_text())
     assert results["eval_loss"] == pytest.approx(best[1], abs=1e-7)  # the restored best model, re-evaluated
+
+
+@pytest.mark.slow
+def test_bf16_two_processes_equal_one_process_within_bf16_rounding(tmp_path):
+    """bf16 autocast (what --mixed_precision auto picks on a CPU with native bf16): the matmuls of 4 and of 8 rows
+    round differently, so the two runs agree to bf16 rounding, not bitwise; the schedule and the samples are the
+    same. Measured: the final weights 3.3e-3 apart at most after 36 steps (bf16 keeps 8 bits of mantissa, a relative
+    4e-3); asserted below 1e-2. In fp32 the same comparison is below 1e-6 (the test above)."""
+    common = ["--num_train_epochs", "3", "--learning_rate", "0.05", "--logging_steps", "1", "--eval_strategy", "no",
+              "--save_strategy", "no", "--mixed_precision", "bf16", *QUIET]
+    launch(TOY, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")], 1)
+    launch(TOY, [*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")], 2)
+    one, two = tmp_path / "one", tmp_path / "two"
+    difference = max_diff(load_file(one / "model.safetensors"), load_file(two / "model.safetensors"))
+    print(f"bf16 1 vs 2 processes: max |weight difference| {difference:.2e}")
+    assert difference < 1e-2
+    assert history(one, "learning_rate") == history(two, "learning_rate")
+    losses = [[loss for _, loss in history(out, "loss")] for out in (one, two)]
+    assert max(abs(a - b) for a, b in zip(*losses, strict=True)) < 1e-2

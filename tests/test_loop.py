@@ -196,3 +196,28 @@ def test_split_loaders_name_the_evaluation_and_the_final_test_split_and_workers_
     assert pad_multiple(accelerator) is None  # bf16 on a CPU: padding to 8 is only extra work
     assert loader_workers(config) == (0, False)  # no GPU here: no workers by default
     assert loader_workers(config.replace(dataloader_num_workers=2)) == (2, False)
+
+
+def test_mixed_precision_auto_picks_native_bf16_and_yields_to_the_launcher(tmp_path, monkeypatch):
+    from accel_train.core import accelerator as acc_module
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setattr(acc_module, "native_bf16", lambda: True)
+    assert acc_module.resolve_precision("auto") == "bf16"
+    monkeypatch.setattr(acc_module, "native_bf16", lambda: False)  # emulated bf16 is slower than fp32: not picked
+    assert acc_module.resolve_precision("auto") == "no"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the launcher asked for a precision: it stands
+    assert acc_module.resolve_precision("auto") == "fp16"
+    assert acc_module.resolve_precision("no") == "no" and acc_module.resolve_precision(None) is None
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    monkeypatch.setattr(acc_module, "native_bf16", lambda: True)
+    reset_accelerate()
+    config = TrainConfig(output_dir=str(tmp_path), mixed_precision="auto", report_to=["none"])
+    accelerator = build_accelerator(config)
+    assert accelerator.mixed_precision == "bf16"
+    from accel_train.core.accelerator import startup_report
+    from accel_train.core.optim import make_plan
+
+    report = startup_report(accelerator, config, make_plan(config, 4, 1), 32)
+    assert "bf16 autocast on cpu (--mixed_precision auto: this cpu computes bf16 natively; --mixed_precision no" \
+           in report

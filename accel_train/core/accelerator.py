@@ -42,7 +42,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
 
         dynamo = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode or "default")
     accelerator = Accelerator(
-        mixed_precision=config.mixed_precision,
+        mixed_precision=resolve_precision(config.mixed_precision),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(
             # a stream is read by every process, each its own shard (datasets.IterableDataset.shard), rather
@@ -196,6 +196,31 @@ def check_world_size(accelerator: Accelerator, explicit: int | None = None) -> N
         )
 
 
+def resolve_precision(requested: str | None) -> str | None:
+    """--mixed_precision auto: the launcher's precision when it asked for one (ACCELERATE_MIXED_PRECISION other than
+    "no"), else bf16 where this machine computes bf16 natively (`native_bf16`), else "no" (fp32). Other values are
+    passed to Accelerate unchanged (None: the launcher's)."""
+    if requested != "auto":
+        return requested
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launcher not in ("", "no"):
+        return launcher
+    return "bf16" if native_bf16() else "no"
+
+
+def native_bf16() -> bool:
+    """Whether bf16 matmuls run natively: a GPU that supports bf16 (Ampere and newer), or a CPU with AVX512-BF16 or
+    AMX-BF16 instructions (on a CPU without them bf16 is emulated, and slower than fp32)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:  # not Linux: not detected, so not assumed
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def check_precision(accelerator: Accelerator) -> None:
     """Accelerate accepts fp16 on a CPU and silently trains in fp32: refuse it."""
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
@@ -238,7 +263,7 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         "accel_train run",
         f"  world size       {accelerator.num_processes} process(es), {accelerator.distributed_type.value}"
         f", device {accelerator.device}",
-        f"  precision        {precision_in_effect(accelerator)}",
+        f"  precision        {precision_in_effect(accelerator)}{_auto_note(accelerator, config)}",
         f"  speed            {speed_settings(accelerator, config)}",
         f"  batch            {config.per_device_train_batch_size} per device x {accelerator.num_processes} processes"
         f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
@@ -255,6 +280,15 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
                      f"last batches of {accelerator.num_processes} processes with samples from the start "
                      "(even_batches); --dataloader_drop_last drops the incomplete batches instead")
     return "\n".join(lines)
+
+
+def _auto_note(accelerator: Accelerator, config: TrainConfig) -> str:
+    if config.mixed_precision != "auto":
+        return ""
+    if accelerator.mixed_precision == "bf16" and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("", "no"):
+        return (f" (--mixed_precision auto: this {accelerator.device.type} computes bf16 natively; "
+                "--mixed_precision no for fp32)")
+    return " (--mixed_precision auto)"
 
 
 def duplicated_samples(plan, config: TrainConfig, num_processes: int, num_train_samples: int | None) -> int:

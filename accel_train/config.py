@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,9 +90,9 @@ class TrainConfig:
     optim: str = field(default="adamw", metadata={"help": f"One of {OPTIMIZERS}."})
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam's first-moment decay."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Adam's second-moment decay."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "Adam's epsilon (added to the denominator)."})
     sgd_momentum: float = field(default=0.9, metadata={"help": "Momentum for optim=sgd."})
     scale_lr: Literal["none", "linear", "sqrt"] = field(
         default="none",
@@ -163,11 +164,15 @@ class TrainConfig:
     max_nonfinite_skips: int = field(default=10, metadata={"help": "With on_nonfinite=skip: stop after N skips."})
 
     # --- intervals
-    logging_strategy: Literal["no", "steps", "epoch"] = "steps"
+    logging_strategy: Literal["no", "steps", "epoch"] = field(
+        default="steps", metadata={"help": "When to log the training loss and throughput: every --logging_steps "
+                                           "optimizer steps, every epoch, or never."})
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
-    eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    eval_strategy: Literal["no", "steps", "epoch"] = field(
+        default="epoch", metadata={"help": "When to evaluate: every --eval_steps steps, every epoch, or never."})
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate every N steps (default: logging_steps)."})
-    save_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    save_strategy: Literal["no", "steps", "epoch"] = field(
+        default="epoch", metadata={"help": "When to checkpoint: every --save_steps steps, every epoch, or never."})
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep the newest N checkpoints (the best one is always kept)."}
@@ -361,10 +366,33 @@ def _validate(cfg: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------- parsing
 
 
+# TrainConfig's fields in --help, by group: the field that opens each group (they follow in declaration order).
+HELP_GROUPS = {"output_dir": "where the run lives", "num_train_epochs": "how long", "per_device_train_batch_size":
+               "batches and loaders", "optim": "optimisation", "lr_scheduler_type": "learning-rate schedule (in "
+               "optimizer steps)", "mixed_precision": "precision and reproducibility", "torch_compile": "speed",
+               "on_nonfinite": "reliability", "logging_strategy": "intervals", "metric_for_best_model":
+               "best model and early stopping", "report_to": "trackers and export", "preflight":
+               "run report, pre-flight check, diagnostics"}
+
+
 class _Parser(HfArgumentParser):
-    """HfArgumentParser that raises ConfigError instead of printing usage and calling sys.exit."""
+    """HfArgumentParser that raises ConfigError instead of printing usage and calling sys.exit, and shows
+    TrainConfig's flags in --help in their groups (HELP_GROUPS) rather than as one list of ninety."""
 
     source = "command line"
+
+    def _add_dataclass_arguments(self, dtype):
+        if dtype is not TrainConfig:
+            return super()._add_dataclass_arguments(dtype)
+        hints = typing.get_type_hints(dtype)
+        group = self
+        for f in dataclasses.fields(dtype):
+            if not f.init:
+                continue
+            if f.name in HELP_GROUPS:
+                group = self.add_argument_group(f"TrainConfig: {HELP_GROUPS[f.name]}")
+            f.type = hints[f.name]
+            self._parse_dataclass_field(group, f)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise ConfigError(f"{self.source}: {message}. Run with --help to list the flags.")

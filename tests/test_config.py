@@ -102,3 +102,16 @@ def test_saved_config_reloads_identically(tmp_path):
     save_config([cfg], path)
     assert yaml.safe_load(path.read_text())["learning_rate"] == 0.003
     assert parse(["--config", str(path)]) == cfg
+
+
+def test_help_shows_trainconfig_in_its_groups_and_every_field_has_help(capsys):
+    from accel_train.config import HELP_GROUPS
+
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if f.init and not f.metadata.get("help")]
+    assert missing == []
+    with pytest.raises(SystemExit):
+        parse_config((TrainConfig,), ["--help"])
+    text = capsys.readouterr().out
+    titles = [line.rstrip(":") for line in text.splitlines() if line.startswith("TrainConfig: ")]
+    assert titles == [f"TrainConfig: {title}" for title in HELP_GROUPS.values()] and len(titles) == 12
+    assert text.index("--output_dir") < text.index("--num_train_epochs") < text.index("--preflight")

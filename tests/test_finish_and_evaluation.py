@@ -91,7 +91,7 @@ def test_evaluation_measures_the_plain_token_loss_whatever_the_label_smoothing(t
     labels = batch["labels"][:, 1:]
     plain, smoothed = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, label_smoothing=s).item()
                        for s in (0.0, 0.1))
-    assert result.metrics["eval_loss"] == pytest.approx(plain, abs=1e-5)  # before: the smoothed one
+    assert result.metrics["eval_loss"] == pytest.approx(plain, abs=1e-5), "eval_loss must be the plain NLL"
     assert smoothed > plain + 0.05  # the two differ on this model: the assertion above tells them apart
 
 

@@ -28,6 +28,7 @@ from accel_train import (
     split_loaders,
     train,
 )
+from accel_train.rundir.layout import CONFUSION_MATRIX_PLOT
 from accel_train.tasks.model_config import build_config, check_constructor, parse_overrides
 from accel_train.tasks.vision.classification import ClassificationMetrics, save_confusion_matrix
 from accel_train.tasks.vision.data import ImageDataArguments, ImageDataset, load_image_data
@@ -205,13 +206,13 @@ class Finish:
         confusion = self.metrics_fn.last_confusion
         if not session.accelerator.is_main_process or confusion is None:
             return
-        save_confusion_matrix(confusion, self.class_names, self.out / "confusion_matrix.png",
+        save_confusion_matrix(confusion, self.class_names, self.out / CONFUSION_MATRIX_PLOT,
                               title="test" if prefix == "test" else self.eval_split)
         rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}"
                 for name, key in zip(self.class_names, self.metrics_fn.keys, strict=True)]
         print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
         print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
-              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / 'confusion_matrix.png'}",
+              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / CONFUSION_MATRIX_PLOT}",
               flush=True)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, split_loaders, train
+from accel_train.rundir.layout import REPORT_DIR
 from accel_train.tasks.model_config import check_constructor, parse_overrides
 from accel_train.tasks.vision.annotated import load_mask_pairs
 from accel_train.tasks.vision.augment import DenseAugmentationArguments
@@ -100,7 +101,7 @@ def main(argv=None) -> dict[str, float]:
     shown = "test" if "test" in data.splits else data.eval_split
     plot = PredictionPlot(model, data.splits[shown], collate, loss_fn.predict,
                           functools.partial(draw_segmentation_batch, class_names=names),
-                          Path(config.output_dir) / "report" / "segmentation.png", accelerator.is_main_process)
+                          Path(config.output_dir) / REPORT_DIR / "segmentation.png", accelerator.is_main_process)
     result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=build_metrics(data),
                    eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator, hooks=[plot],
                    processing_class=preprocessing(data, loss_fn), extra_configs=[data_args, aug_args, model_args])

@@ -12,9 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from accel_train import build_accelerator, end_training_safely, evaluate_model, make_loader, parse_config
+from accel_train.rundir.weights import load_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import object_detection  # noqa: E402
@@ -37,7 +36,7 @@ def main(argv=None) -> None:
     accelerator = build_accelerator(config)
     data = recipe.load_data(data_args, config.seed)
     model = recipe.build_model(model_args, data)
-    model.load_state_dict(load_file(what.weights))
+    load_weights(model, what.weights)
     loss_fn = recipe.build_loss(aug_args, model_args, data)
     loader = make_loader(data.splits["test"], config, train=False, collate_fn=DenseCollator(data.max_objects))
     model, loader = accelerator.prepare(model, loader)

@@ -13,13 +13,13 @@ from conftest import ROOT, launch, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from accel_train import ConfigError, EarlyStopping, TrainConfig, make_plan, run_cli, train
+from accel_train import ConfigError, EarlyStopping, ModelError, TrainConfig, make_plan, run_cli, train
 from accel_train.core.accelerator import duplicated_samples
 from accel_train.core.hooks import hook_keys, saved_hook_state
 from accel_train.core.loss import as_loss_output
 from accel_train.observe.preflight.model_checks import check_schedule
 from accel_train.rundir.checkpoint import list_checkpoints, resolve_checkpoint, rotate_checkpoints, verify_checkpoint
-from accel_train.rundir.export import load_weights
+from accel_train.rundir.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = ["--report_to", "none", "--disable_tqdm", "--logging_steps", "1"]
@@ -402,6 +402,27 @@ def test_a_tied_plain_module_exports_and_loads_back(tmp_path):
     loaded = Tied()
     load_weights(loaded, tmp_path)
     assert torch.equal(loaded.out.weight, trained.out.weight) and loaded.out.weight is loaded.embed.weight
+
+
+def test_load_weights_reads_shards_drops_excluded_names_and_names_what_does_not_fit(tmp_path):
+    from safetensors.torch import save_file
+
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    save_file({k: v for k, v in state.items() if k.startswith("0.")}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({k: v for k, v in state.items() if k.startswith("1.")}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 if k.startswith('0.') else 2}-of-00002.safetensors" for k in state}}))
+    whole = load_weights(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), tmp_path)
+    assert all(torch.equal(whole.state_dict()[k], v) for k, v in state.items()), "sharded weights loaded whole"
+    backbone = load_weights(torch.nn.Sequential(torch.nn.Linear(3, 4)), tmp_path, exclude=lambda k: k.startswith("1."))
+    assert torch.equal(backbone[0].weight, state["0.weight"]), "the excluded head is left behind, the rest loads"
+    with pytest.raises(ModelError, match=r"do not fit the Sequential \(2 unexpected"):
+        load_weights(torch.nn.Sequential(torch.nn.Linear(3, 4)), tmp_path)
+    with pytest.raises(ModelError, match="size mismatch for 0.weight"):
+        load_weights(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)), tmp_path)
+    with pytest.raises(ModelError, match="no model.safetensors"):
+        load_weights(source, tmp_path / "elsewhere")
 
 
 @pytest.mark.slow

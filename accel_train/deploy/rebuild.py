@@ -21,12 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, ExportError
+from ..errors import CheckpointError, ExportError, ModelError
 from ..rundir.checkpoint import verify_checkpoint
+from ..rundir.layout import WEIGHTS
+from ..rundir.weights import load_weights, weights_file
 from .factory import FACTORY_FILE, ModelFactory
-
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -91,37 +90,13 @@ def _transformers_model(run_dir: Path, checkpoint: Path | None) -> tuple[nn.Modu
 
 
 def _load_weights(model: nn.Module, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    if (directory / WEIGHTS).is_file():
-        state = load_file(str(directory / WEIGHTS))
-    elif (directory / WEIGHTS_INDEX).is_file():
-        shards = sorted(set(json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-        state = {k: v for shard in shards for k, v in load_file(str(directory / shard)).items()}
-    else:
+    if weights_file(directory) is None:
         raise ExportError(f"{directory}: no {WEIGHTS} (the run saves it at the end; a checkpoint holds it too).")
-    tied = {k for k in getattr(model, "all_tied_weights_keys", None) or {}}
-    # a plain module's tied weights: the file holds one name of each group sharing memory (safetensors refuses
-    # shared tensors); loading it fills the others, which are the same Parameter
-    sharing: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict().items():
-        sharing.setdefault(tensor.data_ptr(), []).append(name)
-    tied |= {n for names in sharing.values() if len(names) > 1 and any(m in state for m in names) for n in names}
     try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # shapes differ: name the first one
-        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
-        raise ExportError(f"{directory}: the weights do not fit the rebuilt {type(model).__name__}: {first} Was the "
-                          f"model built with other arguments? Check {FACTORY_FILE} / --factory.") from None
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
-        details = (f"{len(missing)} missing, e.g. {missing[:2]}" if missing else "") + (
-            f"{'; ' if missing else ''}{len(result.unexpected_keys)} unexpected, e.g. {result.unexpected_keys[:2]}"
-            if result.unexpected_keys else "")
-        raise ExportError(f"{directory / WEIGHTS}: the weights do not fit the rebuilt {type(model).__name__} "
-                          f"({details}). Was the model built with other arguments? Check {FACTORY_FILE} / --factory.")
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        load_weights(model, directory, described_as=f"the rebuilt {type(model).__name__}")
+    except ModelError as err:
+        raise ExportError(f"{err} Was the model built with other arguments? Check {FACTORY_FILE} / --factory.") \
+            from None
 
 
 def _tokenizer(run_dir: Path) -> Any:

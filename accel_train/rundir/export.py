@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from .layout import WEIGHTS
+
 
 def export_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
                  processing_class=None) -> None:
@@ -41,7 +43,7 @@ def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, fol
     Main process only; call it before the checkpoint's manifest is written, so the files are covered by it."""
     folder = Path(folder)
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if not (folder / "model.safetensors").is_file():
+    if not (folder / WEIGHTS).is_file():
         return False
     if is_adapter_model(bare):  # a LoRA (peft) run: the checkpoint loads with PeftModel.from_pretrained(base, it)
         bare.save_pretrained(folder)  # adapter_config.json + adapter_model.safetensors; the base config untouched
@@ -65,15 +67,3 @@ def is_adapter_model(model: torch.nn.Module) -> bool:
     """A peft model (LoRA): what it saves is an adapter, and its `config` attribute is the base model's, which
     must never be rewritten as the adapter's (a config.json naming PeftModelForCausalLM loads fresh weights)."""
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load the model.safetensors a run exported for a plain nn.Module (or the file itself) into `model`, strictly.
-
-    Tied weights (an output layer sharing the embedding's matrix) are stored once, since safetensors refuses
-    tensors that share memory; `safetensors.torch.load_model` restores every name that shares it, where
-    `model.load_state_dict(load_file(path))` reports the second name as missing."""
-    from safetensors.torch import load_model
-
-    path = Path(path)
-    load_model(model, str(path / "model.safetensors" if path.is_dir() else path), strict=True)

@@ -32,6 +32,9 @@ REPORT_DIR = "report"
 DIAGNOSTICS_DIR = "diagnostics"
 PROFILER_DIR = "profiler"
 MODEL_FACTORY = "model_factory.json"
+WEIGHTS = "model.safetensors"  # the final weights (a checkpoint holds its own); sharded: WEIGHTS_INDEX names the shards
+WEIGHTS_INDEX = "model.safetensors.index.json"
+CONFUSION_MATRIX_PLOT = "confusion_matrix.png"  # image_classification.py's test confusion matrix; the report shows it
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
 RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
@@ -41,7 +44,7 @@ EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/..
 # Everything a run writes at the top of output_dir (globs), which --overwrite_output_dir removes before the new run
 # starts: none of the old run's model, exports or predictions may survive to be taken for the new run's.
 RUN_ARTIFACTS = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, MODEL_FACTORY, CRASH_GLOB,
-                 "nonfinite_step*_rank*.json", "confusion_matrix.png", "*.safetensors", "model.safetensors.index.json",
+                 "nonfinite_step*_rank*.json", CONFUSION_MATRIX_PLOT, "*.safetensors", WEIGHTS_INDEX,
                  "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer*", "vocab.*",
                  "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model", "chat_template.jinja",
                  "adapter_config.json", "adapter", "README.md", "*.png")

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ...errors import UserError
-from ...rundir.layout import CONFIG, CRASH_GLOB, HISTORY, REPORT, REPORT_DIR, RESULTS
+from ...rundir.layout import CONFIG, CONFUSION_MATRIX_PLOT, CRASH_GLOB, HISTORY, REPORT, REPORT_DIR, RESULTS
 from .markdown import render, render_compare
 from .plots import Panel, Series, line_plot, matrix_plot
 
@@ -162,7 +162,7 @@ def _plot_diagnostics(run: RunData, out: Path) -> dict[str, Path]:
     plots: dict[str, Path] = {}
     confusion = _json(run.path / REPORT_DIR / "confusion_matrix.json")
     if confusion:
-        plots["confusion_matrix"] = matrix_plot(out / "confusion_matrix.png", confusion["matrix"], confusion["labels"],
+        plots["confusion_matrix"] = matrix_plot(out / CONFUSION_MATRIX_PLOT, confusion["matrix"], confusion["labels"],
                                                 f"confusion matrix, last evaluation: {run.name}")
     flow = run.jsonl("diagnostics/grad_flow.jsonl")
     if flow:
@@ -212,8 +212,8 @@ def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
     plots = {**_plot_training(run, out), **_plot_diagnostics(run, out)}
     if (out / "lr_schedule.png").exists():
         plots["lr_schedule"] = out / "lr_schedule.png"
-    if "confusion_matrix" not in plots and (run.path / "confusion_matrix.png").exists():
-        plots["confusion_matrix"] = run.path / "confusion_matrix.png"  # a recipe's own (image_classification.py)
+    if "confusion_matrix" not in plots and (run.path / CONFUSION_MATRIX_PLOT).exists():
+        plots["confusion_matrix"] = run.path / CONFUSION_MATRIX_PLOT  # a recipe's own (image_classification.py)
     drawn = {p.resolve() for p in plots.values()}
     for extra in sorted(out.glob("*.png")):  # what a recipe wrote into report/ itself
         if extra.resolve() not in drawn:

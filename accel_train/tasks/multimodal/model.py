@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError, ModelError
-from ...rundir.layout import MODEL_FACTORY
+from ...rundir.layout import MODEL_FACTORY, WEIGHTS
+from ...rundir.weights import load_weights, weights_file
 from ..model_config import build_config, check_constructor
 from ..vision.models import SMALL_RESNET_FACTORY, SmallResNet
 
@@ -209,17 +210,13 @@ def small_resnet_from_run(run: Path) -> SmallResNet:
         raise ModelError(f"--vision_model_name_or_path {run}: the run trained {factory}; a run directory is "
                          "accepted only for a SmallResNet (recipes/image_classification.py). For transformers "
                          "weights give a directory with config.json.")
-    weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise ModelError(f"--vision_model_name_or_path {run}: no model.safetensors (is training still running?).")
-    from safetensors.torch import load_file
-
+    if weights_file(run) is None:
+        raise ModelError(f"--vision_model_name_or_path {run}: no {WEIGHTS} (is training still running?).")
     model = SmallResNet(**{**kwargs, "num_labels": 0})
-    state = {k: v for k, v in load_file(weights).items() if not k.startswith("head.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelError(f"--vision_model_name_or_path {run}: the weights do not fit the recorded SmallResNet "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
+    try:  # the backbone only: the classifier of the other task stays behind
+        load_weights(model, run, exclude=lambda name: name.startswith("head."), described_as="the recorded SmallResNet")
+    except ModelError as err:
+        raise ModelError(f"--vision_model_name_or_path {err}") from None
     return model
 
 

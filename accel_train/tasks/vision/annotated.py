@@ -28,7 +28,9 @@ from ...errors import DataError
 from .canvases import DenseData
 from .data import SPLIT_FOLDERS, find_images, open_image, to_rgb
 
-IGNORE_INDEX = 255  # mask pixels with this value count in no loss and no metric
+# Mask pixels with this value count in no loss and no metric. A separate name from core.loss.IGNORE_INDEX (-100, a
+# per-token label): a mask is a uint8 PNG, which cannot hold -100.
+IGNORE_MASK_VALUE = 255
 
 
 # ------------------------------------------------------------------------------------- detection (COCO)
@@ -153,9 +155,10 @@ def load_mask_pairs(data_dir: str | Path, image_size: int, validation_percent: i
     names_file = root / "classes.txt"
     names = [line.strip() for line in names_file.read_text().splitlines() if line.strip()] \
         if names_file.is_file() else None
-    highest = max(v for split in pairs.values() for _, _, values in split for v in values if v != IGNORE_INDEX)
-    if highest >= IGNORE_INDEX:
-        raise DataError(f"a mask holds class id {highest}: ids must be below {IGNORE_INDEX} ({IGNORE_INDEX} = ignore).")
+    highest = max(v for split in pairs.values() for _, _, values in split for v in values if v != IGNORE_MASK_VALUE)
+    if highest >= IGNORE_MASK_VALUE:
+        raise DataError(f"a mask holds class id {highest}: ids must be below {IGNORE_MASK_VALUE} "
+                        f"({IGNORE_MASK_VALUE} = ignore).")
     if names is not None and highest >= len(names):
         raise DataError(f"a mask holds class id {highest} but {names_file} names {len(names)} classes (ids 0.."
                         f"{len(names) - 1}); fix the mask or add the class name.")

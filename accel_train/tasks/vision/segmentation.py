@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .annotated import IGNORE_INDEX
+from .annotated import IGNORE_MASK_VALUE
 from .backbone import ResNetStages, conv_bn_relu
 
 
@@ -67,7 +67,7 @@ def _upsample(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def segmentation_losses(logits: torch.Tensor, mask: torch.Tensor,
-                        ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+                        ignore_index: int = IGNORE_MASK_VALUE) -> dict[str, torch.Tensor]:
     """Per-image {"ce": pixel cross-entropy, "dice": 1 - soft Dice}; pixels marked `ignore_index` count in
     neither. The Dice term averages over the classes present in the image's mask (background included), so
     a digit of a few dozen pixels weighs as much as the background around it."""
@@ -87,7 +87,7 @@ def segmentation_losses(logits: torch.Tensor, mask: torch.Tensor,
 
 
 def confusion_per_image(predicted: torch.Tensor, mask: torch.Tensor, num_classes: int,
-                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                        ignore_index: int = IGNORE_MASK_VALUE) -> torch.Tensor:
     """[B, C * C] int32: pixel counts of (true class, predicted class) per image, row-major; ignored pixels
     and mask values outside 0..C-1 are not counted."""
     b = mask.shape[0]

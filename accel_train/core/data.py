@@ -20,6 +20,13 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 from ..config import TrainConfig
 
 
+def seeded_generator(seed: int, counter: int) -> torch.Generator:
+    """A CPU generator that is a function of (seed, counter) alone: the epoch's data order, a step's draws. The
+    one derivation the package uses, so that every process and a resumed run draw the same numbers; the large
+    prime keeps (seed, epoch) and (seed + 1, epoch - k) apart for any run length."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + counter)
+
+
 def seed_worker(worker_id: int, rank: int = 0) -> None:
     """Give each worker of each process its own reproducible seed, for torch, numpy and `random`.
 
@@ -52,7 +59,7 @@ class LengthGroupedSampler(Sampler[int]):
         return len(self.lengths)
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        generator = seeded_generator(self.seed, self.epoch)
         return iter(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import DataError
+from .data import seeded_generator
 from .guard import StepGuard, on_nonfinite
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
@@ -104,7 +105,7 @@ def _seed_epoch(loader, config, epoch: int) -> None:
     seed = config.data_seed if config.data_seed is not None else config.seed
     # On Accelerate's prepared loader, an attribute set lands on the wrapper; the DataLoader that draws the
     # base seed is the wrapped one.
-    getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    getattr(loader, "base_dataloader", loader).generator = seeded_generator(seed, epoch)
 
 
 def _timed(loader):

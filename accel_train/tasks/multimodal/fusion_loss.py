@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ...core.data import seeded_generator
 from ...errors import ConfigError
 from .loss import ImageTextLoss, StepClock, clip_loss, gather_with_grad
 
@@ -98,7 +99,7 @@ def sample_negatives(similarity: torch.Tensor, forbidden: torch.Tensor, uniform:
 
 def uniform_draws(seed: int, step: int, rows: int, offset: int, count: int, device) -> torch.Tensor:
     """`count` numbers in (0, 1] for rows offset.. of a global batch of `rows`: a function of (seed, step) alone."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = seeded_generator(seed, step)
     return (1 - torch.rand(rows, generator=generator))[offset:offset + count].to(device)
 
 

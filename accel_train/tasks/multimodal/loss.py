@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from ...core.data import seeded_generator
 from ...errors import ConfigError
 
 
@@ -81,7 +82,7 @@ def draw_captions(image_ids: torch.Tensor, num_captions: torch.Tensor, seed: int
                   num_images: int) -> torch.Tensor:
     """Which caption each image uses this epoch: a function of (seed, epoch, image) alone, so every process,
     any batch order and a resumed run draw the same one."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = seeded_generator(seed, epoch)
     table = torch.randint(0, 2**31 - 1, (num_images,), generator=generator).to(image_ids.device)
     return table[image_ids] % num_captions
 

@@ -86,16 +86,16 @@ class TowerArguments(TowerTrainingArguments):
 CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TowerArguments)
 
 
+def load_data(args: ImageTextArguments, seed: int):
+    """Image-caption pairs: an image folder with metadata.jsonl, a `datasets` name, or the digits demo."""
+    return load_image_text_data(args, seed=seed)
+
+
 def build_model(args: ModelArguments, image_size: int):
     """(DualEncoder, tokenizer, image processor or None)."""
     text_model, tokenizer, vision, processor = build_towers(args, image_size)
     model = DualEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale)
     return model, tokenizer, processor
-
-
-def load_data(args: ImageTextArguments, seed: int):
-    """Image-caption pairs: an image folder with metadata.jsonl, a `datasets` name, or the digits demo."""
-    return load_image_text_data(args, seed=seed)
 
 
 def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std, classes, tokenizer, demo: bool):
@@ -107,6 +107,27 @@ def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std,
                            num_train_images=len(datasets["train"]), clock=StepClock(),
                            chunk_size=towers.gradient_cache_chunk_size, prompts=prompts,
                            freeze_steps=towers.freeze_steps())
+
+
+def build_metrics() -> ContrastiveMetrics:
+    """Recall@1/5/10 and median rank both ways; zero-shot accuracy where the data has classes."""
+    return ContrastiveMetrics()
+
+
+class Finish:
+    """The finish seam: the learned temperature in the results, the image processor beside the model, a summary."""
+
+    def __init__(self, processor, output_dir: str):
+        self.processor, self.out = processor, Path(output_dir)
+
+    def on_finish(self, session, metrics: dict) -> None:
+        model = session.accelerator.unwrap_model(session.model)
+        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
+        if session.accelerator.is_main_process:
+            self.processor.save_pretrained(self.out)
+            for prefix in ("eval", "test"):
+                if f"{prefix}_mean_recall" in metrics:
+                    print(_summary(metrics, prefix), flush=True)
 
 
 def parse(argv=None):
@@ -143,27 +164,6 @@ def main(argv=None) -> dict[str, float]:
                    optimizer=groups, hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, towers])
     return result.metrics
-
-
-def build_metrics() -> ContrastiveMetrics:
-    """Recall@1/5/10 and median rank both ways; zero-shot accuracy where the data has classes."""
-    return ContrastiveMetrics()
-
-
-class Finish:
-    """The finish seam: the learned temperature in the results, the image processor beside the model, a summary."""
-
-    def __init__(self, processor, output_dir: str):
-        self.processor, self.out = processor, Path(output_dir)
-
-    def on_finish(self, session, metrics: dict) -> None:
-        model = session.accelerator.unwrap_model(session.model)
-        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
-        if session.accelerator.is_main_process:
-            self.processor.save_pretrained(self.out)
-            for prefix in ("eval", "test"):
-                if f"{prefix}_mean_recall" in metrics:
-                    print(_summary(metrics, prefix), flush=True)
 
 
 def _summary(m: dict, prefix: str) -> str:

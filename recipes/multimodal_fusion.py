@@ -128,12 +128,6 @@ class TowerArguments(TowerTrainingArguments):
 CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TaskArguments, TowerArguments)
 
 
-def parse(argv=None):
-    """The five configs; the demo's own defaults apply when no data flag (nor a YAML file) names data."""
-    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS,
-                               lambda c: {} if c[1].data_dir or c[1].dataset_name else DEMO_DEFAULTS)
-
-
 def load_data(data_args: ImageTextArguments, seed: int, accelerator):
     """(ImageData, and, once the image size is known, a function size -> {split: ImageTextDataset})."""
     with accelerator.main_process_first():
@@ -171,6 +165,33 @@ def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: TaskArgument
     return FusionMetrics(model, rerank_k=tasks.rerank_k, seed=config.seed, batch_size=config.per_device_eval_batch_size)
 
 
+class Finish:
+    """The finish seam: the learned temperature and task weights in the final metrics, the image processor saved
+    beside the model, a summary printed."""
+
+    def __init__(self, processor, output_dir: str):
+        self.processor, self.output_dir = processor, output_dir
+
+    def on_finish(self, session, metrics: dict[str, float]) -> None:
+        model = session.accelerator.unwrap_model(session.model)
+        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
+        if model.task_log_vars is not None:
+            for task, log_var in zip(TASKS, model.task_log_vars.detach().tolist(), strict=True):
+                metrics[f"{task}_weight"] = math.exp(-log_var)
+        if session.accelerator.is_main_process:
+            self.processor.save_pretrained(self.output_dir)
+            for prefix in ("eval", "test"):
+                line = summary(metrics, prefix)
+                if line:
+                    print(line, flush=True)
+
+
+def parse(argv=None):
+    """The five configs; the demo's own defaults apply when no data flag (nor a YAML file) names data."""
+    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS,
+                               lambda c: {} if c[1].data_dir or c[1].dataset_name else DEMO_DEFAULTS)
+
+
 def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, tasks, towers = parse(argv)
     accelerator = build_accelerator(config)
@@ -190,34 +211,13 @@ def main(argv=None) -> dict[str, float]:
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
     loaders = split_loaders(datasets, config, accelerator, data.eval_split, collate_fn=collator)
-    finish = FinishReport(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
+    finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
     result = train(model, loaders.train, config=config, loss_fn=loss_fn,
                    metrics_fn=build_metrics(model, config, tasks), eval_loader=loaders.eval,
                    final_eval_loaders=loaders.final, accelerator=accelerator,
                    optimizer=fusion_param_groups(model, lrs, wds), hooks=[finish], processing_class=tokenizer,
                    extra_configs=[data_args, model_args, tasks, towers])
     return result.metrics
-
-
-class FinishReport:
-    """The finish seam: the learned temperature and task weights in the final metrics, the image processor saved
-    beside the model, a summary printed."""
-
-    def __init__(self, processor, output_dir: str):
-        self.processor, self.output_dir = processor, output_dir
-
-    def on_finish(self, session, metrics: dict[str, float]) -> None:
-        model = session.accelerator.unwrap_model(session.model)
-        metrics["logit_scale"] = float(model.logit_scale.detach().clamp(0, model.max_log_scale).exp())
-        if model.task_log_vars is not None:
-            for task, log_var in zip(TASKS, model.task_log_vars.detach().tolist(), strict=True):
-                metrics[f"{task}_weight"] = math.exp(-log_var)
-        if session.accelerator.is_main_process:
-            self.processor.save_pretrained(self.output_dir)
-            for prefix in ("eval", "test"):
-                line = summary(metrics, prefix)
-                if line:
-                    print(line, flush=True)
 
 
 def _or(value, default):

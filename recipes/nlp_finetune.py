@@ -247,7 +247,7 @@ class Finish:
 CONFIG_TYPES = (TrainConfig, ModelArguments, DataArguments)
 
 
-def main(argv=None):
+def main(argv=None) -> dict[str, float]:
     cfg, margs, dargs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
     accelerator = build_accelerator(cfg)  # refuses an --output_dir clash before minutes of loading
     raw, text_columns, labels, found = load_data(dargs, cfg.seed)
@@ -285,7 +285,7 @@ def main(argv=None):
              else ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1"))
     accelerator.print("\n" + "  ".join(f"{k} {result.metrics[k]:.4f}" for k in shown if k in result.metrics)
                       + f"   -> {cfg.output_dir}")
-    return result
+    return result.metrics
 
 
 if __name__ == "__main__":

@@ -74,16 +74,6 @@ CONFIG_TYPES = (TrainConfig, GenerationDataArguments, GenerationModelArguments, 
 METRICS = ("rouge", "bleu", "sacrebleu", "exact_match")
 
 
-def parse(argv=None):
-    """The four configs; the warm-started model's defaults when no model is named, the demo's when no data is."""
-    def more(configs):
-        data_args, model_args = configs[1], configs[2]
-        named = model_args.model_name_or_path or model_args.config_name or model_args.model_type
-        return {**({} if named else WARM_START_DEFAULTS),
-                **({} if data_args.train_file or data_args.dataset_name else DEMO_DEFAULTS)}
-    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS, more)
-
-
 def load_data(data_args: GenerationDataArguments, model_args: GenerationModelArguments, seed: int):
     """Raw splits and what their columns mean for this model's family."""
     raw = load_raw_data(data_args, seed)
@@ -117,6 +107,16 @@ def build_metrics(accelerator, model, generator, modules):
         return evaluate_generation(generator, accelerator, model, modules, "eval")[0]
     metrics_fn.metric_names = [f"eval_{name}" for name in GENERATION_SCORES]
     return metrics_fn
+
+
+def parse(argv=None):
+    """The four configs; the warm-started model's defaults when no model is named, the demo's when no data is."""
+    def more(configs):
+        data_args, model_args = configs[1], configs[2]
+        named = model_args.model_name_or_path or model_args.config_name or model_args.model_type
+        return {**({} if named else WARM_START_DEFAULTS),
+                **({} if data_args.train_file or data_args.dataset_name else DEMO_DEFAULTS)}
+    return parse_with_defaults(CONFIG_TYPES, argv, DEFAULTS, more)
 
 
 def main(argv=None) -> dict[str, float]:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
 SHARED_DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(RECIPES))  # the recipes are scripts, not a package: tests import them by their file names
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

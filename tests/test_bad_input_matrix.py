@@ -5,16 +5,13 @@ stack trace, and a run already in the output directory is left byte-for-byte as 
 """
 
 import shutil
-import sys
 
+import nlp_finetune
 import pandas as pd
 import pytest
-from conftest import ROOT, make_rows, reset_accelerate
+from conftest import make_rows, reset_accelerate
 
 from accel_train import run_cli
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import nlp_finetune  # noqa: E402
 
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "1", "--per_device_train_batch_size", "8",
         "--max_seq_length", "32", "--learning_rate", "1e-3", "--warmup_steps", "0"]

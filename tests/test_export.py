@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import image_classification
+import nlp_finetune
 import numpy as np
 import pytest
 import torch
@@ -31,10 +33,6 @@ from accel_train.deploy import (
 from accel_train.errors import ExportError
 from accel_train.tasks.multimodal.model import DualEncoder
 from accel_train.tasks.vision.models import SmallResNet
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import image_classification  # noqa: E402
-import nlp_finetune  # noqa: E402
 
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
 # ONNX: the optional packages, and the slowest exporter (several seconds even for a tiny model)

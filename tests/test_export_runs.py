@@ -6,21 +6,18 @@ model (its two towers and its ITM scorer) and a causal LM of text_generation. A 
 LoRA adapter are refused before training (test_text_generation.py)."""
 
 import json
-import sys
 
+import multimodal_fusion
+import object_detection
 import pytest
+import semantic_segmentation
+import text_generation
 import torch
-from conftest import ROOT, reset_accelerate
+from conftest import reset_accelerate
 from test_export import FORMAT_CASES
 from test_multimodal_fusion import TINY_FUSION, TINY_VISION, WORDS, caption_folder, tiny_bert_config
 
 from accel_train.deploy import export_run, load_trained_model
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import multimodal_fusion  # noqa: E402
-import object_detection  # noqa: E402
-import semantic_segmentation  # noqa: E402
-import text_generation  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no", "--no_preflight", "--run_report", "false",

@@ -6,8 +6,8 @@ Fast tests build tiny image folders with PIL in tmp_path and train tiny models t
 
 import json
 import math
-import sys
 
+import image_classification as recipe
 import numpy as np
 import pytest
 import torch
@@ -25,9 +25,6 @@ from accel_train.tasks.vision.data import (
     load_image_folder,
 )
 from accel_train.tasks.vision.transforms import MixupCutmix, TrainAugmentation
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import image_classification as recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "image_classification.py"
 COLOURS = [(220, 40, 40), (40, 220, 40), (40, 40, 220)]

@@ -6,8 +6,8 @@ the 1-vs-2-process comparisons go through the real launcher and are marked slow.
 
 import json
 import math
-import sys
 
+import multimodal_contrastive as recipe
 import numpy as np
 import pytest
 import torch
@@ -28,9 +28,6 @@ from accel_train.tasks.multimodal.metrics import ContrastiveMetrics, retrieval_m
 from accel_train.tasks.multimodal.model import DualEncoder, build_text_tower, tower_param_groups
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import multimodal_contrastive as recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "multimodal_contrastive.py"
 COLOURS = {"red": (220, 40, 40), "green": (40, 220, 40), "blue": (40, 40, 220)}

@@ -6,8 +6,8 @@ the 1-vs-2-process comparisons go through the real launcher and are marked slow.
 
 import json
 import math
-import sys
 
+import multimodal_fusion as recipe
 import numpy as np
 import pytest
 import torch
@@ -34,9 +34,6 @@ from accel_train.tasks.multimodal.fusion_metrics import (
 )
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import multimodal_fusion as recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "multimodal_fusion.py"
 NEGATIVES = ROOT / "tests" / "fusion_negatives.py"

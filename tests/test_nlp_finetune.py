@@ -2,17 +2,14 @@
 real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/test_bad_input_matrix.py."""
 
 import json
-import sys
 
+import nlp_finetune
 import pandas as pd
 import pytest
 from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
 
 from accel_train import layerwise_lr_decay_groups
 from accel_train.tasks.text.classification import load_embedded_tweets
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import nlp_finetune  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "nlp_finetune.py"
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "3", "--learning_rate", "3e-3",

@@ -6,10 +6,10 @@ Fast tests use tiny canvases and tiny models; the multi-process comparison goes 
 
 import json
 import math
-import sys
 from dataclasses import replace
 
 import numpy as np
+import object_detection as recipe
 import pytest
 import torch
 from conftest import ROOT, launch
@@ -29,9 +29,6 @@ from accel_train.tasks.vision.detection import (
     decode_detections,
     generalized_box_iou,
 )
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import object_detection as recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "object_detection.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]

@@ -3,7 +3,6 @@ compared by the CLI; trackers are chosen by name (TensorBoard offline, the other
 
 import json
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -114,7 +113,6 @@ def test_compare_overlays_runs(toy_run, tmp_path):
 
 
 def test_nlp_recipe_report(tiny_bert, sst_like, tmp_path):
-    sys.path.insert(0, str(ROOT / "recipes"))
     import nlp_finetune
 
     out = tmp_path / "nlp"

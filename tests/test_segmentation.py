@@ -5,10 +5,10 @@ end, and 1 vs 2 processes through the real launcher.
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
+import semantic_segmentation as recipe
 import torch
 from conftest import ROOT, launch
 from PIL import Image
@@ -18,9 +18,6 @@ from accel_train.tasks.vision.annotated import load_mask_pairs
 from accel_train.tasks.vision.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.segmentation import SegmentationMetrics, UNet, confusion_per_image, segmentation_losses
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import semantic_segmentation as recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "semantic_segmentation.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]

@@ -1,14 +1,12 @@
 """Every shipped recipe config parses with its recipe's own dataclasses (torchtune's habit: one test loads all)."""
 
 import importlib
-import sys
 
 import pytest
 from conftest import ROOT
 
 from accel_train import parse_config
 
-sys.path.insert(0, str(ROOT / "recipes"))
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 
 

@@ -44,9 +44,7 @@ def test_auto_batch_size_gives_up_with_a_message(tmp_path, monkeypatch, capsys):
 
 
 def test_gradient_checkpointing_changes_memory_not_results(tiny_bert, sst_like, tmp_path, capsys):
-    import sys
 
-    sys.path.insert(0, str(ROOT / "recipes"))
     import nlp_finetune
 
     results = {}

@@ -11,6 +11,7 @@ import math
 import sys
 
 import pytest
+import text_generation
 import torch
 from conftest import ROOT, launch, read_jsonl
 
@@ -34,9 +35,6 @@ from accel_train.tasks.text.generation import (
     warm_start_encoder_decoder,
 )
 from accel_train.tasks.text.generation_demo import date_pairs
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import text_generation  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RECIPE = ROOT / "recipes" / "text_generation.py"

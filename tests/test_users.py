@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import nlp_finetune
 import pytest
 import torch
 from conftest import ROOT, subprocess_env
@@ -13,9 +14,6 @@ from conftest import ROOT, subprocess_env
 from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config
 from accel_train.cli import main as cli_main
 from accel_train.cli import plan_launch
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import nlp_finetune  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import nlp_finetune
 import pandas as pd
 import pytest
 import torch
@@ -12,9 +13,6 @@ from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, launch, make_rows, read_j
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
 from accel_train.observe.report import write_report
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import nlp_finetune  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--learning_rate", "3e-3",

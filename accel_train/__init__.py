@@ -43,7 +43,7 @@ from .errors import (
 )
 from .observe.report import compare_runs, write_report
 from .rundir.checkpoint import list_checkpoints, resolve_checkpoint
-from .rundir.export import export_model
+from .rundir.final_model import save_final_model
 from .rundir.metrics_log import end_training_safely
 from .tasks.metrics import load_metric, shipped_metrics
 from .train import train
@@ -81,7 +81,7 @@ __all__ = [
     "seed_worker",
     "Hook",
     "EarlyStopping",
-    "export_model",
+    "save_final_model",
     "list_checkpoints",
     "resolve_checkpoint",
     "UserError",

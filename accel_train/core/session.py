@@ -28,7 +28,7 @@ from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_lis
 from ..config import TrainConfig
 from ..errors import CheckpointError, ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
-from ..rundir.export import export_model, write_pretrained_files
+from ..rundir.final_model import save_final_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, start_run_dir
@@ -340,7 +340,7 @@ class Session:
             metrics.update(train_model_tflops=sum(t for t, _ in self.throughput) / len(self.throughput),
                            train_mfu=sum(m for _, m in self.throughput) / len(self.throughput),
                            train_peak_tflops=meter.flops.peak / 1e12)
-        export_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
+        save_final_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)
         # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during

@@ -1,4 +1,6 @@
-"""The final model, written into output_dir with safetensors at the end of a run."""
+"""The final model, saved into output_dir with safetensors at the end of a run, and the transformers files that make a
+checkpoint folder loadable with `from_pretrained`. Saving only: converting a run into deployable artifacts
+(TorchScript, ExportedProgram, ONNX) is `accel_train.deploy` — "export" means that, and only that."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from accelerate import Accelerator
 from .layout import WEIGHTS
 
 
-def export_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
+def save_final_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
                  processing_class=None) -> None:
     """Save the final weights with safetensors: `save_pretrained` for transformers models (so `from_pretrained`
     and `pipeline` load the directory), `accelerator.save_model` otherwise. Wrappers (DDP, torch.compile's

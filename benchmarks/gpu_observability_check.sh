@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/accel_train_obs_check}
 rm -rf "$OUT" && mkdir -p "$OUT"
 export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-TOY=(python3 tests/toy_train.py --per_device_train_batch_size 16 --eval_strategy no --save_strategy no
+TOY=(python3 tests/scripts/toy_train.py --per_device_train_batch_size 16 --eval_strategy no --save_strategy no
      --logging_steps 1 --disable_tqdm --grad_flow_steps 1)
 "${TOY[@]}" --output_dir "$OUT/bf16" --max_steps 6 --mixed_precision bf16 --run_report true \
     --activation_stats_steps 2 --profile_steps 2-3 --memory_snapshot_step 3 > "$OUT/bf16.log" 2>&1

@@ -16,8 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests launch (toy_train, token_train, sharded_cpu, ...)
 SHARED_DATA = ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(RECIPES))  # the recipes are scripts, not a package: tests import them by their file names
+# Recipes and test scripts are scripts, not a package: tests import them by their file names.
+sys.path[:0] = [str(RECIPES), str(SCRIPTS)]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -107,7 +109,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def toy_records(output_dir: Path) -> dict[int, list[dict]]:
-    """{rank: [record of each toy_train run, oldest first]} written by tests/toy_train.py."""
+    """{rank: [record of each toy_train run, oldest first]} written by tests/scripts/toy_train.py."""
     out: dict[int, list[dict]] = {}
     for path in sorted(output_dir.glob("toy_rank*_*.json"), key=lambda p: p.stat().st_mtime_ns):
         rank = int(path.name.split("_")[1].removeprefix("rank"))

@@ -2,7 +2,7 @@
 
 import pytest
 import toy_train
-from conftest import ROOT, launch, reset_accelerate
+from conftest import SCRIPTS, launch, reset_accelerate
 
 from accel_train import run_cli
 from accel_train.rundir.checkpoint import list_checkpoints
@@ -111,7 +111,7 @@ def test_tampered_checkpoint_is_detected_and_latest_falls_back(tmp_path, capsys)
 @pytest.mark.slow
 def test_cpu_launch_that_runs_fewer_processes_than_asked_fails_loudly(tmp_path):
     # `accelerate launch --cpu --num_processes 2` starts ONE process: the run must say so and stop.
-    proc = launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(tmp_path), *QUIET], 1, check=False,
+    proc = launch(SCRIPTS / "toy_train.py", ["--output_dir", str(tmp_path), *QUIET], 1, check=False,
                   launcher_args=["--cpu", "--num_processes", "2"])
     assert proc.returncode != 0  # the script exits 2; `accelerate launch` reports that as its own failure
     assert "2 processes were requested (the `accelerate launch` command line) but 1 joined" in proc.stderr

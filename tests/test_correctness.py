@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import toy_train
-from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -427,7 +427,7 @@ def test_load_weights_reads_shards_drops_excluded_names_and_names_what_does_not_
 
 @pytest.mark.slow
 def test_a_launched_two_process_run_reports_its_duplicated_samples(tmp_path):
-    proc = launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(tmp_path), "--num_samples", "37",
+    proc = launch(SCRIPTS / "toy_train.py", ["--output_dir", str(tmp_path), "--num_samples", "37",
                                                      "--per_device_train_batch_size", "4", "--max_steps", "1",
                                                      *QUIET], num_processes=2)
     assert "3 sample(s) per epoch are trained twice" in proc.stdout + proc.stderr

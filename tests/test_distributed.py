@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, launch, read_jsonl, toy_records
+from conftest import SCRIPTS, launch, read_jsonl, toy_records
 from safetensors.torch import load_file
 
 from accel_train.rundir.checkpoint import list_checkpoints
 
-TOY = ROOT / "tests" / "toy_train.py"
+TOY = SCRIPTS / "toy_train.py"
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 pytestmark = pytest.mark.slow
 

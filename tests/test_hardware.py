@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, kill_tree, launch, run_process_tree, subprocess_env, toy_records
+from conftest import ROOT, SCRIPTS, free_port, kill_tree, launch, run_process_tree, subprocess_env, toy_records
 from safetensors.torch import load_file
 
 from accel_train.cli import plan_launch
 
 PRESETS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
-TOY = ROOT / "tests" / "toy_train.py"
+TOY = SCRIPTS / "toy_train.py"
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 
 

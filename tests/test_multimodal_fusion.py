@@ -11,7 +11,7 @@ import multimodal_fusion as recipe
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, launch, read_jsonl
+from conftest import ROOT, SCRIPTS, launch, read_jsonl
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -36,7 +36,7 @@ from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
 RECIPE = ROOT / "recipes" / "multimodal_fusion.py"
-NEGATIVES = ROOT / "tests" / "fusion_negatives.py"
+NEGATIVES = SCRIPTS / "fusion_negatives.py"
 COLOURS = {"red": (220, 40, 40), "green": (40, 220, 40), "blue": (40, 40, 220)}
 WORDS = sorted(set("a an of the photo picture square patch colour shape bright dark . red green blue".split()))
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]

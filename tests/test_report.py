@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import toy_train
-from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
 from PIL import Image
 
 from accel_train import ConfigError, TrainConfig
@@ -133,7 +133,7 @@ def test_nlp_recipe_report(tiny_bert, sst_like, tmp_path):
 
 def test_two_processes_report_and_diagnostics(tmp_path):
     out = tmp_path / "ddp"
-    launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(out), *RUN, "--grad_flow_steps", "3",
+    launch(SCRIPTS / "toy_train.py", ["--output_dir", str(out), *RUN, "--grad_flow_steps", "3",
                                               "--profile_steps", "2-2", "--memory_snapshot_step", "2"], num_processes=2)
     info = json.loads((out / "report" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["distributed_type"] == "MULTI_CPU"

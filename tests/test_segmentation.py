@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import semantic_segmentation as recipe
 import torch
-from conftest import ROOT, launch
+from conftest import ROOT, SCRIPTS, launch
 from PIL import Image
 
 from accel_train import DataError
@@ -188,7 +188,7 @@ def test_one_and_two_processes_give_the_same_miou(tmp_path):
     launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "6",
                     "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "30",
                     "--expected_world_size", "2"], 2)
-    evaluate = ROOT / "tests" / "dense_eval.py"
+    evaluate = SCRIPTS / "dense_eval.py"
     common = ["--task", "segmentation", "--weights", str(tmp_path / "trained" / "model.safetensors"), *data, *small,
               "--per_device_eval_batch_size", "4"]
     launch(evaluate, [*common, "--output_dir", str(tmp_path / "one")], 1)

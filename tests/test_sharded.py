@@ -1,7 +1,8 @@
 """FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 through the shipped presets, on 2 CPU processes over gloo.
 
 Accelerate enables FSDP and DeepSpeed only on GPU-like devices, so on CPU the presets are refused (tested here
-without the shim); with tests/sharded_cpu.py (test-only) Accelerate takes its real sharded code paths on CPU tensors.
+without the shim); with tests/scripts/sharded_cpu.py (test-only) Accelerate takes its real sharded code paths on CPU
+tensors.
 For each back-end, one tiny BERT run of the NLP recipe: the start-up report names the back-end, the final parameters
 equal 2-process DDP, the checkpoints are sharded and covered by the manifest, SIGKILL + resume equals the
 uninterrupted run bitwise (optimizer state included: Adam's moments decide the next steps), and the exported model
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, free_port, launch, make_rows, read_jsonl, run_process_tree, subprocess_env
+from conftest import ROOT, SCRIPTS, free_port, launch, make_rows, read_jsonl, run_process_tree, subprocess_env
 from safetensors.torch import load_file
 
 from accel_train import LaunchError, TrainConfig, build_accelerator
@@ -29,7 +30,7 @@ from accel_train.core.sharded import carve_out_embedding, check_engine, fill_dee
 from accel_train.rundir.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
 RECIPE = ROOT / "recipes" / "nlp_finetune.py"
-SHIM = ROOT / "tests" / "sharded_cpu.py"
+SHIM = SCRIPTS / "sharded_cpu.py"
 PRESETS = ROOT / "accelerate_configs"
 LAUNCH_TIMEOUT = 420  # seconds per launch: a hung collective or a stale DeepSpeed build lock fails, never hangs CI
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -70,7 +71,7 @@ def deepspeed_ops():
     """DeepSpeed's CPU ops, built once (.ci/run builds them before the tests; this is for local runs)."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (.ci/run installs it: DS_BUILD_OPS=0 pip install deepspeed)")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_ops.py")], cwd=ROOT, text=True,
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "deepspeed_ops.py")], cwd=ROOT, text=True,
                           capture_output=True, env=subprocess_env(**extensions_env()), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import ROOT, launch, read_jsonl, reset_accelerate
+from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -76,7 +76,7 @@ def test_tf32_needs_an_ampere_gpu(tmp_path):
 def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
     common = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--save_strategy", "steps",
               "--save_steps", "5", "--eval_strategy", "no", "--torch_compile"]
-    toy = ROOT / "tests" / "toy_train.py"
+    toy = SCRIPTS / "toy_train.py"
     launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "7"], 1)
     launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"], 1)
     saved = [*(p / "model.safetensors" for p in list_checkpoints(tmp_path / "c")), tmp_path / "c" / "model.safetensors"]
@@ -91,7 +91,7 @@ def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_auto_batch_size_agrees_across_processes(tmp_path):
     """Only rank 1 runs out of memory above 2: both ranks must use 2, with accumulation 4."""
-    toy = ROOT / "tests" / "toy_train.py"
+    toy = SCRIPTS / "toy_train.py"
     args = [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "8", "--auto_find_batch_size"]
     from conftest import subprocess_env
 

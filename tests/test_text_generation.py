@@ -13,7 +13,7 @@ import sys
 import pytest
 import text_generation
 import torch
-from conftest import ROOT, launch, read_jsonl
+from conftest import ROOT, SCRIPTS, launch, read_jsonl
 
 from accel_train import ConfigError, DataError, ExportError, FinishError, ModelError, load_metric
 from accel_train.tasks.text.generation import (
@@ -630,7 +630,7 @@ def test_generation_under_fsdp2_does_not_hang_when_processes_finish_at_different
     out = tmp_path / "fsdp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
-           str(free_port()), "--mixed_precision", "no", str(ROOT / "tests" / "sharded_cpu.py"), str(RECIPE),
+           str(free_port()), "--mixed_precision", "no", str(SCRIPTS / "sharded_cpu.py"), str(RECIPE),
            "--train_file", dates["train"], "--validation_file", dates["train"], "--text_column", "text",
            "--summary_column", "summary", "--prompt_suffix", " =", "--model_name_or_path", str(memorised),
            *QUIET, "--output_dir", str(out), "--max_steps", "1", "--learning_rate", "0",

@@ -6,7 +6,7 @@ import json
 import pytest
 import token_train
 import torch
-from conftest import ROOT, launch, reset_accelerate
+from conftest import SCRIPTS, launch, reset_accelerate
 from safetensors.torch import load_file
 
 from accel_train import TrainConfig, train
@@ -60,7 +60,7 @@ def test_auto_batch_size_leaves_the_step_gradient_unchanged(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_two_processes_give_the_same_step_gradient_and_eval_loss(tmp_path):
-    script = ROOT / "tests" / "token_train.py"
+    script = SCRIPTS / "token_train.py"
     args = [*ONE_SGD_STEP, "--save_initial", "true", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
             "--per_device_eval_batch_size", "5"]

@@ -9,7 +9,17 @@ import nlp_finetune
 import pandas as pd
 import pytest
 import torch
-from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, launch, make_rows, read_jsonl, reset_accelerate, subprocess_env
+from conftest import (
+    FILLER,
+    NEGATIVE,
+    POSITIVE,
+    SCRIPTS,
+    launch,
+    make_rows,
+    read_jsonl,
+    reset_accelerate,
+    subprocess_env,
+)
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
 from accel_train.observe.report import write_report
@@ -132,7 +142,7 @@ def test_a_retrieval_among_too_few_candidates_is_warned_about(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_result_metrics_are_the_same_dict_on_every_rank(tmp_path):
-    launch(ROOT / "tests" / "toy_train.py", ["--output_dir", str(tmp_path), "--max_steps", "4",
+    launch(SCRIPTS / "toy_train.py", ["--output_dir", str(tmp_path), "--max_steps", "4",
                                               "--save_strategy", "no"], num_processes=2)
     records = {int(p.name.split("_")[1][4:]): json.loads(p.read_text()) for p in tmp_path.glob("toy_rank*.json")}
     assert set(records) == {0, 1}
@@ -262,7 +272,7 @@ def test_one_line_per_evaluation_and_the_final_evaluation_is_logged(tiny_bert, s
 def test_the_startup_report_comes_before_the_progress_bar_in_a_log_file(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as fh:  # as `python script.py > log.txt 2>&1` (stdout block-buffered)
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "toy_train.py"), "--output_dir",
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "toy_train.py"), "--output_dir",
                                str(tmp_path / "run"), "--disable_tqdm", "false", "--max_steps", "6"],
                               cwd=tmp_path, env=subprocess_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=300)
     text = log.read_text()

@@ -1,7 +1,7 @@
 """Evaluate a saved detection or segmentation model on the test canvases, on however many processes the
 launcher starts, with the recipe's own data, model, loss and metrics; the main process writes eval.json.
 
-    accelerate launch tests/dense_eval.py --task detection --weights run/model.safetensors --output_dir out
+    accelerate launch tests/scripts/dense_eval.py --task detection --weights run/model.safetensors --output_dir out
 
 For the 1-vs-2-process tests: training on 2 processes changes batch-norm statistics, so the tests train once
 and compare the evaluation alone.
@@ -15,7 +15,7 @@ from pathlib import Path
 from accel_train import build_accelerator, end_training_safely, evaluate_model, make_loader, parse_config
 from accel_train.rundir.weights import load_weights
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import object_detection  # noqa: E402
 import semantic_segmentation  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Test-only shim: run a script under Accelerate's real FSDP / DeepSpeed code paths on CPU processes over gloo.
 
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 tests/sharded_cpu.py \
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 tests/scripts/sharded_cpu.py \
         recipes/nlp_finetune.py --model_name_or_path ...
 
 Accelerate turns FSDP and DeepSpeed on only for GPU-like process groups (MULTI_GPU, MULTI_XPU, ...): on a machine
@@ -38,11 +38,12 @@ PINNED_ACCELERATE = "1.15.0"
 def apply() -> None:
     """Patch PartialState so that a launched process without an accelerator joins a GPU-like gloo group on CPU."""
     if accelerate.__version__ != PINNED_ACCELERATE:
-        raise SystemExit(f"tests/sharded_cpu.py patches accelerate {PINNED_ACCELERATE} internals, found "
+        raise SystemExit(f"tests/scripts/sharded_cpu.py patches accelerate {PINNED_ACCELERATE} internals, found "
                          f"{accelerate.__version__}: re-check PartialState._prepare_backend / set_device and update "
                          "the pin.")
     if torch.cuda.is_available():
-        raise SystemExit("tests/sharded_cpu.py is for machines without a GPU; launch the script directly on GPUs.")
+        raise SystemExit("tests/scripts/sharded_cpu.py is for machines without a GPU; launch the script directly on "
+                         "GPUs.")
     prepare_backend, set_device = PartialState._prepare_backend, PartialState.set_device
 
     def gloo_as_gpu(self, cpu=False, sagemaker_dp=False, backend=None):

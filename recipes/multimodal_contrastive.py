@@ -29,15 +29,15 @@ from accel_train import (
     split_loaders,
     train,
 )
+from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, StepClock
+from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
     ImageTextDataset,
     load_image_text_data,
 )
-from accel_train.tasks.multimodal.loss import ContrastiveLoss, StepClock
-from accel_train.tasks.multimodal.metrics import ContrastiveMetrics
-from accel_train.tasks.multimodal.model import DualEncoder, tower_param_groups
+from accel_train.tasks.multimodal.dual_encoder import DualEncoder, tower_param_groups
 from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
 from accel_train.tasks.vision.transforms import (
     EvalTransform,

@@ -34,16 +34,16 @@ from accel_train import (
     split_loaders,
     train,
 )
+from accel_train.tasks.multimodal.contrastive_loss import StepClock
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
     ImageTextCollator,
     ImageTextDataset,
     load_image_text_data,
 )
-from accel_train.tasks.multimodal.fusion import FusionEncoder, fusion_param_groups
 from accel_train.tasks.multimodal.fusion_loss import TASKS, FusionLoss, parse_loss_weights
 from accel_train.tasks.multimodal.fusion_metrics import FusionMetrics, summary
-from accel_train.tasks.multimodal.loss import StepClock
+from accel_train.tasks.multimodal.fusion_model import FusionEncoder, fusion_param_groups
 from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
 from accel_train.tasks.vision.transforms import (
     EvalTransform,

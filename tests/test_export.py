@@ -31,7 +31,7 @@ from accel_train.deploy import (
     synthetic_sample,
 )
 from accel_train.errors import ExportError
-from accel_train.tasks.multimodal.model import DualEncoder
+from accel_train.tasks.multimodal.dual_encoder import DualEncoder
 from accel_train.tasks.vision.models import SmallResNet
 
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))

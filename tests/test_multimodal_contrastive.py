@@ -17,15 +17,15 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, TrainConfig, build_accelerator, build_scheduler, make_plan
+from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, clip_loss, draw_captions
+from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics, retrieval_metrics, zero_shot_accuracy
 from accel_train.tasks.multimodal.data import (
     ImageTextCollator,
     ImageTextDataset,
     digits_with_captions,
     load_caption_folder,
 )
-from accel_train.tasks.multimodal.loss import ContrastiveLoss, clip_loss, draw_captions
-from accel_train.tasks.multimodal.metrics import ContrastiveMetrics, retrieval_metrics, zero_shot_accuracy
-from accel_train.tasks.multimodal.model import DualEncoder, build_text_tower, tower_param_groups
+from accel_train.tasks.multimodal.dual_encoder import DualEncoder, build_text_tower, tower_param_groups
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
@@ -176,7 +176,7 @@ def test_gradient_cache_replays_dropout_and_leaves_batch_norm_statistics_alone(t
     stats = model.vision.stem[1].running_mean.clone()
 
     reference = tiny_encoder(dropout=0.3).train()
-    from accel_train.tasks.multimodal.loss import select_captions
+    from accel_train.tasks.multimodal.contrastive_loss import select_captions
 
     torch.manual_seed(5)
     images = transform(batch["pixel_values"])

@@ -16,7 +16,6 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, ModelError
-from accel_train.tasks.multimodal.fusion import FusionEncoder, vision_tokens
 from accel_train.tasks.multimodal.fusion_loss import (
     FusionLoss,
     drop_tokens,
@@ -32,6 +31,7 @@ from accel_train.tasks.multimodal.fusion_metrics import (
     rerank_ranks,
     roc_auc,
 )
+from accel_train.tasks.multimodal.fusion_model import FusionEncoder, vision_tokens
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
@@ -154,7 +154,7 @@ def test_a_small_resnet_run_warm_starts_the_vision_tower(tmp_path):
     from safetensors.torch import save_file
 
     from accel_train.deploy.factory import describe_model
-    from accel_train.tasks.multimodal.model import build_vision_tower
+    from accel_train.tasks.multimodal.dual_encoder import build_vision_tower
 
     torch.manual_seed(0)
     trained = SmallResNet(10, widths=(4, 8), blocks_per_stage=1, stem_stride=2)  # a classifier, as the recipe saves
@@ -277,13 +277,13 @@ def test_task_gradient_norms_are_those_of_each_weighted_loss_at_the_vision_featu
     torch.manual_seed(3)
     log = loss_fn(model, fake_batch())["log"]
     # by hand: the gradient of 2 * ITC alone with respect to the vision features, from a fresh graph
-    from accel_train.tasks.multimodal.loss import clip_loss
+    from accel_train.tasks.multimodal.contrastive_loss import clip_loss
 
     torch.manual_seed(3)
     images = EvalTransform([0.5] * 3, [0.25] * 3)(fake_batch()["pixel_values"])
     tokens, pooled = vision_tokens(model.vision, images)
     batch = fake_batch()
-    from accel_train.tasks.multimodal.loss import draw_captions
+    from accel_train.tasks.multimodal.contrastive_loss import draw_captions
 
     pick = draw_captions(batch["image_ids"], batch["num_captions"], 0, 0, 6)
     rows = torch.arange(6)

@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import ExportError
-from ..tasks.multimodal.fusion import FusionEncoder
-from ..tasks.multimodal.model import DualEncoder, PooledVision
+from ..tasks.multimodal.dual_encoder import DualEncoder, PooledVision
+from ..tasks.multimodal.fusion_model import FusionEncoder
 from ..tasks.vision.models import SmallResNet
 
 

@@ -3,7 +3,7 @@ of tensors out.
 
 Every format wants plain tensors at its boundary, while a transformers model takes keyword arguments and returns
 a ModelOutput. `Positional` adapts one to the other, with the input order and output names written to
-export.json. A dual encoder (``accel_train.tasks.multimodal.model.DualEncoder``: a text tower and a vision
+export.json. A dual encoder (``accel_train.tasks.multimodal.dual_encoder.DualEncoder``: a text tower and a vision
 tower) is exported as two artifacts, each running the model's own forward with one kind of input and producing
 its L2-normalised embeddings (a serving stack embeds texts and images apart); each carries only its tower's
 weights.
@@ -64,7 +64,7 @@ def tensor_keys(out: Mapping[str, Any]) -> list[str]:
 
 
 def is_dual_encoder(model: nn.Module) -> bool:
-    """accel_train.tasks.multimodal.model.DualEncoder, recognised by what the towers need (no import of the task
+    """accel_train.tasks.multimodal.dual_encoder.DualEncoder, recognised by what the towers need (no import of the task
     layer)."""
     return all(hasattr(model, name) for name in ("encode_text", "text_projection", "vision_projection", "vision"))
 

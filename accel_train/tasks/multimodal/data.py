@@ -2,8 +2,8 @@
 captions generated from their labels; and the dataset and collator that feed a dual encoder.
 
 Every image has one or more captions. Training draws one of them per image and epoch (in the loss function,
-from the seed and the epoch alone, see `accel_train.tasks.multimodal.loss.draw_captions`), so the collator sends all of
-an image's captions, tokenized, as ``caption_input_ids`` [B, K, L]. Evaluation pairs each image with each of
+from the seed and the epoch alone, see `contrastive_loss.draw_captions`), so the collator sends all of an image's
+captions, tokenized, as ``caption_input_ids`` [B, K, L]. Evaluation pairs each image with each of
 its captions (``eval_captions="all"``, the Flickr/COCO retrieval protocol) or with its first one only.
 
 An image-text folder is ``<data_dir>/train/`` (+ optional ``validation/`` or ``val/`` and ``test/``), or

@@ -23,39 +23,11 @@ from torch.nn import functional as F
 
 from ...core.data import seeded_generator
 from ...errors import ConfigError
-from .loss import ImageTextLoss, StepClock, clip_loss, gather_with_grad
+from .collectives import gather_plain, gather_with_grad, longest, pad_to, rank, world_size
+from .contrastive_loss import ImageTextLoss, StepClock, clip_loss
 
 TASKS = ("itc", "itm")
 EVAL_STREAM = 2**31  # the generator stream of evaluation negatives: no training step reaches it
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def gather_plain(x: torch.Tensor) -> torch.Tensor:
-    """x of every process concatenated in rank order, without gradients (ids, masks, similarities)."""
-    if world_size() == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
-
-
-def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Pads dim 1 of x ([B, L, ...]) with zeros to `length`."""
-    if x.shape[1] == length:
-        return x
-    pad = x.new_zeros(x.shape[0], length - x.shape[1], *x.shape[2:])
-    return torch.cat([x, pad], 1)
-
-
-def longest(x: torch.Tensor) -> int:
-    """The largest dim 1 of x over all processes."""
-    length = torch.tensor([x.shape[1]], device=x.device)
-    if world_size() > 1:
-        dist.all_reduce(length, op=dist.ReduceOp.MAX)
-    return int(length)
 
 
 def gather_text(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +104,7 @@ class HardNegativePairs:
         all_images, all_texts = gather_plain(images), gather_plain(texts)
         all_image_ids, all_caption_ids = gather_plain(self.image_ids), gather_plain(self.caption_ids)
         b, g = len(images), len(all_images)
-        offset = g // world_size() * (dist.get_rank() if world_size() > 1 else 0)
+        offset = g // world_size() * rank()
         # image b against every caption; caption b against every image (whose own captions may include it)
         text_forbidden = positives(self.image_ids, self.caption_sets, all_image_ids, all_caption_ids)
         image_forbidden = positives(all_image_ids, gather_caption_sets(self.caption_sets), self.image_ids,

@@ -28,22 +28,14 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from sklearn.metrics import roc_auc_score
 
-from .fusion_loss import world_size
-from .metrics import retrieval_metrics
+from .collectives import distinct, gather_plain, rank, world_size
+from .contrastive_metrics import retrieval_metrics
 
 # The ITM head trains on one positive per two negatives, so its logit is the log-odds under a prior of 1/3;
 # on balanced pairs the same evidence has log-odds logit + log 2, which crosses 0 at logit = -log 2.
 BALANCED_THRESHOLD = -math.log(2)
-
-
-def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(for each element, the number of its distinct id; for each distinct id, the position of its first element)."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, inverse, torch.arange(len(ids)), "amin")
-    return inverse, first
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -215,8 +207,7 @@ class PairScorer:
     def __call__(self, pairs: torch.Tensor):
         keys = torch.unique(pairs[:, 0] * self.columns + pairs[:, 1])
         share = -(-len(keys) // world_size())
-        rank = dist.get_rank() if world_size() > 1 else 0
-        mine = keys[rank * share:(rank + 1) * share]
+        mine = keys[rank() * share:(rank() + 1) * share]
         device = next(self.model.parameters()).device
         scores = torch.zeros(share, device=device)
         was_training = self.model.training
@@ -228,10 +219,7 @@ class PairScorer:
                 self.image_tokens[image].to(device), self.text_states[text].to(device),
                 self.text_mask[text].to(device)).float()
         self.model.train(was_training)
-        if world_size() > 1:
-            parts = [torch.empty_like(scores) for _ in range(world_size())]
-            dist.all_gather(parts, scores)
-            scores = torch.cat(parts)
+        scores = gather_plain(scores)
         table = scores[:len(keys)].cpu()
 
         def lookup(wanted: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 from ...errors import ConfigError
 from ..model_config import parse_overrides
 from ..vision.transforms import EvalTransform, TrainAugmentation
-from .model import build_text_tower, build_vision_tower
+from .dual_encoder import build_text_tower, build_vision_tower
 
 
 @dataclass(frozen=True)

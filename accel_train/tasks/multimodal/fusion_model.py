@@ -22,7 +22,7 @@ from torch import nn
 
 from ...errors import ConfigError, ModelError
 from ..vision.models import SmallResNet
-from .model import DualEncoder, PooledVision, frozen_tower, tower_param_groups
+from .dual_encoder import DualEncoder, PooledVision, frozen_tower, tower_param_groups
 
 
 def vision_tokens(vision: nn.Module, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,35 +19,12 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ...core.data import seeded_generator
 from ...errors import ConfigError
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(x of every process concatenated in rank order, the offset of this process's rows in it). Gradients flow
-    back to each process's own x. Needs the same batch size on every process, which Accelerate's prepared
-    loaders guarantee (`even_batches`)."""
-    if _world() == 1:
-        return x, 0
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(x.contiguous())), dist.get_rank() * x.shape[0]
-
-
-def _gather_ids(x: torch.Tensor) -> torch.Tensor:
-    if _world() == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_world())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+from .collectives import gather_plain, gather_with_grad
 
 
 def clip_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale: torch.Tensor,
@@ -69,7 +46,7 @@ def clip_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale
         same = torch.zeros_like(logits_i2t, dtype=torch.bool)
         for ids in (image_ids, caption_ids):
             if ids is not None:
-                same |= ids[:, None] == _gather_ids(ids)[None, :]
+                same |= ids[:, None] == gather_plain(ids)[None, :]
         same[torch.arange(len(targets), device=targets.device), targets] = False
         logits_i2t = logits_i2t.masked_fill(same, float("-inf"))
         logits_t2i = logits_t2i.masked_fill(same, float("-inf"))

@@ -13,13 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-
-def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(for each element, the number of its distinct id; for each distinct id, the position of its first element)."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    positions = torch.arange(len(ids))
-    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, inverse, positions, "amin")
-    return inverse, first
+from .collectives import distinct
 
 
 def _ranks(queries: torch.Tensor, gallery: torch.Tensor, positive: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -52,8 +46,8 @@ def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor, ima
     n = len(image_embeds)
     image_ids = torch.arange(n) if image_ids is None else image_ids.cpu()
     caption_ids = torch.arange(n) if caption_ids is None else caption_ids.cpu()
-    image_of, image_first = _distinct(image_ids)
-    caption_of, caption_first = _distinct(caption_ids)
+    image_of, image_first = distinct(image_ids)
+    caption_of, caption_first = distinct(caption_ids)
     images, texts = image_embeds.float().cpu()[image_first], text_embeds.float().cpu()[caption_first]
     positive = torch.zeros(len(images), len(texts), dtype=torch.bool)
     positive[image_of, caption_of] = True
@@ -74,7 +68,7 @@ def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor, ima
 def zero_shot_accuracy(logits: torch.Tensor, labels: torch.Tensor, image_ids: torch.Tensor | None = None) -> float:
     """Top-1 accuracy of classifying each distinct image by its most similar class prompt (logits [N, classes])."""
     if image_ids is not None:
-        _, first = _distinct(image_ids.cpu())
+        _, first = distinct(image_ids.cpu())
         logits, labels = logits[first], labels[first]
     return (logits.argmax(-1).cpu() == labels.cpu()).float().mean().item()
 

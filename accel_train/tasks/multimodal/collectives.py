@@ -1,0 +1,60 @@
+"""The collectives the image-text losses and metrics share: every process's rows in rank order, with or without
+gradients, padded where the processes' lengths differ, and the distinct ids of a gathered batch. One process (or
+no process group) is the identity everywhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def gather_plain(x: torch.Tensor) -> torch.Tensor:
+    """x of every process concatenated in rank order, without gradients (ids, masks, scores). Same shape on every
+    process (pad first: `pad_to`, `longest`)."""
+    if world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x of every process concatenated in rank order, the offset of this process's rows in it). Gradients flow
+    back to each process's own x. Needs the same batch size on every process, which Accelerate's prepared
+    loaders guarantee (`even_batches`)."""
+    if world_size() == 1:
+        return x, 0
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(x.contiguous())), rank() * x.shape[0]
+
+
+def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Pads dim 1 of x ([B, L, ...]) with zeros to `length`."""
+    if x.shape[1] == length:
+        return x
+    pad = x.new_zeros(x.shape[0], length - x.shape[1], *x.shape[2:])
+    return torch.cat([x, pad], 1)
+
+
+def longest(x: torch.Tensor) -> int:
+    """The largest dim 1 of x over all processes."""
+    length = torch.tensor([x.shape[1]], device=x.device)
+    if world_size() > 1:
+        dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    return int(length)
+
+
+def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(for each element, the number of its distinct id; for each distinct id, the position of its first element)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((len(unique),), len(ids)).scatter_reduce(0, inverse, torch.arange(len(ids)), "amin")
+    return inverse, first

@@ -204,7 +204,7 @@ class TrainConfig:
                                         "against it (docs/deploy.md)."}
     )
 
-    # --- run report, pre-flight check, diagnostics (accel_train/observe.py and the modules it names)
+    # --- run report, pre-flight check, diagnostics (accel_train/observe/: report/, preflight/, probes, overfit)
     preflight: bool = field(
         default=True, metadata={"help": "Check the run before step 0: errors refuse to start, warnings are printed "
                                         "(--no_preflight skips it)."}

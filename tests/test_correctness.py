@@ -1,4 +1,4 @@
-"""Silent failures an audit found (issue 14), each pinned: checkpoint timelines and rotation, best-model selection,
+"""Silent failures an audit found, each pinned: checkpoint timelines and rotation, best-model selection,
 resume with a changed config, streams of the wrong length, fp16 with skipped steps, schedules, smaller traps."""
 
 import json
@@ -64,7 +64,8 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(tmp_path, capsys):
     assert steps(tmp_path) == [3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "superseded").iterdir()) == ["step-00000006",
                                                                                             "step-00000009"]
-    assert resolve_checkpoint(tmp_path, "latest").name == "step-00000004"  # before: step-00000009, abandoned
+    assert resolve_checkpoint(tmp_path, "latest").name == "step-00000004", \
+        "latest is the newest checkpoint of the live timeline, never a superseded one"
 
 
 def test_a_directory_that_only_looks_like_a_checkpoint_is_left_alone(tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_a_directory_that_only_looks_like_a_checkpoint_is_left_alone(tmp_path, c
             "--eval_strategy", "no")
     backup = tmp_path / "checkpoints" / "step-00000012.bak"
     shutil.copytree(tmp_path / "checkpoints" / "step-00000008", backup)
-    assert steps(tmp_path) == [4, 8]  # before: ValueError from int("00000012.bak")
+    assert steps(tmp_path) == [4, 8], "a folder that only looks like a checkpoint (step-N.bak) is not listed"
     assert [p.name for p in rotate_checkpoints(tmp_path, 1, None)] == ["step-00000004"]
     assert backup.is_dir()
 
@@ -214,7 +215,7 @@ def stream_run(tmp_path, dataset, accumulation=1, **overrides):
 
 @pytest.mark.timeout(120)
 def test_a_stream_shorter_than_its_length_ends_its_epochs_where_it_runs_out(tmp_path):
-    result = stream_run(tmp_path, Stream(12, claimed=20), max_steps=9)  # before: spun forever
+    result = stream_run(tmp_path, Stream(12, claimed=20), max_steps=9)  # the timeout fails a loop that never ends
     assert result.state.step == 9 and result.state.epoch == 3  # 3 real batches an epoch
 
 
@@ -292,7 +293,8 @@ def test_skipping_a_nonfinite_step_under_fp16_keeps_the_loss_scaler_working(tmp_
         return torch.nn.functional.cross_entropy(model(batch["x"]).float(), batch["labels"])
 
     result = train(model, DataLoader(data, batch_size=8), config=config, loss_fn=loss_fn, accelerator=accelerator)
-    assert result.state.step == 8 and result.state.nonfinite_skips == 1  # before: "unscale_() has already been called"
+    assert result.state.step == 8 and result.state.nonfinite_skips == 1, \
+        "a skipped non-finite step leaves the scaler ready for the next one"
     assert torch.isfinite(model.weight).all()
 
 

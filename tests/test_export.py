@@ -1,4 +1,4 @@
-"""Export for inference (issue 20): TorchScript, torch.export and ONNX artifacts of each recipe's kind of model,
+"""Export for inference: TorchScript, torch.export and ONNX artifacts of each recipe's kind of model,
 loaded back the way a serving stack loads them and compared with the model at shapes other than the example's.
 
 The ONNX cases need the optional packages (pip install 'accel_train[deploy]') and are skipped without them.

@@ -1,4 +1,4 @@
-"""The multimodal fusion recipe and accel_train.tasks.multimodal (issue 19).
+"""The multimodal fusion recipe and accel_train.tasks.multimodal.
 
 Fast tests use a 1-layer BERT built from a config (a word-level vocabulary, no download) and tiny vision towers;
 the 1-vs-2-process comparisons go through the real launcher and are marked slow.

@@ -1,4 +1,4 @@
-"""Object detection (issue 18): the generated canvases, box maths and COCO mAP against hand-computed values,
+"""Object detection: the generated canvases, box maths and COCO mAP against hand-computed values,
 box-aware augmentation, a user's COCO JSON (and its bad inputs), the recipe end to end, and 1 vs 2 processes.
 
 Fast tests use tiny canvases and tiny models; the multi-process comparison goes through the real launcher.

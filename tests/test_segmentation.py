@@ -1,4 +1,4 @@
-"""Semantic segmentation (issue 18): IoU against hand-computed values, pixels summed over images (not batch
+"""Semantic segmentation: IoU against hand-computed values, pixels summed over images (not batch
 means), the losses, mask-aware augmentation, image + mask folders (and their bad inputs), the recipe end to
 end, and 1 vs 2 processes through the real launcher.
 """

@@ -1,4 +1,4 @@
-"""Token-level losses (issue 15): each optimizer step's gradient is the token mean over the whole accumulation
+"""Token-level losses: each optimizer step's gradient is the token mean over the whole accumulation
 window on all processes, whatever the micro-batch split; evaluation is token-weighted and exact; resume is exact."""
 
 import json

@@ -1,4 +1,4 @@
-"""Users coming from the Hugging Face scripts and the Trainer (issue 17): their flags, no silent wrong numbers, the
+"""Users coming from the Hugging Face scripts and the Trainer: their flags, no silent wrong numbers, the
 README's script as printed. Recipe runs and the run directory: tests/test_users_runs.py."""
 
 import json
@@ -30,8 +30,8 @@ def parse(argv, types=(TrainConfig,)):
     ("eval_i2t_median_rank", False), ("error_rate", False), ("accuracy", True), ("eval_f1", True),
     ("pearson", True), ("matthews_correlation", True), ("i2t_recall@1", True)])
 def test_greater_is_better_is_inferred_from_the_metric_name(metric, greater):
-    # before: only names ending in "loss" were lower-is-better, so --metric_for_best_model mse kept the worst model
-    assert TrainConfig(metric_for_best_model=metric).best_is_greater is greater
+    assert TrainConfig(metric_for_best_model=metric).best_is_greater is greater, \
+        f"{metric}: errors, losses and ranks are lower-is-better, not only names ending in loss"
     assert TrainConfig(metric_for_best_model=metric, greater_is_better=not greater).best_is_greater is (not greater)
 
 
@@ -96,7 +96,7 @@ def test_unknown_flags_get_a_did_you_mean():
 
 
 def test_launch_help_prints_usage(capsys):
-    assert cli_main(["launch", "--help"]) == 0  # before: "launch error: no script given", status 2
+    assert cli_main(["launch", "--help"]) == 0, "--help is usage, not a missing-script error"
     out = capsys.readouterr().out
     assert "usage: accel-train launch" in out and "--preset NAME" in out and "cpu_multiprocess" in out
 
@@ -122,8 +122,8 @@ def test_a_shipped_config_works_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _, _, data = parse_config(nlp_finetune.CONFIG_TYPES, ["--config", str(ROOT / "recipes/configs/nlp_sst2.yaml")],
                               defaults=nlp_finetune.DEFAULTS)
-    for path in (data.train_file, data.validation_file, data.test_file):  # before: ../shared/... from tmp_path
-        assert (tmp_path / path).is_file()
+    for path in (data.train_file, data.validation_file, data.test_file):
+        assert (tmp_path / path).is_file(), f"{path}: a config's paths are relative to the config file, not the cwd"
 
 
 # ------------------------------------------------------------------------------------------ subsets
@@ -145,7 +145,7 @@ def test_image_max_eval_samples_holds_every_class():
 
     data = load_image_data(ImageDataArguments(max_eval_samples=50), seed=0)
     labels = data.splits["test"].labels
-    assert len(labels) == 50 and len(set(labels.tolist())) == 10  # before: the first 50 test digits, 0s and 1s
+    assert len(labels) == 50 and len(set(labels.tolist())) == 10, "a subset is drawn over all classes, not the first N"
 
 
 def test_contrastive_max_eval_samples_holds_every_class():

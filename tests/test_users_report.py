@@ -1,4 +1,4 @@
-"""Plots and comparisons a user reads (issue 17): one logged point is visible, a flat series is not blown up, steps
+"""Plots and comparisons a user reads: one logged point is visible, a flat series is not blown up, steps
 are integers, and `accel-train compare` says how the runs differ in world size and global batch and can line
 them up on samples seen."""
 
@@ -16,7 +16,7 @@ def test_a_single_point_is_drawn_with_a_marker(tmp_path):
     path = line_plot(tmp_path / "p.png", [Panel("loss", [Series("train loss", [4], [0.7]),
                                                          Series("eval loss", [2, 4], [0.9, 0.8], "--")])], "loss")
     styles = {s["label"]: s["style"] for s in read_series(path)["panels"][0]["series"]}
-    assert styles["train loss"].startswith("o")  # before: "-", a line through one point draws nothing
+    assert styles["train loss"].startswith("o"), "one logged point is a marker (a line through one point is invisible)"
     assert styles["eval loss"] == "--"  # two points: a line, as asked
 
 
@@ -26,15 +26,15 @@ def test_a_near_constant_series_gets_a_sensible_y_range(tmp_path):
                                           Panel("loss", [Series("loss", [1, 2, 3, 4], [2.0, 1.0, 0.5, 0.3])])], "t")
     memory_panel, loss_panel = read_series(path)["panels"]
     low, high = memory_panel["ylim"]
-    # before: matplotlib spread a 0.1 MiB wiggle over the whole panel (512.295 .. 512.405, offset notation)
-    assert low < 512.3 * 0.96 and high > 512.4 * 1.04 and low > 0
+    assert low < 512.3 * 0.96 and high > 512.4 * 1.04 and low > 0, \
+        f"a near-flat series is not blown up over the whole panel: ylim {low:.3f} .. {high:.3f}"
     assert loss_panel["ylim"][1] - loss_panel["ylim"][0] < 2.5  # a series that moves keeps matplotlib's range
 
 
 def test_step_axes_have_integer_ticks(tmp_path):
     path = line_plot(tmp_path / "s.png", [Panel("loss", [Series("loss", [1, 2, 3], [1.0, 0.8, 0.7])])], "loss")
     ticks = read_series(path)["xticks"]
-    assert ticks and all(float(t).is_integer() for t in ticks)  # before: 1.0, 1.25, 1.5, ...
+    assert ticks and all(float(t).is_integer() for t in ticks), f"step ticks are whole steps: {ticks}"
 
 
 def run_toy(out, batch):

@@ -1,4 +1,4 @@
-"""Users coming from the Hugging Face scripts and the Trainer (issue 17), through real runs: the NLP recipe on a
+"""Users coming from the Hugging Face scripts and the Trainer, through real runs: the NLP recipe on a
 tiny BERT / GPT-2 built offline, small runs of the public API, and the run directory they leave."""
 
 import json
@@ -70,7 +70,7 @@ def test_regression_chooses_mse_lower_is_better_and_keeps_the_best(tiny_bert, tm
     pd.DataFrame({"text": [t for _, t in rows], "score": [0.9 if y else 0.1 for y, _ in rows]}).to_csv(
         tmp_path / "train.csv", index=False)
     out = tmp_path / "run"
-    # before: "--metric_for_best_model eval_accuracy: the evaluation returned only [eval_loss, eval_mae, ...]"
+    # a regression run picks eval_mse as its best metric by itself (eval_accuracy does not exist there)
     nlp(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.csv"), "--label_column_name",
          "score", "--output_dir", str(out), *FAST, "--num_train_epochs", "4"])
     evals = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_mse" in r and not r.get("final")]
@@ -83,7 +83,6 @@ def test_regression_chooses_mse_lower_is_better_and_keeps_the_best(tiny_bert, tm
 
 def test_a_decoder_without_a_padding_token_pads_with_eos(tiny_gpt2, sst_like, tmp_path):
     out = tmp_path / "run"
-    # before: a raw ValueError from the collator ("Asking to pad but the tokenizer does not have a padding token")
     nlp(["--model_name_or_path", str(tiny_gpt2), "--train_file", str(sst_like["train"]), "--validation_file",
          str(sst_like["dev"]), "--output_dir", str(out), *FAST])
     config = json.loads((out / "config.json").read_text())
@@ -146,8 +145,8 @@ def test_result_metrics_are_the_same_dict_on_every_rank(tmp_path):
                                               "--save_strategy", "no"], num_processes=2)
     records = {int(p.name.split("_")[1][4:]): json.loads(p.read_text()) for p in tmp_path.glob("toy_rank*.json")}
     assert set(records) == {0, 1}
-    # before: train_runtime, train_samples_per_second and the peak memory differed by rank
-    assert records[0]["metrics"] == records[1]["metrics"] == results(tmp_path)
+    assert records[0]["metrics"] == records[1]["metrics"] == results(tmp_path), \
+        "every rank returns the same final metrics (runtime, samples/s, peak memory: the all-reduced ones)"
 
 
 # ------------------------------------------------------------------------------------------ what HF users expect
@@ -158,8 +157,8 @@ def test_labels_1_to_k_are_mapped_with_their_names(tiny_bert, tmp_path):
     out = tmp_path / "run"
     nlp(["--model_name_or_path", str(tiny_bert), "--train_file", lines(tmp_path / "train.txt", rows),
          "--test_file", lines(tmp_path / "test.txt", rows[:8]), "--output_dir", str(out), *FAST])
-    # before: "integer labels in 'label' must be 0..N-1, found [1, 2]"
-    assert json.loads((out / "config.json").read_text())["id2label"] == {"0": "1", "1": "2"}
+    assert json.loads((out / "config.json").read_text())["id2label"] == {"0": "1", "1": "2"}, \
+        "labels 1..K are mapped to 0..K-1 and keep their names"
     predictions = {json.loads(line)["prediction"] for line in (out / "predict_results.jsonl").read_text().splitlines()}
     assert predictions <= {"1", "2"} and "test_accuracy" in results(out)
 
@@ -216,7 +215,7 @@ def test_an_output_dir_clash_is_refused_before_the_model_loads(tiny_bert, sst_li
     base = ["--train_file", str(sst_like["train"]), "--output_dir", str(out), *FAST, "--num_train_epochs", "1"]
     nlp(["--model_name_or_path", str(tiny_bert), *base])
     reset_accelerate()
-    with pytest.raises(SystemExit):  # before: "cannot load it", the model being loaded before the check
+    with pytest.raises(SystemExit):  # the clash is reported, not the (missing) model: the check comes first
         run_cli(nlp_finetune.main, ["--model_name_or_path", str(tmp_path / "no_model"), *base])
     err = capsys.readouterr().err
     assert f"--output_dir {out} already holds a run" in err and "--resume_from_checkpoint latest" in err

@@ -1,4 +1,4 @@
-"""Data-loader workers draw their own random numbers on each process, reproducibly (issue 5, item 4)."""
+"""Data-loader workers draw their own random numbers on each process, reproducibly."""
 
 import random
 

@@ -14,7 +14,8 @@ takes modules): SmallResNet, CenterNet, UNet, DualEncoder and FusionEncoder do. 
 attributes in its constructor, pass ``RecordModelFactory(model, output_dir, factory=ModelFactory(...))`` as a hook,
 or give ``--factory my_pkg.models:build --factory_kwargs '{...}'`` to `accel-train export`.
 
-This module imports no model code: a model describes itself, and is built through the string.
+Rebuilding goes through the string alone: a model describes itself, and no model class is named here (the one
+import from the task kits is SmallResNet's factory string, quoted as the example in an error message).
 """
 
 from __future__ import annotations

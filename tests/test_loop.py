@@ -221,3 +221,10 @@ def test_mixed_precision_auto_picks_native_bf16_and_yields_to_the_launcher(tmp_p
     report = startup_report(accelerator, config, make_plan(config, 4, 1), 32)
     assert "bf16 autocast on cpu (--mixed_precision auto: this cpu computes bf16 natively; --mixed_precision no" \
            in report
+    # the pre-flight check compares the precision auto resolved to, not the word "auto", with the Accelerator's
+    data = DataLoader(TensorDataset(torch.randn(16, 2), torch.randint(0, 2, (16,))), batch_size=8)
+    result = train(torch.nn.Linear(2, 2), data, config=config.replace(max_steps=2, save_strategy="no",
+                                                                      eval_strategy="no", disable_tqdm=True),
+                   loss_fn=lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1]),
+                   accelerator=accelerator)
+    assert result.state.step == 2, "a run with --mixed_precision auto starts and trains"

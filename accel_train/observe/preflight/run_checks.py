@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ...core.accelerator import holds_whole_model, precision_in_effect, requested_world_size
+from ...core.accelerator import holds_whole_model, precision_in_effect, requested_world_size, resolve_precision
 from .findings import Finding, Level, loader_batch
 
 
 def check_precision(f) -> list[Finding]:
-    acc, asked = f.accelerator, f.config.mixed_precision
+    acc, asked = f.accelerator, resolve_precision(f.config.mixed_precision)  # auto: what it resolves to here
     running, effect = acc.mixed_precision, precision_in_effect(acc)
     out = []
     if asked is not None and asked != running:
-        out.append(Finding("precision", "error", f"--mixed_precision {asked} was asked, the Accelerator runs "
+        out.append(Finding("precision", "error", f"--mixed_precision {f.config.mixed_precision} was asked"
+                           + (f" ({asked} on this machine)" if asked != f.config.mixed_precision else "")
+                           + ", the Accelerator runs "
                            f"{running}.", "build the Accelerator with build_accelerator(config), or give both the "
                            "same precision."))
     elif running in ("fp16", "bf16") and effect == "fp32":

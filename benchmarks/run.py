@@ -2,7 +2,7 @@
 benchmarks/RESULTS.md (ratios, the machine, the commands).
 
     python benchmarks/run.py                 # everything (about 30 minutes on 2 CPU cores)
-    python benchmarks/run.py --only trainer  # one section: overhead, trainer, padding, features, stall
+    python benchmarks/run.py --only trainer  # one section: overhead, trainer, padding, features, stall, bf16
 
 Sections:
   overhead  accel_train vs a bare PyTorch loop (MiniLM and a small CNN): samples/s, losses step by step
@@ -11,6 +11,7 @@ Sections:
   features  each speed feature on and off: fused AdamW, SDPA vs eager attention, gradient checkpointing,
             torch.compile (CNN), with peak memory
   stall     the share of step time spent waiting for data, as the loop logs it, on the recipes' defaults
+  bf16      a bf16 MiniLM step against the machine's bf16 matmul peak: where it goes, what each lever does
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def sst2_args(out: str, steps: int) -> list[str]:
 
 
 def recipe_run(*flags: str, steps: int = STEPS) -> dict:
-    """The NLP recipe on SST-2 (train slice, full dev), in-process; returns results + last log record."""
+    """The NLP recipe on SST-2 (train slice, full dev), in-process, in fp32 unless `flags` say otherwise (the sections
+    compare loops and features at one precision); returns results + last log record."""
     import nlp_finetune
 
     from accel_train.core.meter import reset_cpu_peak_memory
@@ -146,9 +148,9 @@ def section_overhead(repeats: int) -> list[str]:
 
 
 TRAINER_RUNS = {  # name -> (function, what it is); the Trainer at its best groups by length too, and autocasts bf16
-    "accel_train (default)": (lambda: recipe_run("--optim", "adamw_torch"), "fp32, length-grouped batches"),
-    "accel_train bf16": (lambda: recipe_run("--optim", "adamw_torch", "--mixed_precision", "bf16"),
-                         "bf16 autocast, length-grouped batches"),
+    "accel_train (default)": (lambda: recipe_run("--optim", "adamw_torch", "--mixed_precision", "auto"),
+                              "--mixed_precision auto (bf16 on this CPU), length-grouped batches"),
+    "accel_train fp32": (lambda: recipe_run("--optim", "adamw_torch"), "--mixed_precision no, length-grouped batches"),
     "Trainer (default)": (lambda: trainer_run(), "fp32, random batches, dynamic padding"),
     "Trainer group_by_length": (lambda: trainer_run(group_by_length=True),
                                 "fp32, train_sampling_strategy='group_by_length'"),
@@ -173,7 +175,7 @@ def section_trainer(repeats: int) -> list[str]:
     return lines + ["", f"**Ratios (samples/s): accel_train default / Trainer default = "
                         f"{ours / sps['Trainer (default)']:.2f}x; / Trainer with group_by_length = "
                         f"{ours / sps['Trainer group_by_length']:.2f}x; / Trainer at its best = {ours / best:.2f}x; "
-                        f"accel_train bf16 / Trainer at its best = {sps['accel_train bf16'] / best:.2f}x.**", ""]
+                        f"accel_train fp32 / Trainer at its best = {sps['accel_train fp32'] / best:.2f}x.**", ""]
 
 
 def section_padding(repeats: int) -> list[str]:
@@ -285,9 +287,19 @@ def section_threads(repeats: int) -> list[str]:
     return lines + ["", f"**Ratio: the cores / one thread = {many / one:.2f}x samples/s.**", ""]
 
 
+def section_bf16(repeats: int) -> list[str]:
+    """bf16_step.py in its own process (torch.compile state stays out of this one)."""
+    from bf16_step import markdown
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_step.py"), "--repeats", str(repeats), "--json",
+                        f"{tmp}/r.json"], capture_output=True, check=True, cwd=ROOT)
+        return markdown(json.loads(Path(tmp, "r.json").read_text()))
+
+
 SECTIONS = {"overhead": section_overhead, "trainer": section_trainer, "padding": section_padding,
             "features": section_features, "compile": section_compile, "stall": lambda repeats: section_stall(),
-            "threads": section_threads}
+            "threads": section_threads, "bf16": section_bf16}
 
 
 def main() -> None:

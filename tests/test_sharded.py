@@ -59,7 +59,7 @@ def recipe_args(tiny_bert, data, out: Path) -> list[str]:
             str(data["dev"]), "--num_train_epochs", "1", "--per_device_train_batch_size", "4",
             "--learning_rate", "3e-3", "--warmup_steps", "0.1", "--max_seq_length", "32", "--save_strategy", "steps",
             "--save_steps", "3", "--eval_strategy", "epoch", "--logging_steps", "1", "--report_to", "none",
-            "--disable_tqdm", "--cpu_threads", "1", "--output_dir", str(out)]
+            "--disable_tqdm", "--cpu_threads", "1", "--mixed_precision", "no", "--output_dir", str(out)]
 
 
 def extensions_env() -> dict[str, str]:

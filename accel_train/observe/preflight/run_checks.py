@@ -32,7 +32,9 @@ def check_precision(f) -> list[Finding]:
                            "load the model in float32 (from_pretrained(..., dtype=torch.float32)) and let "
                            "--mixed_precision bf16/fp16 autocast."))
     if not out:
-        asked_by = f"--mixed_precision {asked}" if asked else f"the launcher's {running}"
+        word = f.config.mixed_precision
+        asked_by = (f"--mixed_precision {word}" + (f", {asked} here" if word != asked else "")) if asked \
+            else f"the launcher's {running}"
         out.append(Finding("precision", "ok", f"{effect} (asked: {asked_by})."))
     return out
 

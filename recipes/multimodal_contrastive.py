@@ -20,15 +20,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from accel_train import (
-    ConfigError,
-    TrainConfig,
-    build_accelerator,
-    parse_with_defaults,
-    run_cli,
-    split_loaders,
-    train,
-)
+from accel_train import ConfigError, TrainConfig, build_accelerator, parse_with_defaults, run_cli, split_loaders, train
 from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, StepClock
 from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics
 from accel_train.tasks.multimodal.data import (

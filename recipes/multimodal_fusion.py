@@ -25,15 +25,7 @@ from dataclasses import dataclass, field
 
 from accelerate.utils import set_seed
 
-from accel_train import (
-    ConfigError,
-    TrainConfig,
-    build_accelerator,
-    parse_with_defaults,
-    run_cli,
-    split_loaders,
-    train,
-)
+from accel_train import ConfigError, TrainConfig, build_accelerator, parse_with_defaults, run_cli, split_loaders, train
 from accel_train.tasks.multimodal.contrastive_loss import StepClock
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,

@@ -55,7 +55,7 @@ from accel_train.tasks.text.classification import (
 # Loader workers are the library's default: 4 beside a GPU (padding batches in the main process starved it, 43% of
 # step time on an H200 at batch 256), none on a CPU, where they compete with training for the cores.
 # Precision "auto": bf16 autocast where the hardware computes bf16 natively (this recipe measured within seed noise of
-# fp32 on SST-2 and 1.38x the samples/s on a 2-core AVX512-BF16 CPU: benchmarks/nlp_finetune.md), fp32 elsewhere,
+# fp32 on SST-2 and 1.48x the samples/s on a 2-core AVX512-BF16 CPU: benchmarks/nlp_finetune.md), fp32 elsewhere,
 # the launcher's precision when it asks for one; --mixed_precision no trains in fp32.
 DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_device_train_batch_size=32,
                 per_device_eval_batch_size=64, learning_rate=2e-4, weight_decay=0.01, warmup_steps=0.1,

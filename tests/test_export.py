@@ -26,6 +26,7 @@ from accel_train.deploy import (
     ModelFactory,
     Sample,
     describe_model,
+    export_formats_at_end,
     export_model_artifacts,
     sample_from_batch,
     synthetic_sample,
@@ -271,6 +272,20 @@ def test_first_caption_of_an_image_text_batch_feeds_the_text_tower():
 
 
 # ---------------------------------------------------------------------- real recipe runs, the CLI, the docs
+
+
+def test_the_export_at_the_end_of_a_bf16_run_is_an_fp32_graph(tmp_path):
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(image_model("small_resnet"))
+    loader = [{"pixel_values": torch.randn(2, 3, 16, 16)}]
+    (result,) = export_formats_at_end(accelerator, model, tmp_path, ["exported_program"], eval_loader=loader)
+    assert result.verified and "bfloat16" not in str(torch.export.load(result.path).graph), \
+        "the exported graph runs the class's fp32 forward, not Accelerate's autocast wrapper"
+    assert "forward" in model.__dict__, "the training model keeps its autocast wrapper"
+    reset_accelerate()
 
 
 @pytest.fixture(scope="module")

@@ -167,6 +167,11 @@ def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path,
 def _export_at_end(accelerator, model, output_dir: Path, formats, processing_class, eval_loader, tolerance):
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     exported = copy.deepcopy(bare).to("cpu", torch.float32).eval()  # a portable fp32 CPU artifact
+    # Under mixed precision Accelerate replaces the model's forward with an autocast wrapper (an instance attribute,
+    # `_original_forward` keeping the old one): the copy drops both and runs its class's forward, so the graph is
+    # fp32 (a bf16 MatMul has no ONNX Runtime CPU kernel) while the training model keeps its wrapper.
+    for name in ("forward", "_original_forward"):
+        exported.__dict__.pop(name, None)
     factory = describe_model(exported)
     if factory is not None:
         factory.save(output_dir)

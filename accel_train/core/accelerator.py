@@ -19,6 +19,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
+from .meter import cpu_info
 from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
@@ -202,10 +203,14 @@ def resolve_precision(requested: str | None) -> str | None:
     passed to Accelerate unchanged (None: the launcher's)."""
     if requested != "auto":
         return requested
+    return launcher_precision() or ("bf16" if native_bf16() else "no")
+
+
+def launcher_precision() -> str | None:
+    """The mixed precision `accelerate launch` (or its config file) asked for, or None when it asked for none: its
+    "no" is also what it reports when nothing was said, so it counts as none."""
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if launcher not in ("", "no"):
-        return launcher
-    return "bf16" if native_bf16() else "no"
+    return None if launcher in ("", "no") else launcher
 
 
 def native_bf16() -> bool:
@@ -213,11 +218,7 @@ def native_bf16() -> bool:
     AMX-BF16 instructions (on a CPU without them bf16 is emulated, and slower than fp32)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    except OSError:  # not Linux: not detected, so not assumed
-        return False
+    flags = (cpu_info("flags") or "").split()  # not Linux: not detected, so not assumed
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -285,7 +286,7 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
 def _auto_note(accelerator: Accelerator, config: TrainConfig) -> str:
     if config.mixed_precision != "auto":
         return ""
-    if accelerator.mixed_precision == "bf16" and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("", "no"):
+    if accelerator.mixed_precision == "bf16" and launcher_precision() is None:
         return (f" (--mixed_precision auto: this {accelerator.device.type} computes bf16 natively; "
                 "--mixed_precision no for fp32)")
     return " (--mixed_precision auto)"

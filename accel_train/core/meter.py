@@ -135,11 +135,17 @@ def peak_flops(accelerator: Accelerator) -> float | None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    return cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def cpu_info(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo ("model name", "flags"), or None (not Linux, no such
+    line)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
+    except OSError:
+        return None
 
 
 def measured_peak(device: torch.device, precision: str, side: int = MATMUL_SIDE) -> float | None:

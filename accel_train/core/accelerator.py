@@ -286,10 +286,12 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
 def _auto_note(accelerator: Accelerator, config: TrainConfig) -> str:
     if config.mixed_precision != "auto":
         return ""
-    if accelerator.mixed_precision == "bf16" and launcher_precision() is None:
-        return (f" (--mixed_precision auto: this {accelerator.device.type} computes bf16 natively; "
-                "--mixed_precision no for fp32)")
-    return " (--mixed_precision auto)"
+    launcher, device = launcher_precision(), accelerator.device.type
+    if launcher is not None:
+        return f" (--mixed_precision auto: the launcher asked for {launcher})"
+    if accelerator.mixed_precision == "bf16":
+        return f" (--mixed_precision auto: this {device} computes bf16 natively; --mixed_precision no for fp32)"
+    return f" (--mixed_precision auto: this {device} has no native bf16, so fp32; --mixed_precision bf16 to force it)"
 
 
 def duplicated_samples(plan, config: TrainConfig, num_processes: int, num_train_samples: int | None) -> int:

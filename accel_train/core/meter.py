@@ -216,6 +216,17 @@ class FlopCount:
         self._mode = FlopCounterMode(display=False)
         return self._mode
 
+    def counts(self) -> dict[str, float | None]:
+        """The counted FLOPs per sample and per token position ({} before the count), for the train state."""
+        self.model_flops(0.0)
+        return {} if self.per_sample is None else {"per_sample": self.per_sample, "per_token": self.per_token}
+
+    def restore(self, counts: dict[str, float | None]) -> None:
+        """Take the counts of the run being resumed instead of counting a micro-batch again (which would change
+        that step's numerics: counting dispatches attention differently, and the resumed run must be bitwise)."""
+        if counts and self.peak is not None:
+            self.per_sample, self.per_token, self._pending = counts["per_sample"], counts["per_token"], False
+
     def mfu(self, samples_per_second: float, tokens_per_second: float = 0.0) -> float | None:
         flops = self.model_flops(samples_per_second, tokens_per_second)
         return flops / self.peak if flops is not None and self.peak else None

@@ -216,6 +216,7 @@ class Session:
         """Log, evaluate, save and call the hooks at their intervals; True when the run should stop (agreed by
         every rank)."""
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
+        state.flop_count = meter.flops.counts()  # saved with the checkpoints: a resumed run does not count again
         cfg, stop, acted = self.config, False, False
         self.log.advance()
         if _due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):

@@ -31,6 +31,10 @@ class TrainState:
     global_batch_size: int = 0
     hooks: dict[str, Any] = field(default_factory=dict)  # keyed by hooks.hook_keys: the hook's state_key or class
     hyperparameters: dict[str, Any] = field(default_factory=dict)  # what the optimizer and schedule were built with
+    # The model FLOPs of a micro-batch, counted on the run's first one (meter.FlopCount): a resumed run takes them
+    # from here rather than count again, because counting changes the numerics of the step it counts (torch's
+    # FlopCounterMode dispatches attention differently, ~1e-8 in the gradients): a resume would not be bitwise.
+    flop_count: dict[str, float | None] = field(default_factory=dict)
 
     def update_best(self, name: str, greater: bool, value: float) -> bool:
         """Record `value` of metric `name` if it is the best so far; a non-finite value never is."""

@@ -47,13 +47,16 @@ from accel_train.tasks.text.generation import (
     TrainCollator,
     build_generation_model,
     check_best_metric,
+    check_packing_flags,
     config_is_seq2seq,
     evaluate_generation,
     load_raw_data,
     load_tokenizer,
     model_facts,
+    packing_width,
     resolve_columns,
     tokenize_splits,
+    training_set,
     training_texts,
     vocabulary_digest,
 )
@@ -78,6 +81,7 @@ def load_data(data_args: GenerationDataArguments, model_args: GenerationModelArg
     """Raw splits and what their columns mean for this model's family."""
     raw = load_raw_data(data_args, seed)
     seq2seq = config_is_seq2seq(model_args)
+    check_packing_flags(data_args, seq2seq)
     return raw, resolve_columns(data_args, seq2seq, raw["train"].column_names)
 
 
@@ -142,7 +146,10 @@ def main(argv=None) -> dict[str, float]:
                                 for k, v in splits.items()))
     collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator))
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
-    lengths = [len(i) + len(label) for i, label in zip(train_set["input_ids"], train_set["labels"], strict=True)]
+    rows = training_set(train_set, data_args, packing_width(data_args, task, facts), tokenizer.pad_token_id,
+                        pad_multiple(accelerator), model)  # padded, packed or padding-free
+    if rows.summary:
+        accelerator.print(rows.summary)
     modules = {name: load_metric(name) for name in METRICS}
     every_eval = (Generator(splits["validation"], tokenizer, facts.seq2seq, gen_args, config.per_device_eval_batch_size,
                             gen_args.max_generate_samples)
@@ -150,8 +157,7 @@ def main(argv=None) -> dict[str, float]:
     finish = [GenerationFinish(splits, tokenizer, facts.seq2seq, config, gen_args, modules, collator)]
     if model_args.merge_lora:
         finish.append(MergeLora(model_args, tokenizer, config.output_dir))
-    result = train(model, make_loader(train_set, config, train=True, collate_fn=collator,
-                                      lengths=lengths if data_args.group_by_length else None,
+    result = train(model, make_loader(rows.rows, config, train=True, collate_fn=rows.collator, lengths=rows.lengths,
                                       num_processes=accelerator.num_processes),
                    config=config, loss_fn=build_loss(config), accelerator=accelerator,
                    eval_loader=make_loader(eval_set, config, train=False, collate_fn=collator),

@@ -19,6 +19,21 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
 
+# A packed batch (several sequences per row, told apart by position ids restarting at 0, no attention mask) carries
+# its count of non-padding tokens under this key: nothing else in it says where the row-end padding is.
+REAL_TOKENS = "real_tokens"
+
+
+def take_real_tokens(batch):
+    """The batch's non-padding tokens, removed from the batch when it carried them as `REAL_TOKENS` (they are no
+    model input); else its attention mask's sum, left on the device (no sync) until the meter reports; else 0."""
+    if not isinstance(batch, Mapping):
+        return 0
+    if REAL_TOKENS in batch:
+        return batch.pop(REAL_TOKENS)
+    mask = batch.get("attention_mask")
+    return mask.sum() if isinstance(mask, torch.Tensor) else 0
+
 
 def seeded_generator(seed: int, counter: int) -> torch.Generator:
     """A CPU generator that is a function of (seed, counter) alone: the epoch's data order, a step's draws. The

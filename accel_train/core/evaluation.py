@@ -18,6 +18,7 @@ from accelerate import Accelerator
 
 from ..config import TrainConfig
 from ..errors import ConfigError, DataError
+from .data import take_real_tokens
 from .loss import as_loss_output, batch_size_of
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
@@ -90,6 +91,7 @@ def evaluate_model(
     exp(loss) beside it."""
 
     def step(model, batch):
+        take_real_tokens(batch)  # a packed batch's token count is no model input
         out = as_loss_output(loss_fn(model, batch), loss_fn)
         n = batch_size_of(batch)
         if "items" in out:  # sums: per sample where given, else the batch's shared equally by its samples

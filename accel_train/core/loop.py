@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import DataError
-from .data import seeded_generator
+from .data import seeded_generator, take_real_tokens
 from .guard import StepGuard, on_nonfinite
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
@@ -41,12 +41,13 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
             fed = False
             for batch, waited in _timed(batches):
                 fed, n = True, batch_size_of(batch)
+                tokens = take_real_tokens(batch)  # before the loss: a packed batch's count is no model input
                 with acc.accumulate(model), meter.flops.measure(n, _positions(batch)):  # MFU: counted once
                     out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
                     acc.backward(out["objective"])  # Accelerate divides by the accumulation count
                 window.add(out)
                 guard.watch(out["objective"])
-                meter.add_micro_batch(out, n, _real_tokens(batch), waited)
+                meter.add_micro_batch(out, n, tokens, waited)
                 state.batch_in_epoch += 1
                 state.samples_in_epoch += n * acc.num_processes
                 state.samples_seen += n * acc.num_processes
@@ -121,12 +122,9 @@ def _timed(loader):
 
 
 def _positions(batch: Any) -> int:
-    """Token positions of a text batch, padding included (B x L), or 0 (no attention mask)."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    """Token positions of a text batch, padding included (B x L): of its attention mask, or of a packed batch's
+    position ids; 0 for other batches."""
+    if not isinstance(batch, Mapping):
+        return 0
+    mask = batch.get("attention_mask", batch.get("position_ids"))
     return mask.numel() if isinstance(mask, torch.Tensor) else 0
-
-
-def _real_tokens(batch: Any):
-    """Non-pad tokens in the batch, left on the device (no sync) until the meter reports."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    return mask.sum() if isinstance(mask, torch.Tensor) else 0

@@ -28,6 +28,8 @@ class TokenArgs:
     save_initial: bool = False  # write the initial weights (the tests compute the reference gradient from them)
     sort_by_length: bool = False  # micro-batches of similar lengths, as length-grouped batching makes them
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
+    pack_width: int = 0  # > 0: the sequences packed into rows of this many tokens (accel_train's --packing)
+    padding_free: bool = False  # each micro-batch one row of its sequences (accel_train's --padding_free)
 
 
 class StopAt:
@@ -85,6 +87,24 @@ def collate(mask_all: bool = False):
     return fn
 
 
+def packed_rows(rows: list[list[int]], width: int):
+    """The sequences as an input_ids / labels dataset, packed into rows of `width` tokens."""
+    import datasets
+
+    from accel_train.tasks.text.packing import pack_examples
+
+    return pack_examples(datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}), width)
+
+
+def packed_loader(rows: list[list[int]], args: TokenArgs, batch_size: int) -> DataLoader:
+    from accel_train.tasks.text.packing import PackedCollator
+
+    data = packed_rows(rows, args.pack_width).rows if args.pack_width else \
+        [{"input_ids": r, "labels": r} for r in rows]
+    return DataLoader(data, batch_size=batch_size, shuffle=False,
+                      collate_fn=PackedCollator(0, flatten=args.padding_free))
+
+
 def reference_gradient(model, rows: list[list[int]]) -> dict[str, torch.Tensor]:
     """∇ (Σ token losses / number of tokens) over all rows in one batch: the step gradient to match."""
     batch = collate()(rows)
@@ -107,6 +127,8 @@ def main(argv=None):
     rows = sequences(args.num_sequences, 0, args.sort_by_length)
     train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
                               collate_fn=collate(args.mask_all))
+    if args.pack_width or args.padding_free:
+        train_loader = packed_loader(rows, args, config.per_device_train_batch_size)
     eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),
                              batch_size=config.per_device_eval_batch_size, collate_fn=collate())
     result = train(model, train_loader, config=config, eval_loader=eval_loader, accelerator=accelerator,

@@ -7,7 +7,8 @@ The pieces live beside this module: `generation_data` (arguments, raw splits, co
 `generation_tokens` (token ids, collators), `generation_chat` (conversations: every reply learned),
 `generation_model` (models, tokenizers, LoRA and its merge), `generation_eval` (generate on N processes, score
 text), `generation_checks` (what is refused before training, collapse and source reliance after it),
-`generation_finish` (the finish-seam hooks), `generation_demo` (the rule-generated demo task).
+`generation_finish` (the finish-seam hooks), `packing` (packed and padding-free batches),
+`generation_demo` (the rule-generated demo task).
 """
 
 from .generation_chat import ChatExample, chat_example
@@ -57,7 +58,20 @@ from .generation_tokens import (
     ModelFacts,
     TokenizedSplit,
     TrainCollator,
+    lm_documents,
+    packing_width,
     tokenize_splits,
+)
+from .packing import (
+    Packed,
+    PackedCollator,
+    TrainingSet,
+    best_fit_decreasing,
+    check_isolation,
+    check_packing_flags,
+    isolation_error,
+    pack_examples,
+    training_set,
 )
 
 __all__ = [
@@ -71,5 +85,8 @@ __all__ = [
     "score_generations", "write_predictions",
     "GenerationModelArguments", "add_lora", "build_generation_model", "config_is_seq2seq", "load_tokenizer",
     "model_facts", "train_bpe_tokenizer", "vocabulary_digest", "warm_start_encoder_decoder",
-    "IGNORE_INDEX", "GenerationCollator", "ModelFacts", "TokenizedSplit", "TrainCollator", "tokenize_splits",
+    "IGNORE_INDEX", "GenerationCollator", "ModelFacts", "TokenizedSplit", "TrainCollator", "lm_documents",
+    "packing_width", "tokenize_splits",
+    "Packed", "PackedCollator", "TrainingSet", "best_fit_decreasing", "check_isolation", "check_packing_flags",
+    "isolation_error", "pack_examples", "training_set",
 ]

@@ -66,6 +66,18 @@ class GenerationDataArguments:
     max_eval_samples: int | None = field(default=None, metadata={
         "help": "Evaluate on a seeded random subset of N validation rows."})
     group_by_length: bool = field(default=True, metadata={"help": "Batches of similar lengths: less padding."})
+    packing: bool = field(default=False, metadata={
+        "help": "Causal LMs: pack whole training examples into rows of --max_seq_length tokens (best-fit "
+                "decreasing); each example attends only to itself and keeps its own positions, so training is the "
+                "same as with padded batches, with almost no padding. Language modelling: each text is an example."})
+    max_seq_length: int | None = field(default=None, metadata={
+        "help": "--packing: tokens per row (default: --max_source_length + --max_target_length, or the block size "
+                "for language modelling)."})
+    packing_split: bool = field(default=False, metadata={
+        "help": "--packing: cut an example longer than a row into pieces (default: refuse it)."})
+    padding_free: bool = field(default=False, metadata={
+        "help": "Causal LMs: each micro-batch is one row of its examples, no padding at all (isolated as with "
+                "--packing); the batches hold the same examples as padded ones."})
 
     def __post_init__(self):
         if self.messages_column and (self.prompt_column or self.completion_column or self.summary_column):
@@ -80,6 +92,13 @@ class GenerationDataArguments:
         for name in ("max_source_length", "max_target_length"):
             if getattr(self, name) < 2:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be at least 2 tokens.")
+        if self.packing and self.padding_free:
+            raise ConfigError("--packing and --padding_free are two ways to batch without padding: give one.")
+        for name in ("max_seq_length", "packing_split"):
+            if getattr(self, name) and not self.packing:
+                raise ConfigError(f"--{name} shapes the rows of --packing: add --packing, or drop it.")
+        if self.max_seq_length is not None and self.max_seq_length < 2:
+            raise ConfigError(f"--max_seq_length {self.max_seq_length}: must be at least 2 tokens.")
         split = self.validation_split
         if split <= 0 or (split >= 1 and split != int(split)):
             raise ConfigError(f"--validation_split {self.validation_split}: a fraction in (0, 1) or a whole count.")

@@ -65,7 +65,11 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
             args = dataclasses.replace(args, train_on_prompt=False)
         if task.kind == "lm":
             block = args.block_size or min(1024, model.positions or 1024)
-            out[name] = TokenizedSplit(lm_blocks(split[task.source], tokenizer, block, name), [], [], False)
+            texts = split[task.source]
+            whole = args.packing or args.padding_free  # each text a document of its own, never run into the next
+            tokens = lm_documents(texts, tokenizer, block, args.packing_split, name) if whole \
+                else lm_blocks(texts, tokenizer, block, name)
+            out[name] = TokenizedSplit(tokens, [], [], False)
             continue
         if task.kind == "chat":
             chats = [chat_rows(m, tokenizer, args, name, row) for row, m in enumerate(split[task.messages])]
@@ -166,6 +170,28 @@ def lm_blocks(texts: Sequence[str], tokenizer, block_size: int, name: str) -> da
                         f"{block_size}; give more text or a smaller --block_size.")
     blocks = [stream[i * block_size:(i + 1) * block_size] for i in range(count)]
     return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def lm_documents(texts: Sequence[str], tokenizer, limit: int, split: bool, name: str) -> datasets.Dataset:
+    """Each text with eos after it, an example of its own (packed or padding-free language modelling). A text
+    longer than `limit` tokens (the block size) is cut into pieces of `limit` with `split`, else refused."""
+    docs = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    long = [len(d) for d in docs if len(d) > limit]
+    if long and not split:
+        raise DataError(f"{len(long)} of {len(docs)} {name} texts are longer than the block size {limit} (the "
+                        f"longest: {max(long)} tokens, eos included): pass --packing_split to cut them into "
+                        "pieces, or give --block_size up to the model's positions.")
+    pieces = [d[s:s + limit] for d in docs for s in range(0, len(d), limit)]
+    return datasets.Dataset.from_dict({"input_ids": pieces, "labels": pieces})
+
+
+def packing_width(args: GenerationDataArguments, task: TaskColumns, model: ModelFacts) -> int:
+    """--max_seq_length, or the longest an example can be: source + target, or the language-modelling block."""
+    if args.max_seq_length:
+        return args.max_seq_length
+    if task.kind == "lm":
+        return args.block_size or min(1024, model.positions or 1024)
+    return args.max_source_length + args.max_target_length
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, side: str, multiple: int | None = None) -> torch.Tensor:

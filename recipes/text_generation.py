@@ -52,6 +52,7 @@ from accel_train.tasks.text.generation import (
     evaluate_generation,
     load_raw_data,
     load_tokenizer,
+    loss_chunk,
     model_facts,
     packing_width,
     resolve_columns,
@@ -94,11 +95,12 @@ def build_model(model_args: GenerationModelArguments, raw, task):
     return build_generation_model(model_args, tokenizer), tokenizer
 
 
-def build_loss(config: TrainConfig):
+def build_loss(config: TrainConfig, chunk_size: int = 0):
     """The loop's default loss: per-sequence token cross-entropy sums and counts (-100 ignored, the causal shift
     taken), so every optimizer step is the token mean of the whole step on all processes, whatever the
-    accumulation, and eval_loss / eval_perplexity are token-weighted over the whole validation set."""
-    return default_loss(config.label_smoothing_factor)
+    accumulation, and eval_loss / eval_perplexity are token-weighted over the whole validation set; with
+    `chunk_size`, from the hidden states in chunks, never the whole logits."""
+    return default_loss(config.label_smoothing_factor, chunk_size)
 
 
 def build_metrics(accelerator, model, generator, modules):
@@ -148,8 +150,10 @@ def main(argv=None) -> dict[str, float]:
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
     rows = training_set(train_set, data_args, packing_width(data_args, task, facts), tokenizer.pad_token_id,
                         pad_multiple(accelerator), model)  # padded, packed or padding-free
-    if rows.summary:
-        accelerator.print(rows.summary)
+    chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
+    for line in (rows.summary, chunk_note):
+        if line:
+            accelerator.print(line)
     modules = {name: load_metric(name) for name in METRICS}
     every_eval = (Generator(splits["validation"], tokenizer, facts.seq2seq, gen_args, config.per_device_eval_batch_size,
                             gen_args.max_generate_samples)
@@ -159,7 +163,7 @@ def main(argv=None) -> dict[str, float]:
         finish.append(MergeLora(model_args, tokenizer, config.output_dir))
     result = train(model, make_loader(rows.rows, config, train=True, collate_fn=rows.collator, lengths=rows.lengths,
                                       num_processes=accelerator.num_processes),
-                   config=config, loss_fn=build_loss(config), accelerator=accelerator,
+                   config=config, loss_fn=build_loss(config, chunk), accelerator=accelerator,
                    eval_loader=make_loader(eval_set, config, train=False, collate_fn=collator),
                    metrics_fn=build_metrics(accelerator, model, every_eval, modules), processing_class=tokenizer,
                    hooks=finish, extra_configs=[data_args, model_args, gen_args])

@@ -41,6 +41,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from ..errors import ConfigError
+from .chunked_loss import check_chunked_loss, chunked_causal_loss
 
 IGNORE_INDEX = -100  # a per-token label no loss counts (transformers' losses skip it too)
 
@@ -88,19 +89,27 @@ def as_loss_output(output: Any, loss_fn: Any = None) -> dict[str, Any]:
     return out
 
 
-def default_loss(label_smoothing: float = 0.0) -> Callable:
+def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
     """The loss for transformers models, which take the batch as keyword arguments:
 
     * per-token integer labels [B, L] (causal LM, seq2seq, token classification): the token cross-entropy as
       per-sample sums and counts ({"loss_sum", "num_items"}; -100 ignored; for a causal LM the labels are
-      shifted by one as the model's own loss does), so the loop normalises by the tokens of the whole window;
+      shifted by one as the model's own loss does), so the loop normalises by the tokens of the whole window.
+      `chunk_size` > 0 (causal LMs): from the hidden states in chunks of that many tokens, never the whole
+      logits (chunked_loss.py), checked against the model's own logits on the first batch;
     * one label per sample: the model's own loss (its mean), or cross-entropy with `label_smoothing`, with
       per-sample losses so that evaluation is exact.
     """
+    unchecked = [bool(chunk_size)]
 
     def loss_fn(model, batch):
         labels = batch.get("labels")
         if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
+            if chunk_size and is_causal_lm(model):
+                if unchecked[0]:  # once: a model that changes its logits after the output layer is refused
+                    check_chunked_loss(model, batch)
+                    unchecked[0] = False
+                return chunked_causal_loss(model, batch, chunk_size, label_smoothing)
             return token_loss(model, batch, label_smoothing)
         classification = labels is not None and not labels.is_floating_point() and labels.ndim == 1
         if label_smoothing and classification:
@@ -118,8 +127,14 @@ def default_loss(label_smoothing: float = 0.0) -> Callable:
         return result
 
     if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy
-        loss_fn.evaluation_loss = default_loss(0.0)
+        loss_fn.evaluation_loss = default_loss(0.0, chunk_size)
     return loss_fn
+
+
+def is_causal_lm(model) -> bool:
+    """A generating model that is not an encoder-decoder: position t predicts token t + 1."""
+    bare = extract_model_from_parallel(model)
+    return not getattr(getattr(bare, "config", None), "is_encoder_decoder", False) and hasattr(bare, "generate")
 
 
 def loss_hooks(*objects: Any) -> list[Any]:
@@ -152,7 +167,7 @@ def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float 
     # an encoder-decoder builds its decoder inputs from the labels; other models must not see them (no 2nd loss)
     inputs = dict(batch) if encoder_decoder else {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
-    if not encoder_decoder and hasattr(bare, "generate"):  # a causal LM: position t predicts token t + 1
+    if is_causal_lm(model):
         logits, labels = logits[:, :-1], labels[:, 1:]
     losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
                                                label_smoothing=label_smoothing, reduction="none")

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
-from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, train
+from accel_train import TrainConfig, build_accelerator, default_loss, parse_config, run_cli, train
 
 VOCAB = 32
 
@@ -30,6 +30,7 @@ class TokenArgs:
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
     pack_width: int = 0  # > 0: the sequences packed into rows of this many tokens (accel_train's --packing)
     padding_free: bool = False  # each micro-batch one row of its sequences (accel_train's --padding_free)
+    loss_chunk_size: int = 0  # > 0: the default loss in chunks of this many tokens (chunked cross-entropy)
 
 
 class StopAt:
@@ -131,8 +132,9 @@ def main(argv=None):
         train_loader = packed_loader(rows, args, config.per_device_train_batch_size)
     eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),
                              batch_size=config.per_device_eval_batch_size, collate_fn=collate())
+    loss_fn = default_loss(0.0, args.loss_chunk_size) if args.loss_chunk_size else None
     result = train(model, train_loader, config=config, eval_loader=eval_loader, accelerator=accelerator,
-                   hooks=[StopAt(args.stop_at_step)], extra_configs=[args])
+                   loss_fn=loss_fn, hooks=[StopAt(args.stop_at_step)], extra_configs=[args])
     if accelerator.is_main_process:
         (out / "token_results.json").write_text(json.dumps(result.metrics))
     return result

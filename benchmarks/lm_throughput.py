@@ -5,6 +5,7 @@ benchmarks/LM_THROUGHPUT.md (the machine, the commands, ratios ours / TRL).
     python benchmarks/lm_throughput.py                        # every row, one after another: alone on the machine
     python benchmarks/lm_throughput.py --rows a,b             # some rows: a, g, b, c, ce
     python benchmarks/lm_throughput.py --quick --rows a --output /tmp/lm.md   # smoke test: 300 training examples
+    LM_THROUGHPUT_SEED=43 python benchmarks/lm_throughput.py --rows b --output /tmp/b43.md   # another seed
 
 Rows (every run in a fresh subprocess of its own, never two at once):
   a   both unpacked: the recipe's defaults (length-grouped batches of 16) vs SFTTrainer packing=False,
@@ -46,7 +47,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CSV = ROOT.parent / "shared" / "data" / "ag-news-test" / "test.csv"
-THREADS, BATCH, SEQ, LR, SEED, QUICK_EXAMPLES = 2, 16, 256, 1e-3, 42, 300
+THREADS, BATCH, SEQ, LR, QUICK_EXAMPLES = 2, 16, 256, 1e-3, 300
+# The seed of everything (tokenizer data split, initial weights, data order) in both tools; the children inherit it
+SEED = int(os.environ.get("LM_THROUGHPUT_SEED", "42"))
 CE_BATCH, CE_BLOCK, CE_VOCAB, CE_CHUNK = 4, 1024, 32000, 512
 LOSS_CHUNKS, LOSS_REPEATS = (0, 512, 1024), 5
 LLAMA = ("hidden_size=256,intermediate_size=688,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,"
@@ -137,6 +140,21 @@ def build_assets(folder: Path, quick: bool) -> dict:
     return plan
 
 
+def packed_rows(plan: dict, width: int) -> int:
+    """Rows of `width` per packed batch: about the real tokens of an unpacked batch of 16."""
+    return max(1, round(BATCH * plan["mean_length"] / width))
+
+
+def random_padding(lengths: list[int], batch: int = BATCH) -> float:
+    """The padding share of batches in a seeded random order, each padded to its longest row (what the recipe's
+    sampler does without length grouping; its own permutation differs, the share hardly)."""
+    import torch
+
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(SEED)).tolist()
+    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    return 1 - sum(lengths) / sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+
 def grouped_padding(lengths: list[int]) -> float:
     """The padding share of the recipe's unpacked epoch, replayed: its LengthGroupedSampler (seeded with (seed,
     epoch 0), grouping by len(input_ids) + len(labels) as the recipe does) cut into batches of 16, each padded to
@@ -158,8 +176,11 @@ def recipe_pairs(assets: Path, plan: dict, quick: bool, extra: list[str], packed
     import text_generation
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from accel_train.tasks.text.packing import pack_examples
+
     out = assets / "runs" / "_".join(["recipe", *(a.strip("-") for a in extra)])
-    batch = plan["packed_rows"] if packed else BATCH
+    width = int(extra[extra.index("--max_seq_length") + 1]) if "--max_seq_length" in extra else SEQ
+    batch = packed_rows(plan, width) if packed else BATCH
     # --generation_max_new_tokens: the YAML's 24, since the recipe checks that a prompt (96) and what could be
     # generated after it fit the 128 positions, even with generation off
     argv = [*flags(PAIRS), *(["--max_train_samples", str(QUICK_EXAMPLES)] if quick else []),
@@ -170,7 +191,13 @@ def recipe_pairs(assets: Path, plan: dict, quick: bool, extra: list[str], packed
     result = recipe_results(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
-    result["eval_loss"] = completion_loss(model, recipe_splits(tokenizer, quick)["validation"], tokenizer.pad_token_id)
+    splits = recipe_splits(tokenizer, quick)
+    result["eval_loss"] = completion_loss(model, splits["validation"], tokenizer.pad_token_id)
+    if "--group_by_length" in extra:  # random batches: the padding of a seeded random order of the same lengths
+        result["padding_share"] = random_padding([len(i) for i in splits["train"].tokens["input_ids"]])
+    if packed:  # the packed rows in a seeded random order, batches padded to their longest row, as the collator does
+        rows = [len(r) for r in pack_examples(splits["train"].tokens, width).rows["input_ids"]]
+        result["padding_share"] = random_padding(rows, batch)
     result["command"] = "python recipes/text_generation.py " + shell(argv).replace(str(assets), "$ASSETS")
     return result
 
@@ -326,9 +353,11 @@ def completion_loss(model, validation, pad_token_id: int) -> float:
 # name -> (runner, recipe flags or SFTConfig fields, packed batches); a row is the runs whose name starts "row/"
 RUNS = {
     "a/recipe": (recipe_pairs, [], False),
+    "r/recipe": (recipe_pairs, ["--group_by_length", "false"], False),
     "a/trl": (trl_pairs, {}, False),
     "g/trl": (trl_pairs, {"train_sampling_strategy": "group_by_length"}, False),
     "b/recipe": (recipe_pairs, ["--packing", "--max_seq_length", str(SEQ)], True),
+    "w/recipe": (recipe_pairs, ["--packing", "--max_seq_length", str(2 * SEQ)], True),
     "b/trl": (trl_pairs, {"packing": True, "packing_strategy": "bfd", "max_length": SEQ}, True),
     # padding-free without packing: SFTTrainer wants max_length None then (the rows are already cut by the recipe)
     "c/recipe": (recipe_pairs, ["--padding_free"], False),
@@ -396,24 +425,33 @@ def run_child(name: str, assets: Path, quick: bool) -> dict:
         return {"error": text[-1][:160] if text else f"exit {code}"}
     out = json.loads(result.read_text())
     out["process_peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
+    result.write_text(json.dumps(out))  # with the process's peak: what --reuse takes
     return out
 
 
 ROWS = {"a": ("unpacked", ["a/recipe", "a/trl"]), "g": ("unpacked, TRL length-grouped", ["g/trl"]),
-        "b": (f"packed into rows of {SEQ}", ["b/recipe", "b/trl"]), "c": ("padding-free", ["c/recipe", "c/trl"]),
+        "r": ("unpacked, the recipe in random order", ["r/recipe"]),
+        "b": (f"packed into rows of {SEQ}", ["b/recipe", "b/trl"]),
+        "w": (f"packed into rows of {2 * SEQ}", ["w/recipe"]), "c": ("padding-free", ["c/recipe", "c/trl"]),
         "ce": ("chunked cross-entropy", list(k for k in RUNS if k.startswith("ce/"))),
         "loss": ("the loss step alone", list(k for k in RUNS if k.startswith("loss/")))}
 BATCHES = {"a/recipe": "16 examples, length-grouped (its default)", "a/trl": "16 examples, random order (its default)",
+           "r/recipe": "16 examples, random order (--group_by_length false)",
            "g/trl": "16 examples, train_sampling_strategy=group_by_length",
            "b/recipe": "{rows} packed rows of <= 256, random order, padded to the longest",
+           "w/recipe": "{wide} packed rows of <= 512, random order, padded to the longest",
            "b/trl": "{rows} packed rows of <= 256 (bfd), flattened into one row",
            "c/recipe": "16 examples, length-grouped, flattened", "c/trl": "16 examples, flattened (position_ids)"}
-# The recipe's padding, from its own code on the same data: row a its length-grouped epoch replayed; row b its
-# packed rows (pack_examples) as if each were padded to the full 256, an upper bound (a batch pads to its longest
-# row); row c none (each batch one row, no multiple on a CPU)
+# The recipe's padding, from its own code on the same data, where the run itself did not record one: row a its
+# length-grouped epoch replayed; packed rows (pack_examples) as if each were padded to the full width, an upper
+# bound (the packed runs record their batches' padding: their rows in a seeded random order, each batch padded to
+# its longest row); row c none (each batch one row, no multiple on a CPU)
 RECIPE_PADDING = {"a/recipe": lambda p: f"{p['grouped_padding']:.1%}",
                   "b/recipe": lambda p: f"at most {p['packed_padding']:.1%}", "c/recipe": lambda p: "0.0%"}
 OURS = {"a/trl": "a/recipe", "g/trl": "a/recipe", "b/trl": "b/recipe", "c/trl": "c/recipe"}  # TRL run -> ours
+# Beside the ours / TRL ratios: packing against the recipe's own padded runs (the same data, tokens and model)
+PACKING_RATIOS = (("b/recipe", "a/recipe"), ("b/recipe", "r/recipe"), ("w/recipe", "a/recipe"),
+                  ("w/recipe", "r/recipe"), ("c/recipe", "a/recipe"))
 
 
 def cell(value, spec: str = ".0f") -> str:
@@ -430,16 +468,22 @@ def pairs_table(results: dict, plan: dict) -> list[str]:
     for row, (title, names) in ROWS.items():
         for name in (n for n in names if n in pairs):
             r, tool = results[name], "accel_train" if name.endswith("recipe") else "TRL"
+            tool += " (earlier invocation, same machine, alone)" if r.get("reused") else ""
             if "error" in r:
                 lines.append(f"| {row} {title} | {tool} | failed: {r['error']} |" + " |" * 8)
                 continue
             padding = f"{r['padding_share']:.1%}" if "padding_share" in r else RECIPE_PADDING[name](plan)
             ours = OURS.get(name)
             ratio = f"{tps[ours] / tps[name]:.2f}x" if ours in tps else ""
-            lines.append(f"| {row} {title} | {tool} | {BATCHES[name].format(rows=plan['packed_rows'])} | {r['steps']} "
+            shape = BATCHES[name].format(rows=plan["packed_rows"], wide=packed_rows(plan, 2 * SEQ))
+            lines.append(f"| {row} {title} | {tool} | {shape} | {r['steps']} "
                          f"| {r['train_runtime']:.1f} | {tps[name]:.0f} | {ratio} | {padding} | "
-                         f"{r['train_peak_rss_mb']:.0f} / {r['process_peak_rss_mb']:.0f} | {r['eval_loss']:.4f} | "
-                         f"{cell(r.get('own_eval_loss'), '.4f')} |")
+                         f"{r['train_peak_rss_mb']:.0f} / {cell(r.get('process_peak_rss_mb'))} | "
+                         f"{r['eval_loss']:.4f} | {cell(r.get('own_eval_loss'), '.4f')} |")
+    lines += ["", "Packing against the recipe's own padded runs (real tokens/s ratio; eval loss, difference):", ""]
+    lines += [f"- {a} / {b}: {tps[a] / tps[b]:.2f}x; eval loss {results[a]['eval_loss']:.4f} vs "
+              f"{results[b]['eval_loss']:.4f} ({results[a]['eval_loss'] / results[b]['eval_loss'] - 1:+.1%})"
+              for a, b in PACKING_RATIOS if a in tps and b in tps]
     return lines
 
 
@@ -526,10 +570,11 @@ def header(plan: dict, quick: bool, probe: dict) -> list[str]:
         "train_runtime (the recipe: its step loop; TRL: `trainer.train()`'s train_runtime, its loader set-up "
         "included); ours / TRL: the recipe's real tokens/s over TRL's in the same row (row g: over row a's recipe "
         "run). Padding share: TRL's counted in the batches it fed; the recipe's from its own code on the same data "
-        "(row a: its length-grouped epoch replayed; b: its packed rows as if padded to the full width, an upper "
-        "bound; c: none, one row per batch). Peak RSS: VmHWM up to the end of training (the recipe's last training "
-        "log; TRL's right after train()) / the whole process (wait4). Eval loss: one function (the recipe's "
-        "token_loss, bf16 autocast) on every run's final model, completion tokens of the validation items.", "",
+        "(row a: its length-grouped epoch replayed; r: batches of a seeded random order; b, w: the packed rows in a "
+        "seeded random order, each batch padded to its longest row; c: none, one row per batch). Peak RSS: VmHWM "
+        "up to the end of training (the recipe's last training log; TRL's right after train()) / the whole process "
+        "(wait4). Eval loss: one function (the recipe's token_loss, bf16 autocast) on every run's final model, "
+        "completion tokens of the validation items.", "",
         f"Attention isolation, TRL's padding-free batch on sdpa (keys {', '.join(probe['keys'])}; no "
         f"attention_mask): changing document 1 moves document 2's logits by {probe['no_cache']:.2g} with "
         f"use_cache=False, as SFTTrainer calls the model (vs document 2 alone: {probe['no_cache_vs_alone']:.2g}); "
@@ -567,6 +612,9 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, default=None,
                         help="the markdown file (default: benchmarks/LM_THROUGHPUT.md; with --quick, none)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the models, logs and runs here")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --workdir: take the runs whose results are there already instead of running them "
+                             "again (the table says which were reused)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -582,9 +630,14 @@ def main(argv=None) -> int:
         assets = args.workdir or Path(tmp)
         for sub in ("logs", "results", "runs"):
             (assets / sub).mkdir(parents=True, exist_ok=True)
-        plan = build_assets(assets, args.quick)
+        plan = (json.loads((assets / "plan.json").read_text()) if args.reuse and (assets / "plan.json").exists()
+                else build_assets(assets, args.quick))
         probe = isolation_probe()
-        results = {name: run_child(name, assets, args.quick) for row in rows for name in ROWS[row][1]}
+        results = {}
+        for name in (n for row in rows for n in ROWS[row][1]):
+            done = assets / "results" / f"{name.replace('/', '_')}.json"
+            results[name] = {**json.loads(done.read_text()), "reused": True} if args.reuse and done.exists() \
+                else run_child(name, assets, args.quick)
     text = "\n".join([*header(plan, args.quick, probe), *pairs_table(results, plan), "", *ce_table(results), "",
                       *loss_table(results), "",
                       *DIFFERENCES, "", *commands(results), ""])

@@ -66,7 +66,9 @@ class TrainConfig:
         default=False, metadata={"help": "Delete a previous run's files in output_dir instead of refusing to start."}
     )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir) or a checkpoint path."}
+        default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir), a checkpoint path, or "
+                                        "'auto': the newest complete checkpoint if there is one, else a fresh start "
+                                        "(the flag for restarted and requeued jobs)."}
     )
     run_name: str | None = field(default=None, metadata={"help": "Name shown by trackers."})
 
@@ -132,6 +134,9 @@ class TrainConfig:
     expected_world_size: int | None = field(
         default=None, metadata={"help": "Fail at start unless exactly this many processes are running."}
     )
+    ddp_timeout: int = field(default=1800, metadata={
+        "help": "Seconds a process waits in a collective for the others (the process group's timeout): past it, a "
+                "hung or dead peer is an error that names the ranks, not a hang. The Trainer's name and default."})
 
     # --- speed
     torch_compile: bool = field(default=False,
@@ -351,6 +356,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError("--load_best_model_at_end needs --eval_strategy and --save_strategy other than 'no'.")
     if cfg.expected_world_size is not None and cfg.expected_world_size < 1:
         raise bad("expected_world_size", cfg.expected_world_size, "must be >= 1.")
+    if cfg.ddp_timeout < 1:
+        raise bad("ddp_timeout", cfg.ddp_timeout, "must be >= 1 second.")
     if cfg.torch_compile_mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         raise bad("torch_compile_mode", cfg.torch_compile_mode,
                   "choose default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs.")

@@ -57,6 +57,12 @@ class TrainingDiverged(UserError):
     kind = "training stopped"
 
 
+class PeerTimeout(UserError):
+    """A collective waited --ddp_timeout seconds for processes that never arrived (hung, or killed outside it)."""
+
+    kind = "distributed error"
+
+
 class Preempted(Exception):
     """SIGTERM received: a checkpoint was saved at the step boundary and the run stopped on purpose."""
 

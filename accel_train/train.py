@@ -28,11 +28,11 @@ from .core.meter import StepMeter
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
 from .deploy import RecordModelFactory, check_exportable, describe_model, export_formats_at_end
-from .errors import Preempted
+from .errors import PeerTimeout, Preempted
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
 from .rundir.metrics_log import end_training_safely
-from .rundir.outdir import record_crash
+from .rundir.outdir import is_collective_timeout, peer_timeout_message, record_crash
 
 
 def train(
@@ -104,7 +104,11 @@ def train(
     except Preempted:  # a checkpoint was saved on purpose: not a crash
         raise
     except BaseException as error:  # the cause stays in the run directory, for `accel-train report`
-        record_crash(session.config.output_dir, session.accelerator.process_index, state.step, error)
+        acc, out = session.accelerator, session.config.output_dir
+        record_crash(out, acc.process_index, state.step, error)
+        if acc.num_processes > 1 and is_collective_timeout(error):  # a hung or dead peer: say which, and how long
+            raise PeerTimeout(peer_timeout_message(out, acc.num_processes, acc.process_index, state.step,
+                                                   session.config.ddp_timeout, error)) from error
         raise
     if formats:  # after all_results.json and the weights: a failed export loses neither
         export_formats_at_end(session.accelerator, session.model, session.config.output_dir, formats,

@@ -8,13 +8,14 @@ silently runs in fp32), and a start-up report of what is actually in effect.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
@@ -59,7 +60,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
         ),
         step_scheduler_with_optimizer=False,
         dynamo_plugin=dynamo,
-        kwargs_handlers=list(kwargs_handlers) or None,
+        kwargs_handlers=_with_timeout(kwargs_handlers, config.ddp_timeout),
     )
     check_world_size(accelerator, config.expected_world_size)
     check_engine(accelerator)  # FSDP / DeepSpeed asked for but not running: refused, never silent DDP
@@ -128,6 +129,14 @@ def speed_settings(accelerator: Accelerator, config: TrainConfig) -> str:
     threads = f", {torch.get_num_threads()} cpu thread(s)" if accelerator.device.type == "cpu" else ""
     return (f"compile {compiled}, tf32 {'on' if tf32 else 'off' if tf32 is False else 'n/a'}, "
             f"gradient checkpointing {'on' if config.gradient_checkpointing else 'off'}{threads}")
+
+
+def _with_timeout(kwargs_handlers: Sequence, seconds: int) -> list:
+    """The handlers, with the process group's timeout from the config unless the caller set one."""
+    handlers = list(kwargs_handlers)
+    if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+        handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds)))
+    return handlers
 
 
 def _connect_cpu_processes() -> None:

@@ -11,8 +11,9 @@ the loss contract as every token loss does (a sum and its count), so accumulatio
 
 What it cannot see: a model that changes its logits after the output layer (soft-capping, a logit scale). Such
 config fields are refused by name, and the first call compares the logits the chunks compute with the model's own
-on a slice of the batch and refuses with the reason when they differ. FSDP2 shards the output layer's weight, which the chunks would use directly without the
-all-gather the layer's own forward does: the recipe refuses the combination before training.
+on a slice of the batch and refuses with the reason when they differ. FSDP2 shards the output layer's weight,
+which the chunks would use directly without the all-gather the layer's own forward does: the recipe refuses the
+combination before training.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from ..rundir import checkpoint as ckpt
 from ..rundir.final_model import save_final_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
-from ..rundir.outdir import check_output_dir, start_run_dir
+from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import fit_micro_batch
@@ -119,6 +119,7 @@ class Session:
         self.eval_loss_fn = evaluation_loss(loss_fn)  # without training-only terms (label smoothing, mixup)
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
         self.hooks: list[Any] = []  # attached by start(), once the run has been checked
+        self.resume_path: Path | None = None  # the checkpoint start() resumed from
         self.log = RunLog(acc, config.output_dir, plan.total_steps, config.run_name or "accel_train",
                           disable_bar=config.disable_tqdm)
         # Bookkeeping between steps; start() sets it from the state it starts at.
@@ -137,9 +138,10 @@ class Session:
         acc = self.accelerator
         declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
-        state = (self.resume() if self.config.resume_from_checkpoint else
+        self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
+        state = (self.resume() if self.resume_path else
                  TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
-        start_run_dir(acc, self.config, self.existing, self.extra_configs)
+        start_run_dir(acc, self.config, self.existing, self.extra_configs, resumed=self.resume_path is not None)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
         state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
@@ -153,7 +155,7 @@ class Session:
         """Load a checkpoint, re-derive the data position from the samples consumed in the current epoch, and
         start a new timeline there: newer checkpoints are moved aside, changed hyperparameters are applied."""
         acc, config, plan = self.accelerator, self.config, self.plan
-        path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        path = self.resume_path
         manifest = ckpt.verify_checkpoint(path)
         ckpt.check_compatible(path, manifest, self.shapes)
         state = TrainState(**ckpt.load_train_state(path))
@@ -216,6 +218,7 @@ class Session:
         """Log, evaluate, save and call the hooks at their intervals; True when the run should stop (agreed by
         every rank)."""
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
+        faults.peer_fault_point(state.step, self.accelerator.process_index)
         state.flop_count = meter.flops.counts()  # saved with the checkpoints: a resumed run does not count again
         cfg, stop, acted = self.config, False, False
         self.log.advance()
@@ -307,7 +310,7 @@ class Session:
         self.save(state)
         self.log.close()
         raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
-                        "Resume with --resume_from_checkpoint latest.")
+                        "Resume with --resume_from_checkpoint latest (or auto).")
 
     # ---------------------------------------------------------------------------------------------- finish
     def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:

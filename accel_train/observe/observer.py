@@ -89,7 +89,7 @@ class Observer:
     def on_train_start(self, state) -> None:
         if not self.main:
             return
-        if not self.config.resume_from_checkpoint:  # a fresh run: no report or diagnostics of an older one
+        if self.session.resume_path is None:  # a fresh start: no report or diagnostics of an older run
             for name in OBSERVABILITY_FILES:
                 target = self.out / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)

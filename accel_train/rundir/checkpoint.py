@@ -194,10 +194,14 @@ def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
     return moved
 
 
-def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path:
-    """'latest' -> newest complete checkpoint in output_dir that verifies; otherwise a path."""
-    if spec == "latest":
+def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path | None:
+    """'latest' -> newest complete checkpoint in output_dir that verifies; 'auto' -> the same, or None when there is
+    no complete checkpoint (a first start; checkpoints that all fail to verify are an error, never a fresh start over
+    them); otherwise a path."""
+    if spec in ("latest", "auto"):
         candidates = list_checkpoints(output_dir)
+        if not candidates and spec == "auto":
+            return None
         if not candidates:
             raise CheckpointError(
                 f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir(output_dir)}. "

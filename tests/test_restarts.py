@@ -1,0 +1,112 @@
+"""Jobs that are restarted: `--resume_from_checkpoint auto` (one command for the first start and every restart),
+torchrun's elastic agent restarting workers killed at random steps, and a hung peer turned into an error."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+import toy_train
+from conftest import SCRIPTS, launch, reset_accelerate, subprocess_env
+from safetensors.torch import load_file
+
+from accel_train import run_cli
+from accel_train.rundir.checkpoint import list_checkpoints
+
+QUIET = ["--report_to", "none", "--disable_tqdm"]
+AUTO = [*QUIET, "--save_strategy", "steps", "--save_steps", "4", "--resume_from_checkpoint", "auto"]
+
+
+def run_toy(capsys, argv, code=None):
+    reset_accelerate()
+    if code is None:
+        run_cli(toy_train.main, argv)
+        return capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(toy_train.main, argv)
+    assert exit_info.value.code == code
+    return capsys.readouterr()
+
+
+def same_weights(a, b) -> bool:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_auto_is_a_first_start_then_a_resume_and_refuses_another_runs_directory(tmp_path, capsys):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    first = run_toy(capsys, ["--output_dir", str(full), *AUTO])  # nothing there: a first start, no error
+    assert "resumed from" not in first.out
+    command = ["--output_dir", str(cut), *AUTO, "--logging_steps", "4", "--stop_at_step", "8"]
+    run_toy(capsys, command)  # asks to stop at step 8 (a clean interruption, as a preempted job)
+    assert list_checkpoints(cut)[-1].name == "step-00000008"
+    again = run_toy(capsys, command)  # the same command: resumes at 8 (and never meets step 8 again)
+    assert "at step 8" in again.out and same_weights(full, cut)
+    changed = run_toy(capsys, [*command, "--learning_rate", "0.5"], code=2)
+    assert "holds a run with another config (learning_rate:" in changed.err
+    assert "--resume_from_checkpoint latest" in changed.err
+
+
+def test_auto_starts_afresh_over_an_attempt_that_saved_no_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--output_dir", str(out), *QUIET, "--save_strategy", "no", "--resume_from_checkpoint", "auto"]
+    run_toy(capsys, argv)
+    history = (out / "metrics.jsonl").read_text()
+    run_toy(capsys, argv)  # no checkpoint: the same job from the start, its old records replaced, not mixed
+    assert (out / "metrics.jsonl").read_text().count('"step": 1,') == history.count('"step": 1,')
+
+
+def test_auto_never_starts_afresh_over_checkpoints_that_fail_to_verify(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_toy(capsys, ["--output_dir", str(out), *AUTO, "--logging_steps", "4", "--stop_at_step", "4"])
+    for weights in (out / "checkpoints").glob("step-*/model.safetensors"):
+        weights.write_bytes(b"truncated")
+    io = run_toy(capsys, ["--output_dir", str(out), *AUTO, "--logging_steps", "4", "--stop_at_step", "4"], code=2)
+    assert "verifies against its manifest" in io.err
+
+
+@pytest.mark.slow
+def test_three_random_worker_kills_under_the_elastic_agent_end_with_bitwise_the_same_weights(tmp_path):
+    # --ddp_timeout 30: gloo sometimes never finishes connecting a restarted attempt's processes (seen with
+    # accelerate launch's static and c10d rendezvous, torch 2.13); the timeout makes that attempt fail, and the
+    # agent restarts it like any other failure
+    args = [*QUIET, "--save_strategy", "steps", "--save_steps", "3", "--num_train_epochs", "6",
+            "--resume_from_checkpoint", "auto", "--ddp_timeout", "30"]
+    launch(SCRIPTS / "toy_train.py", [*args, "--output_dir", str(tmp_path / "full")], num_processes=2)
+    kills = tmp_path / "kills.txt"
+    env = subprocess_env(ACCELERATE_USE_CPU="1", ACCEL_TRAIN_FAULT="elastic_kill:7:3:6",
+                         ACCEL_TRAIN_FAULT_LOG=str(kills))
+    proc = launch(SCRIPTS / "toy_train.py", [*args, "--output_dir", str(tmp_path / "cut")], num_processes=2,
+                  launcher_args=["--max_restarts", "20", "--monitor_interval", "0.5", "--rdzv_backend", "c10d"],
+                  env=env)
+    records = [tuple(map(int, line.split())) for line in kills.read_text().splitlines()]
+    assert len(records) == 3 and records[0][0] == 0  # three kills, the first in the first attempt
+    # the attempt after each kill started from the newest checkpoint before the kill (a later kill's record says
+    # where its attempt started; the last attempt's start is in its log)
+    starts = [r[3] for r in records[1:]] + [int(re.findall(r"resumed from \S+ at step (\d+)",
+                                                           proc.stdout + proc.stderr)[-1])]
+    lost = [killed_at - start for (_, _, killed_at, _), start in zip(records, starts, strict=True)]
+    assert all(0 < steps <= 3 for steps in lost), lost  # at most the save interval per failure
+    assert same_weights(tmp_path / "full", tmp_path / "cut")
+    restarts = len(re.findall(r"failed \(exitcode", proc.stdout + proc.stderr))
+    print(f"kills (restart count, rank, step): {[r[:3] for r in records]}; steps lost per failure: {lost}; "
+          f"failed attempts in all (kills and gloo connection failures): {restarts}")
+
+
+@pytest.mark.slow
+def test_a_hung_peer_is_an_error_naming_it_within_the_timeout(tmp_path):
+    out = tmp_path / "run"
+    env = subprocess_env(ACCELERATE_USE_CPU="1", ACCEL_TRAIN_FAULT="hang_after_step:3@1")
+    started = time.monotonic()
+    proc = launch(SCRIPTS / "toy_train.py", ["--output_dir", str(out), *QUIET, "--ddp_timeout", "15",
+                                             "--logging_steps", "1"], num_processes=2, check=False, env=env,
+                  timeout=300)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "rank 0 waited --ddp_timeout 15 s in a collective after step 3" in proc.stderr
+    assert "rank(s) 1 never arrived and recorded no error" in proc.stderr
+    assert json.loads((out / "crash_rank0.json").read_text())["step"] == 3
+    assert elapsed < 120  # 15 s of waiting plus start-up and 10 s for the other ranks' records, not an hour

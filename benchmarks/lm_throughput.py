@@ -2,6 +2,7 @@
 the same tiny Llama (the same initial weights), the same tokenizer and the same token ids; writes
 benchmarks/LM_THROUGHPUT.md (the machine, the commands, ratios ours / TRL).
 
+    pip install -e ".[bench]"                                 # TRL, the peer
     python benchmarks/lm_throughput.py                        # every row, one after another: alone on the machine
     python benchmarks/lm_throughput.py --rows a,b             # some rows: a, g, b, c, ce
     python benchmarks/lm_throughput.py --quick --rows a --output /tmp/lm.md   # smoke test: 300 training examples

@@ -4,7 +4,7 @@ benchmarks/LM_THROUGHPUT.md (the machine, the commands, ratios ours / TRL).
 
     pip install -e ".[bench]"                                 # TRL, the peer
     python benchmarks/lm_throughput.py                        # every row, one after another: alone on the machine
-    python benchmarks/lm_throughput.py --rows a,b             # some rows: a, g, b, c, ce
+    python benchmarks/lm_throughput.py --rows a,b             # some rows: a, g, r, b, w, c, ce, loss
     python benchmarks/lm_throughput.py --quick --rows a --output /tmp/lm.md   # smoke test: 300 training examples
     LM_THROUGHPUT_SEED=43 python benchmarks/lm_throughput.py --rows b --output /tmp/b43.md   # another seed
 
@@ -12,8 +12,10 @@ Rows (every run in a fresh subprocess of its own, never two at once):
   a   both unpacked: the recipe's defaults (length-grouped batches of 16) vs SFTTrainer packing=False,
       padding_free=False (its default random batches of 16)
   g   SFTTrainer unpacked with its own length grouping (train_sampling_strategy="group_by_length"): TRL at its best
+  r   the recipe unpacked in random order (--group_by_length false): the padded run packing replaces
   b   both packed into rows of 256 tokens: recipe --packing --max_seq_length 256 vs SFTTrainer packing=True
       (packing_strategy "bfd", max_length 256); rows per batch chosen for the unpacked run's real tokens per step
+  w   the recipe packed into rows of 512 (2 rows a batch): less padding, longer attention
   c   padding-free batches of 16: recipe --padding_free vs SFTTrainer padding_free=True (no packing)
   ce  the recipe alone, chunked cross-entropy: a 32k-vocabulary model, language modelling in 1024-token blocks,
       batch 4, --loss_chunk_size 0 vs 512, a few --max_steps: step time and peak memory

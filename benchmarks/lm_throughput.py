@@ -490,53 +490,52 @@ def pairs_table(results: dict, plan: dict) -> list[str]:
     return lines
 
 
+def chunk_rows(results: dict, row: str, columns, versus) -> list[str]:
+    """One table line per run of `row` ("ce" or "loss"): the chunk size, `columns(r)`, and `versus(r, base)` against
+    the full-logits run (chunk 0)."""
+    base = results.get(f"{row}/0", {})
+    lines = []
+    for name in (n for n in ROWS[row][1] if n in results):
+        r, chunk = results[name], name.split("/")[1]
+        if "error" in r:
+            lines.append(f"| {chunk} | failed: {r['error']} | | | |")
+            continue
+        compared = "" if chunk == "0" or "step_seconds" not in base else versus(r, base)
+        lines.append(f"| {chunk} | {columns(r)} | {compared} |")
+    return lines
+
+
 def ce_table(results: dict) -> list[str]:
     names = [n for n in ROWS["ce"][1] if n in results]
     if not names:
         return []
     steps = next((r["steps"] for r in map(results.get, names) if "steps" in r), "-")
-    lines = [f"Chunked cross-entropy, the recipe alone: Llama 256 x 4 layers with a {CE_VOCAB:,}-token output layer, "
-             f"language modelling on the descriptions (`--text_column description`) in blocks of {CE_BLOCK}, batch "
-             f"{CE_BATCH}, {steps} steps, bf16 autocast. Step time: the median of the logged steps after the first.",
-             "",
-             "| --loss_chunk_size | step s | peak RSS MB (training / process) | loss at the last step | "
-             "vs 0 (time, memory) |", "|---|---|---|---|---|"]
-    base = results.get("ce/0", {})
-    for name in names:
-        r = results[name]
-        if "error" in r:
-            lines.append(f"| {name[3:]} | failed: {r['error']} | | | |")
-            continue
-        versus = "" if name == "ce/0" or "step_seconds" not in base else (
-            f"{r['step_seconds'] / base['step_seconds']:.2f}x, "
-            f"{r['train_peak_rss_mb'] / base['train_peak_rss_mb']:.2f}x")
-        lines.append(f"| {name[3:]} | {r['step_seconds']:.2f} | {r['train_peak_rss_mb']:.0f} / "
-                     f"{r['process_peak_rss_mb']:.0f} | {r['final_loss']:.4f} | {versus} |")
-    return lines
+    return [f"Chunked cross-entropy, the recipe alone: Llama 256 x 4 layers with a {CE_VOCAB:,}-token output layer, "
+            f"language modelling on the descriptions (`--text_column description`) in blocks of {CE_BLOCK}, batch "
+            f"{CE_BATCH}, {steps} steps, bf16 autocast. Step time: the median of the logged steps after the first.",
+            "",
+            "| --loss_chunk_size | step s | peak RSS MB (training / process) | loss at the last step | "
+            "vs 0 (time, memory) |", "|---|---|---|---|---|",
+            *chunk_rows(results, "ce",
+                        lambda r: f"{r['step_seconds']:.2f} | {r['train_peak_rss_mb']:.0f} / "
+                                  f"{cell(r.get('process_peak_rss_mb'))} | {r['final_loss']:.4f}",
+                        lambda r, b: f"{r['step_seconds'] / b['step_seconds']:.2f}x, "
+                                     f"{r['train_peak_rss_mb'] / b['train_peak_rss_mb']:.2f}x")]
 
 
 def loss_table(results: dict) -> list[str]:
-    names = [n for n in ROWS["loss"][1] if n in results]
-    if not names:
+    if not any(n in results for n in ROWS["loss"][1]):
         return []
-    lines = [f"The training step alone (forward, loss, backward) of the same model on {CE_BATCH} x {CE_BLOCK} tokens, "
-             f"bf16 autocast, each setting in a fresh process: the peak resident memory above the process's memory "
-             f"before the step (gradients already allocated) and the step time, medians of {LOSS_REPEATS} steps "
-             "after a warm-up.", "",
-             "| --loss_chunk_size | step s | step peak MB above its start | loss | vs full logits (time, memory) |",
-             "|---|---|---|---|---|"]
-    base = results.get("loss/0", {})
-    for name in names:
-        r = results[name]
-        if "error" in r:
-            lines.append(f"| {name[5:]} | failed: {r['error']} | | | |")
-            continue
-        versus = "" if name == "loss/0" or "step_seconds" not in base else (
-            f"{r['step_seconds'] / base['step_seconds']:.2f}x, {base['step_peak_mb'] / r['step_peak_mb']:.1f}x "
-            "lower")
-        lines.append(f"| {name[5:]} | {r['step_seconds']:.2f} | {r['step_peak_mb']:.0f} | {r['loss']:.4f} | "
-                     f"{versus} |")
-    return lines
+    return [f"The training step alone (forward, loss, backward) of the same model on {CE_BATCH} x {CE_BLOCK} tokens, "
+            f"bf16 autocast, each setting in a fresh process: the peak resident memory above the process's memory "
+            f"before the step (gradients already allocated) and the step time, medians of {LOSS_REPEATS} steps "
+            "after a warm-up.", "",
+            "| --loss_chunk_size | step s | step peak MB above its start | loss | vs full logits (time, memory) |",
+            "|---|---|---|---|---|",
+            *chunk_rows(results, "loss", lambda r: f"{r['step_seconds']:.2f} | {r['step_peak_mb']:.0f} | "
+                                                   f"{r['loss']:.4f}",
+                        lambda r, b: f"{r['step_seconds'] / b['step_seconds']:.2f}x, "
+                                     f"{b['step_peak_mb'] / r['step_peak_mb']:.1f}x lower")]
 
 
 def machine() -> str:

@@ -104,6 +104,23 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+def run_toy(capsys, argv, code=None):
+    """tests/scripts/toy_train.py in this process through run_cli: its captured output, after checking the exit code
+    `code` (None: it must not exit)."""
+    import toy_train
+
+    from accel_train import run_cli
+
+    reset_accelerate()
+    if code is None:
+        run_cli(toy_train.main, argv)
+        return capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(toy_train.main, argv)
+    assert exit_info.value.code == code
+    return capsys.readouterr()
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -12,25 +12,12 @@ import time
 
 import pytest
 import torch
-import toy_train
-from conftest import ROOT, free_port, read_jsonl, reset_accelerate, subprocess_env
+from conftest import ROOT, free_port, read_jsonl, run_toy, subprocess_env
 from safetensors.torch import load_file
 
-from accel_train import run_cli
 from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
-
-
-def run_toy(capsys, argv, code=None):
-    reset_accelerate()
-    if code is None:
-        run_cli(toy_train.main, argv)
-        return capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(toy_train.main, argv)
-    assert exit_info.value.code == code
-    return capsys.readouterr()
 
 
 def test_nonfinite_loss_stops_with_a_report_and_keeps_the_checkpoint(tmp_path, capsys):

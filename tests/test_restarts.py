@@ -9,26 +9,13 @@ import time
 
 import pytest
 import torch
-import toy_train
-from conftest import SCRIPTS, launch, reset_accelerate, subprocess_env
+from conftest import SCRIPTS, launch, run_toy, subprocess_env
 from safetensors.torch import load_file
 
-from accel_train import run_cli
 from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 AUTO = [*QUIET, "--save_strategy", "steps", "--save_steps", "4", "--resume_from_checkpoint", "auto"]
-
-
-def run_toy(capsys, argv, code=None):
-    reset_accelerate()
-    if code is None:
-        run_cli(toy_train.main, argv)
-        return capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(toy_train.main, argv)
-    assert exit_info.value.code == code
-    return capsys.readouterr()
 
 
 def same_weights(a, b) -> bool:

@@ -53,6 +53,11 @@ CSV = ROOT.parent / "shared" / "data" / "ag-news-test" / "test.csv"
 THREADS, BATCH, SEQ, LR, QUICK_EXAMPLES = 2, 16, 256, 1e-3, 300
 # The seed of everything (tokenizer data split, initial weights, data order) in both tools; the children inherit it
 SEED = int(os.environ.get("LM_THROUGHPUT_SEED", "42"))
+# LM_THROUGHPUT_GPU=1 (benchmarks/gpu_lm_check.sh): a GPU machine, a GPT-2-124M-shaped model from a config (vocabulary
+# 50,257, 1,024 positions), batches of LM_THROUGHPUT_BATCH, no CPU thread setting, and an MFU column
+GPU = os.environ.get("LM_THROUGHPUT_GPU") == "1"
+if os.environ.get("LM_THROUGHPUT_BATCH"):
+    BATCH = int(os.environ["LM_THROUGHPUT_BATCH"])
 CE_BATCH, CE_BLOCK, CE_VOCAB, CE_CHUNK = 4, 1024, 32000, 512
 LOSS_CHUNKS, LOSS_REPEATS = (0, 512, 1024), 5
 LLAMA = ("hidden_size=256,intermediate_size=688,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=4,"
@@ -65,7 +70,8 @@ PAIRS = dict(train_file=str(CSV), column_names="label,title,description", prompt
 HYPER = ["--num_train_epochs", "1", "--learning_rate", str(LR), "--lr_scheduler_type", "cosine", "--warmup_steps",
          "0.05", "--weight_decay", "0.1", "--optim", "adamw", "--mixed_precision", "bf16", "--seed", str(SEED),
          "--eval_strategy", "no", "--save_strategy", "no", "--max_generate_samples", "0", "--report_to", "none",
-         "--disable_tqdm", "--cpu_threads", str(THREADS), "--overwrite_output_dir"]
+         "--disable_tqdm", *([] if GPU else ["--cpu_threads", str(THREADS)]), "--overwrite_output_dir"]
+GPT2_124M = "n_embd=768,n_layer=12,n_head=12,n_positions=1024,vocab_size=50257"
 
 
 def flags(fields: dict) -> list[str]:
@@ -114,8 +120,10 @@ def build_assets(folder: Path, quick: bool) -> dict:
     args = pair_args(quick)
     raw = load_raw_data(args, SEED)
     task = resolve_columns(args, False, raw["train"].column_names)
-    model_args = GenerationModelArguments(model_type="llama", train_tokenizer_vocab_size=8000,
-                                          config_overrides=LLAMA + ",max_position_embeddings=128")
+    model_args = (GenerationModelArguments(model_type="gpt2", train_tokenizer_vocab_size=8000,
+                                           config_overrides=GPT2_124M) if GPU else
+                  GenerationModelArguments(model_type="llama", train_tokenizer_vocab_size=8000,
+                                           config_overrides=LLAMA + ",max_position_embeddings=128"))
     tokenizer = load_tokenizer(model_args, lambda: training_texts(raw["train"], task))
     set_seed(SEED)
     model = build_generation_model(model_args, tokenizer)
@@ -216,7 +224,7 @@ def recipe_results(out: Path) -> dict:
     rates = [r["samples_per_second"] for r in logs[1:]] or [logs[0]["samples_per_second"]]  # the first has warm-up
     return {"train_runtime": results["train_runtime"], "steps": results["train_steps"],
             "own_eval_loss": results.get("eval_loss"),
-            "train_peak_rss_mb": max(r.get("cpu_peak_rss_mb", 0.0) for r in logs),
+            "train_peak_rss_mb": max(r.get("gpu_peak_memory_mb", r.get("cpu_peak_rss_mb", 0.0)) for r in logs),
             "samples_per_second": statistics.median(rates), "final_loss": logs[-1]["loss"]}
 
 
@@ -299,7 +307,9 @@ def trl_pairs(assets: Path, plan: dict, quick: bool, options: dict, packed: bool
     out = trainer.train()
     if trainer.accelerator.mixed_precision != "bf16":
         raise SystemExit(f"SFTTrainer trained in {trainer.accelerator.mixed_precision}, not bf16 autocast")
-    peak = peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]  # VmHWM now: set-up and training, not the eval
+    # VmHWM now (set-up and training, not the eval); on a GPU the allocator's peak, as the recipe reports it
+    cpu_peak = peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]
+    peak = torch.cuda.max_memory_allocated() / 2**20 if on_gpu() else cpu_peak
     counted = [r["num_tokens"] for r in trainer.state.log_history if "num_tokens" in r]
     return {"train_runtime": out.metrics["train_runtime"], "steps": out.global_step, "train_peak_rss_mb": peak,
             "padding_share": 1 - counter.real / counter.positions, "fed_tokens": counter.real,
@@ -308,11 +318,17 @@ def trl_pairs(assets: Path, plan: dict, quick: bool, options: dict, packed: bool
             "command": f"SFTConfig({', '.join(f'{k}={v!r}' for k, v in settings.items())})"}
 
 
+def on_gpu() -> bool:
+    import torch
+
+    return GPU and torch.cuda.is_available()
+
+
 def trl_settings(batch: int, options: dict) -> dict:
     """The recipe's hyperparameters in SFTConfig's words. SFTConfig's own defaults differ: activation checkpointing on,
     lr 2e-5, max_length 1024; every row's examples are at most 96 + 32 = 128 tokens, so max_length 128 cuts none."""
     base = dict(num_train_epochs=1, per_device_train_batch_size=batch, learning_rate=LR, lr_scheduler_type="cosine",
-                warmup_steps=0.05, weight_decay=0.1, optim="adamw_torch", bf16=True, use_cpu=True, seed=SEED,
+                warmup_steps=0.05, weight_decay=0.1, optim="adamw_torch", bf16=True, use_cpu=not on_gpu(), seed=SEED,
                 logging_steps=20, eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
                 activation_checkpointing=False, dataloader_num_workers=0, max_length=128)
     return {**base, **options}
@@ -344,7 +360,7 @@ def completion_loss(model, validation, pad_token_id: int) -> float:
     rows = validation.tokens.select_columns(["input_ids", "labels"])
     collate = TrainCollator(pad_token_id)
     total, count = 0.0, 0.0
-    model.eval()
+    model.to("cpu").eval()  # the same device for every run (TRL leaves its model on the GPU)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for start in range(0, len(rows), 16):
             out = token_loss(model, collate([rows[i] for i in range(start, min(start + 16, len(rows)))]))
@@ -438,13 +454,15 @@ ROWS = {"a": ("unpacked", ["a/recipe", "a/trl"]), "g": ("unpacked, TRL length-gr
         "w": (f"packed into rows of {2 * SEQ}", ["w/recipe"]), "c": ("padding-free", ["c/recipe", "c/trl"]),
         "ce": ("chunked cross-entropy", list(k for k in RUNS if k.startswith("ce/"))),
         "loss": ("the loss step alone", list(k for k in RUNS if k.startswith("loss/")))}
-BATCHES = {"a/recipe": "16 examples, length-grouped (its default)", "a/trl": "16 examples, random order (its default)",
-           "r/recipe": "16 examples, random order (--group_by_length false)",
-           "g/trl": "16 examples, train_sampling_strategy=group_by_length",
+BATCHES = {"a/recipe": "{batch} examples, length-grouped (its default)",
+           "a/trl": "{batch} examples, random order (its default)",
+           "r/recipe": "{batch} examples, random order (--group_by_length false)",
+           "g/trl": "{batch} examples, train_sampling_strategy=group_by_length",
            "b/recipe": "{rows} packed rows of <= 256, random order, padded to the longest",
            "w/recipe": "{wide} packed rows of <= 512, random order, padded to the longest",
            "b/trl": "{rows} packed rows of <= 256 (bfd), flattened into one row",
-           "c/recipe": "16 examples, length-grouped, flattened", "c/trl": "16 examples, flattened (position_ids)"}
+           "c/recipe": "{batch} examples, length-grouped, flattened",
+           "c/trl": "{batch} examples, flattened (position_ids)"}
 # The recipe's padding, from its own code on the same data, where the run itself did not record one: row a its
 # length-grouped epoch replayed; packed rows (pack_examples) as if each were padded to the full width, an upper
 # bound (the packed runs record their batches' padding: their rows in a seeded random order, each batch padded to
@@ -478,7 +496,7 @@ def pairs_table(results: dict, plan: dict) -> list[str]:
             padding = f"{r['padding_share']:.1%}" if "padding_share" in r else RECIPE_PADDING[name](plan)
             ours = OURS.get(name)
             ratio = f"{tps[ours] / tps[name]:.2f}x" if ours in tps else ""
-            shape = BATCHES[name].format(rows=plan["packed_rows"], wide=packed_rows(plan, 2 * SEQ))
+            shape = BATCHES[name].format(rows=plan["packed_rows"], wide=packed_rows(plan, 2 * SEQ), batch=BATCH)
             lines.append(f"| {row} {title} | {tool} | {shape} | {r['steps']} "
                          f"| {r['train_runtime']:.1f} | {tps[name]:.0f} | {ratio} | {padding} | "
                          f"{r['train_peak_rss_mb']:.0f} / {cell(r.get('process_peak_rss_mb'))} | "
@@ -503,6 +521,27 @@ def chunk_rows(results: dict, row: str, columns, versus) -> list[str]:
         compared = "" if chunk == "0" or "step_seconds" not in base else versus(r, base)
         lines.append(f"| {chunk} | {columns(r)} | {compared} |")
     return lines
+
+
+def mfu_lines(results: dict, plan: dict) -> list[str]:
+    """On a GPU: each run's model FLOP utilisation, 6 x parameters x real tokens/s over the device's dense bf16 peak
+    (the datasheet's, accel_train.core.meter.PEAK_TFLOPS), the same formula for both tools."""
+    import torch
+
+    if not GPU:
+        return []
+    if not torch.cuda.is_available():
+        return ["MFU: LM_THROUGHPUT_GPU=1 without a GPU (a smoke test of the code path): none.", ""]
+    from accel_train.core.meter import PEAK_TFLOPS
+
+    name = torch.cuda.get_device_name()
+    peak = next((v["bf16"] for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return [f"MFU: no bf16 peak known for {name}.", ""]
+    lines = [f"MFU on {name} (6 x {plan['parameters'] / 1e6:.0f}M parameters x real tokens/s / {peak} TFLOP/s):", ""]
+    lines += [f"- {n}: {6 * plan['parameters'] * plan['real_tokens'] / r['train_runtime'] / (peak * 1e12):.1%}"
+              for n, r in results.items() if "train_runtime" in r and not n.startswith(("ce/", "loss/"))]
+    return [*lines, ""]
 
 
 def ce_table(results: dict) -> list[str]:
@@ -640,7 +679,8 @@ def main(argv=None) -> int:
             done = assets / "results" / f"{name.replace('/', '_')}.json"
             results[name] = {**json.loads(done.read_text()), "reused": True} if args.reuse and done.exists() \
                 else run_child(name, assets, args.quick)
-    text = "\n".join([*header(plan, args.quick, probe), *pairs_table(results, plan), "", *ce_table(results), "",
+    text = "\n".join([*header(plan, args.quick, probe), *pairs_table(results, plan), "", *mfu_lines(results, plan),
+                      *ce_table(results), "",
                       *loss_table(results), "",
                       *DIFFERENCES, "", *commands(results), ""])
     print("\n" + text)

@@ -57,20 +57,18 @@ def test_auto_never_starts_afresh_over_checkpoints_that_fail_to_verify(tmp_path,
 
 @pytest.mark.slow
 def test_three_random_worker_kills_under_the_elastic_agent_end_with_bitwise_the_same_weights(tmp_path):
-    # --ddp_timeout 30: gloo sometimes never finishes connecting a restarted attempt's processes (seen with
-    # accelerate launch's static and c10d rendezvous, torch 2.13); the timeout makes that attempt fail, and the
-    # agent restarts it like any other failure
     args = [*QUIET, "--save_strategy", "steps", "--save_steps", "3", "--num_train_epochs", "6",
-            "--resume_from_checkpoint", "auto", "--ddp_timeout", "30"]
+            "--resume_from_checkpoint", "auto", "--ddp_timeout", "60"]
     launch(SCRIPTS / "toy_train.py", [*args, "--output_dir", str(tmp_path / "full")], num_processes=2)
     kills = tmp_path / "kills.txt"
     env = subprocess_env(ACCELERATE_USE_CPU="1", ACCEL_TRAIN_FAULT="elastic_kill:7:3:6",
                          ACCEL_TRAIN_FAULT_LOG=str(kills))
     proc = launch(SCRIPTS / "toy_train.py", [*args, "--output_dir", str(tmp_path / "cut")], num_processes=2,
-                  launcher_args=["--max_restarts", "20", "--monitor_interval", "0.5", "--rdzv_backend", "c10d"],
-                  env=env)
+                  launcher_args=["--max_restarts", "3", "--monitor_interval", "0.5"], env=env)
     records = [tuple(map(int, line.split())) for line in kills.read_text().splitlines()]
-    assert len(records) == 3 and records[0][0] == 0  # three kills, the first in the first attempt
+    # three kills, one in each of the first three attempts: a restarted attempt joins its gloo group at once (before
+    # accel_train keyed each attempt's group apart, about half the restarts read a dead rank's address)
+    assert [r[0] for r in records] == [0, 1, 2]
     # the attempt after each kill started from the newest checkpoint before the kill (a later kill's record says
     # where its attempt started; the last attempt's start is in its log)
     starts = [r[3] for r in records[1:]] + [int(re.findall(r"resumed from \S+ at step (\d+)",
@@ -78,9 +76,8 @@ def test_three_random_worker_kills_under_the_elastic_agent_end_with_bitwise_the_
     lost = [killed_at - start for (_, _, killed_at, _), start in zip(records, starts, strict=True)]
     assert all(0 < steps <= 3 for steps in lost), lost  # at most the save interval per failure
     assert same_weights(tmp_path / "full", tmp_path / "cut")
-    restarts = len(re.findall(r"failed \(exitcode", proc.stdout + proc.stderr))
-    print(f"kills (restart count, rank, step): {[r[:3] for r in records]}; steps lost per failure: {lost}; "
-          f"failed attempts in all (kills and gloo connection failures): {restarts}")
+    assert len(re.findall(r"failed \(exitcode", proc.stdout + proc.stderr)) == 3  # no other failure
+    print(f"kills (restart count, rank, step): {[r[:3] for r in records]}; steps lost per failure: {lost}")
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
     find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
     """
     _connect_cpu_processes()
+    _join_restarted_cpu_group(config.ddp_timeout)
     dynamo = None
     if config.torch_compile:  # otherwise Accelerate takes --dynamo_backend from the launcher, as usual
         from accelerate.utils import TorchDynamoPlugin
@@ -146,6 +147,23 @@ def _connect_cpu_processes() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "ACCELERATE_USE_CPU" not in os.environ and not _has_accelerator():
         os.environ["ACCELERATE_USE_CPU"] = "1"
+
+
+def _join_restarted_cpu_group(timeout: int) -> None:
+    """Processes that torchrun's elastic agent restarted (TORCHELASTIC_RESTART_COUNT > 0) join their gloo group
+    through keys of their own attempt. The agent's store keeps the keys of the attempt before (torch assumes a new
+    store per restart: "no need to add prefix for each attempt"), so a restarted rank could read a dead one's
+    address and hang in gloo's connect or fail with "Connection refused" (seen in about half of the restarts on
+    this CPU, with accelerate launch and with torchrun). CPU (gloo) only; a GPU group is Accelerate's as before."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if restart == 0 or world == 1 or _has_accelerator() or torch.distributed.is_initialized():
+        return
+    wait = datetime.timedelta(seconds=timeout)
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                       is_master=False, timeout=wait)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore(f"accel_train/{restart}", store),
+                                         rank=int(os.environ["RANK"]), world_size=world, timeout=wait)
 
 
 def _has_accelerator() -> bool:

@@ -9,7 +9,7 @@
     print(result.metrics)
 
 `__all__` is the public API. The package is layered (README, "Architecture"): `train.py` on top; `observe/`
-(observability) and `tasks/` (task kits) on the `core/` loop; `rundir/` (the run directory) below it; `config.py`
+(observability) and `tasks/` (task kits) on the `core/` loop; `rundir/` (the run directory) below it; `config/`
 and `errors.py` at the bottom. Nothing inside the package imports this module.
 """
 

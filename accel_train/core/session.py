@@ -37,9 +37,10 @@ from .accelerator import build_accelerator, startup_report
 from .batch_size import fit_micro_batch
 from .data import dataset_size
 from .evaluation import MetricsFn, evaluate_model
+from .finish import failure_message, final_evaluation, short, training_figures
 from .hooks import call_hooks, hook_keys, saved_hook_state
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
-from .meter import StepMeter, peak_memory
+from .meter import StepMeter
 from .optim import (
     apply_hyperparameters,
     batches_per_process,
@@ -329,21 +330,8 @@ class Session:
             acc.load_state(str(best))
             self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
             self.last_eval = (-1, {})
-        metrics = self.final_metrics(state)
-        metrics.update(
-            train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
-            train_samples_per_second=round((state.samples_seen - self.start_samples) / runtime, 3) if runtime else 0.0,
-            epoch=self.epoch_float(state),
-        )
-        metrics.update({f"train_{k}": v for k, v in peak_memory(acc.device).items()})
-        if state.skipped_steps:
-            metrics["train_skipped_steps"] = state.skipped_steps
-        if state.nonfinite_skips:
-            metrics["train_nonfinite_skips"] = state.nonfinite_skips
-        if self.throughput and meter.flops.peak:  # means over the logged intervals (evaluations excluded)
-            metrics.update(train_model_tflops=sum(t for t, _ in self.throughput) / len(self.throughput),
-                           train_mfu=sum(m for _, m in self.throughput) / len(self.throughput),
-                           train_peak_tflops=meter.flops.peak / 1e12)
+        metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet
+        metrics.update(training_figures(self, state, meter, runtime))
         save_final_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)
@@ -370,20 +358,7 @@ class Session:
                 self.log_final(state, metrics, before)
                 self.write_results(metrics)
                 self.log.close(end_training=False)
-                raise FinishError(self.finish_failure(hook, error, metrics)) from error
-
-    def finish_failure(self, hook: Any, error: Exception, metrics: dict[str, float]) -> str:
-        """The one-paragraph message of a failed finish seam: what failed, what is saved, what to do (a hook's
-        `finish_advice`, when it has one)."""
-        out, rank = Path(self.config.output_dir), self.accelerator.process_index
-        measured = ", ".join(f"{k} {_short(v)}" for k, v in metrics.items()
-                             if k.startswith(("eval_", "test_")) and k.endswith(("_loss", "_accuracy")))
-        advice = getattr(hook, "finish_advice", None)
-        return (f"training finished and nothing it trained is lost: the final model is saved in {out} (weights, "
-                f"config and tokenizer) and {out / RESULTS} holds what was measured"
-                + (f" ({measured})" if measured else "") + f", but {type(hook).__name__}.on_finish failed with "
-                f"{type(error).__name__}: {error}. The traceback is in {out}/crash_rank{rank}.json "
-                f"(`accel-train report {out}` shows it)." + (f" {advice}" if advice else ""))
+                raise FinishError(failure_message(self, hook, error, metrics)) from error
 
     def log_final(self, state: TrainState, metrics: dict[str, float], before: dict[str, float]) -> None:
         final = {**self.unlogged, **{k: v for k, v in metrics.items()
@@ -394,30 +369,7 @@ class Session:
     def write_results(self, metrics: dict[str, float]) -> None:
         if self.accelerator.is_main_process:
             (Path(self.config.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
-            self.log.write("final metrics: " + ", ".join(f"{k}={_short(v)}" for k, v in metrics.items()))
-
-    def final_metrics(self, state: TrainState) -> dict[str, float]:
-        """The evaluation of the final (or restored best) model, reusing this step's if it ran; then the final
-        evaluation loaders, each under its own prefix."""
-        metrics: dict[str, float] = {}
-        fresh: dict[str, float] = {}  # what no evaluation during training logged yet
-        if self.eval_loader is not None:
-            step, metrics = self.last_eval
-            if step != state.step:
-                metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn,
-                                         self.metrics_fn)
-                fresh.update(metrics)
-        metrics = dict(metrics)
-        for name, loader in self.final_eval_loaders.items():
-            fresh.update(evaluate_model(self.accelerator, self.model, loader, self.eval_loss_fn, self.metrics_fn,
-                                        prefix=name))
-        metrics.update(fresh)
-        self.unlogged = fresh  # finish() logs them
-        return metrics
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+            self.log.write("final metrics: " + ", ".join(f"{k}={short(v)}" for k, v in metrics.items()))
 
 
 def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:

@@ -1,0 +1,69 @@
+"""What a run reports at its end, for `Session.finish` (session.py): the final evaluation, the training figures
+beside it, and the message of a failed finish seam. Each takes the finishing session and reads what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..rundir.layout import RESULTS
+from .evaluation import evaluate_model
+from .meter import StepMeter, peak_memory
+from .state import TrainState
+
+
+def final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float], dict[str, float]]:
+    """(metrics, fresh): the evaluation of the final (or restored best) model, reusing this step's if it ran, then
+    the final evaluation loaders, each under its own prefix; `fresh` is what no evaluation during training logged."""
+    metrics: dict[str, float] = {}
+    fresh: dict[str, float] = {}
+    if session.eval_loader is not None:
+        step, metrics = session.last_eval
+        if step != state.step:
+            metrics = evaluate_model(session.accelerator, session.model, session.eval_loader, session.eval_loss_fn,
+                                     session.metrics_fn)
+            fresh.update(metrics)
+    metrics = dict(metrics)
+    for name, loader in session.final_eval_loaders.items():
+        fresh.update(evaluate_model(session.accelerator, session.model, loader, session.eval_loss_fn,
+                                    session.metrics_fn, prefix=name))
+    metrics.update(fresh)
+    return metrics, fresh
+
+
+def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime: float) -> dict[str, float]:
+    """train_loss, runtime, steps, this session's samples/s (not a resumed run's), epoch, peak memory, skipped
+    steps, and the model FLOP/s and MFU as means over the logged intervals (evaluations excluded)."""
+    samples = state.samples_seen - session.start_samples
+    figures: dict[str, float] = dict(
+        train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
+        train_samples_per_second=round(samples / runtime, 3) if runtime else 0.0, epoch=session.epoch_float(state))
+    figures.update({f"train_{k}": v for k, v in peak_memory(session.accelerator.device).items()})
+    if state.skipped_steps:
+        figures["train_skipped_steps"] = state.skipped_steps
+    if state.nonfinite_skips:
+        figures["train_nonfinite_skips"] = state.nonfinite_skips
+    throughput = session.throughput
+    if throughput and meter.flops.peak:
+        figures.update(train_model_tflops=sum(t for t, _ in throughput) / len(throughput),
+                       train_mfu=sum(m for _, m in throughput) / len(throughput),
+                       train_peak_tflops=meter.flops.peak / 1e12)
+    return figures
+
+
+def failure_message(session: Any, hook: Any, error: Exception, metrics: dict[str, float]) -> str:
+    """The one-paragraph message of a failed finish seam: what failed, what is saved, what to do (a hook's
+    `finish_advice`, when it has one)."""
+    out, rank = Path(session.config.output_dir), session.accelerator.process_index
+    measured = ", ".join(f"{k} {short(v)}" for k, v in metrics.items()
+                         if k.startswith(("eval_", "test_")) and k.endswith(("_loss", "_accuracy")))
+    advice = getattr(hook, "finish_advice", None)
+    return (f"training finished and nothing it trained is lost: the final model is saved in {out} (weights, "
+            f"config and tokenizer) and {out / RESULTS} holds what was measured"
+            + (f" ({measured})" if measured else "") + f", but {type(hook).__name__}.on_finish failed with "
+            f"{type(error).__name__}: {error}. The traceback is in {out}/crash_rank{rank}.json "
+            f"(`accel-train report {out}` shows it)." + (f" {advice}" if advice else ""))
+
+
+def short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)

@@ -39,7 +39,7 @@ from .generation_eval import (
     score_generations,
     write_predictions,
 )
-from .generation_finish import GenerationFinish, MergeLora
+from .generation_finish import GenerationFinish, MergeLora, merge_lora
 from .generation_model import (
     GenerationModelArguments,
     add_lora,
@@ -47,7 +47,6 @@ from .generation_model import (
     config_is_seq2seq,
     load_tokenizer,
     loss_chunk,
-    merge_lora,
     model_facts,
     train_bpe_tokenizer,
     vocabulary_digest,

@@ -6,14 +6,21 @@ Both run after the final model is written (core/session.py), so an error here lo
 
 from __future__ import annotations
 
+import copy
+import shutil
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from ...config import TrainConfig
 from ...rundir.layout import PREDICTIONS
 from .generation_checks import collapse_warning, output_diversity, source_reliance
 from .generation_eval import GenerationArguments, Generator, evaluate_generation, write_predictions
-from .generation_model import GenerationModelArguments, merge_lora
+from .generation_model import GenerationModelArguments
 from .generation_tokens import TokenizedSplit, TrainCollator
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
 
 
 class GenerationFinish:
@@ -73,3 +80,28 @@ class MergeLora:
             adapter = merge_lora(self.output_dir, acc.unwrap_model(session.model), self.model_args, self.tokenizer)
             session.log.write(f"--merge_lora: the merged model is in {self.output_dir}, the adapter in {adapter}")
         acc.wait_for_everyone()
+
+
+def merge_lora(output_dir: str | Path, model, args: GenerationModelArguments, tokenizer) -> Path:
+    """Write the base model with the trained LoRA adapter merged into its weights into `output_dir` (a plain
+    `from_pretrained` model: config, weights, tokenizer) and move the adapter the run saved there into
+    `output_dir/adapter`. The base is loaded afresh from --model_name_or_path with the run's own config (special
+    tokens, overrides) and the adapter from the saved files, so the live (possibly sharded) model is not touched.
+    Main process only; returns the adapter's folder."""
+    import peft
+
+    out = Path(output_dir)
+    adapter = out / "adapter"
+    adapter.mkdir(exist_ok=True)
+    for name in ADAPTER_FILES:
+        if (out / name).exists():
+            shutil.move(str(out / name), str(adapter / name))
+    trained = model.get_base_model()
+    auto = AutoModelForSeq2SeqLM if trained.config.is_encoder_decoder else AutoModelForCausalLM
+    base = auto.from_pretrained(args.model_name_or_path, config=copy.deepcopy(trained.config), dtype=torch.float32,
+                                trust_remote_code=args.trust_remote_code)
+    merged = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.generation_config = copy.deepcopy(trained.generation_config)
+    merged.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return adapter

@@ -7,13 +7,10 @@ generate (no causal-LM or seq2seq head, or one that attends to future tokens) is
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import transformers
@@ -35,7 +32,6 @@ from .generation_tokens import ModelFacts
 # sequence 1024, batch 4 (benchmarks/lm_throughput.py) it cut the step's peak memory 9x and was not slower.
 CHUNK_FROM_VOCAB = 32000
 LOSS_CHUNK = 512
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
 
 
 @dataclass(frozen=True)
@@ -347,31 +343,6 @@ def add_lora(model, args: GenerationModelArguments):
         return peft.get_peft_model(model, config)
     except ValueError as err:
         raise ConfigError(f"--lora_target_modules {targets}: {err}") from None
-
-
-def merge_lora(output_dir: str | Path, model, args: GenerationModelArguments, tokenizer) -> Path:
-    """Write the base model with the trained LoRA adapter merged into its weights into `output_dir` (a plain
-    `from_pretrained` model: config, weights, tokenizer) and move the adapter the run saved there into
-    `output_dir/adapter`. The base is loaded afresh from --model_name_or_path with the run's own config (special
-    tokens, overrides) and the adapter from the saved files, so the live (possibly sharded) model is not touched.
-    Main process only; returns the adapter's folder."""
-    import peft
-
-    out = Path(output_dir)
-    adapter = out / "adapter"
-    adapter.mkdir(exist_ok=True)
-    for name in ADAPTER_FILES:
-        if (out / name).exists():
-            shutil.move(str(out / name), str(adapter / name))
-    trained = model.get_base_model()
-    auto = AutoModelForSeq2SeqLM if trained.config.is_encoder_decoder else AutoModelForCausalLM
-    base = auto.from_pretrained(args.model_name_or_path, config=copy.deepcopy(trained.config), dtype=torch.float32,
-                                trust_remote_code=args.trust_remote_code)
-    merged = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    merged.generation_config = copy.deepcopy(trained.generation_config)
-    merged.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return adapter
 
 
 def loss_chunk(args: GenerationModelArguments, model, distributed_type: str) -> tuple[int, str]:

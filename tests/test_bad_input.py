@@ -59,8 +59,8 @@ def test_output_dir_with_another_run_is_refused_and_untouched(tmp_path, capsys):
 def test_overwrite_output_dir_leaves_nothing_of_the_replaced_run(tmp_path, capsys):
     out = tmp_path / "run"
     ok(["--output_dir", str(out), *QUIET])
-    left_by_others = ("predictions.jsonl", "model_factory.json", "export/torchscript/model.pt", "adapter/x.json",
-                      "report.md")
+    left_by_others = ("predictions.jsonl", "predict_results.jsonl", "model_factory.json",
+                      "export/torchscript/model.pt", "adapter/x.json", "report.md")
     for name in left_by_others:
         (out / name).parent.mkdir(parents=True, exist_ok=True)  # what other recipes and exports leave there
         (out / name).write_text("{}")
@@ -69,8 +69,8 @@ def test_overwrite_output_dir_leaves_nothing_of_the_replaced_run(tmp_path, capsy
     fails(capsys, ["--output_dir", str(out), *QUIET, "--overwrite_output_dir", "--poison_index", "0",
                    "--per_device_train_batch_size", "96"], "non-finite")
     left = sorted(p.name for p in out.iterdir())
-    assert not {"model.safetensors", "export", "adapter", "predictions.jsonl", "model_factory.json",
-                "all_results.json", "report.md"} & set(left), left
+    assert not {"model.safetensors", "export", "adapter", "predictions.jsonl", "predict_results.jsonl",
+                "model_factory.json", "all_results.json", "report.md"} & set(left), left
 
 
 def test_unwritable_output_dir(tmp_path, capsys):

@@ -4,6 +4,7 @@
       config.yaml          the resolved config (recipe arguments included)
       metrics.jsonl        one record per log / evaluation (and per warning: {"step", "warning"})
       predictions.jsonl    a recipe's generated outputs, one row per item (text generation)
+      predict_results.jsonl  the test split's predictions with label names (text classification, as run_glue.py)
       all_results.json     the final metrics, written once at the end
       runs/                tracker logs (TensorBoard)
       checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
@@ -25,6 +26,7 @@ CONFIG = "config.yaml"
 HISTORY = "metrics.jsonl"
 RESULTS = "all_results.json"
 PREDICTIONS = "predictions.jsonl"
+TEST_PREDICTIONS = "predict_results.jsonl"
 TRACKER_DIR = "runs"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT = "report.md"
@@ -43,8 +45,8 @@ OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...
 # Everything a run writes at the top of output_dir (globs), which --overwrite_output_dir removes before the new run
 # starts: none of the old run's model, exports or predictions may survive to be taken for the new run's.
-RUN_ARTIFACTS = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, MODEL_FACTORY, CRASH_GLOB,
-                 "nonfinite_step*_rank*.json", CONFUSION_MATRIX_PLOT, "*.safetensors", WEIGHTS_INDEX,
+RUN_ARTIFACTS = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, TEST_PREDICTIONS, MODEL_FACTORY,
+                 CRASH_GLOB, "nonfinite_step*_rank*.json", CONFUSION_MATRIX_PLOT, "*.safetensors", WEIGHTS_INDEX,
                  "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer*", "vocab.*",
                  "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model", "chat_template.jinja",
                  "adapter_config.json", "adapter", "README.md", "*.png")

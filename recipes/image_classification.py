@@ -13,13 +13,11 @@ confusion matrix PNG.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 
 from accel_train import (
-    ConfigError,
     ModelError,
     TrainConfig,
     build_accelerator,
@@ -28,13 +26,13 @@ from accel_train import (
     split_loaders,
     train,
 )
-from accel_train.rundir.layout import CONFUSION_MATRIX_PLOT
 from accel_train.tasks.model_config import build_config, check_constructor, parse_overrides
-from accel_train.tasks.vision.classification import ClassificationMetrics, save_confusion_matrix
+from accel_train.tasks.vision.classification import ClassificationFinish, ClassificationMetrics
 from accel_train.tasks.vision.data import ImageDataArguments, ImageDataset, load_image_data
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import (
     EvalTransform,
+    ImageAugmentationArguments,
     MixupCutmix,
     TrainAugmentation,
     channel_mean_std,
@@ -69,26 +67,6 @@ class ModelArguments:
     config_overrides: str | None = field(default=None, metadata={
         "help": 'Model config changes, JSON (\'{"hidden_size": 64}\') or key=value,key=value.'})
     channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (faster convs)."})
-
-
-@dataclass(frozen=True)
-class AugmentationArguments:
-    """Training augmentation, applied on the device to whole batches."""
-
-    crop_scale_min: float = field(default=0.8, metadata={
-        "help": "Random resized crop keeps this much area or more (mild for short runs; long runs: lower)."})
-    horizontal_flip: bool | None = field(default=None, metadata={
-        "help": "Random horizontal flips (default: on, off for the embedded digits, which are not mirror images)."})
-    color_jitter: float = field(default=0.1, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
-    mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(a, a); 0 = off."})
-    cutmix_alpha: float = field(default=0.0, metadata={"help": "CutMix Beta(a, a); 0 = off (both set: 50/50)."})
-
-    def __post_init__(self):
-        if not 0 < self.crop_scale_min <= 1:
-            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
-        for name in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} {getattr(self, name)}: must be >= 0 (0 turns it off).")
 
 
 def load_data(args: ImageDataArguments, seed: int):
@@ -149,37 +127,12 @@ def build_loss(augment, eval_transform, mixing: MixupCutmix, label_smoothing: fl
     return loss_fn
 
 
-CONFIG_TYPES = (TrainConfig, ImageDataArguments, AugmentationArguments, ModelArguments)
+CONFIG_TYPES = (TrainConfig, ImageDataArguments, ImageAugmentationArguments, ModelArguments)
 
 
 def build_metrics(class_names: list[str]) -> ClassificationMetrics:
     """Top-1, top-5 and per-class accuracy; keeps each evaluation's confusion matrix."""
     return ClassificationMetrics(class_names)
-
-
-class Finish:
-    """The finish seam: test_* entries when test was the evaluation split, the confusion matrix PNG of the last
-    evaluation (test if there is one) and a per-class accuracy table, on the main process."""
-
-    def __init__(self, eval_split, has_test: bool, metrics_fn: ClassificationMetrics, class_names, output_dir: str):
-        self.eval_split, self.has_test, self.metrics_fn = eval_split, has_test, metrics_fn
-        self.class_names, self.out = class_names, Path(output_dir)
-
-    def on_finish(self, session, metrics: dict) -> None:
-        if self.has_test and self.eval_split == "test":
-            metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
-        prefix = "test" if self.has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
-        confusion = self.metrics_fn.last_confusion
-        if not session.accelerator.is_main_process or confusion is None:
-            return
-        save_confusion_matrix(confusion, self.class_names, self.out / CONFUSION_MATRIX_PLOT,
-                              title="test" if prefix == "test" else self.eval_split)
-        rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}"
-                for name, key in zip(self.class_names, self.metrics_fn.keys, strict=True)]
-        print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
-        print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
-              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / CONFUSION_MATRIX_PLOT}",
-              flush=True)
 
 
 def main(argv=None) -> dict[str, float]:
@@ -209,7 +162,8 @@ def main(argv=None) -> dict[str, float]:
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     # validation, else test; a test split besides validation is evaluated at the end
     loaders = split_loaders(image_sets, config, accelerator, data.eval_split)
-    finish = Finish(data.eval_split, "test" in image_sets, metrics_fn, data.class_names, config.output_dir)
+    finish = ClassificationFinish(data.eval_split, "test" in image_sets, metrics_fn, data.class_names,
+                                  config.output_dir)
     result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
                    eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator,
                    processing_class=processor, extra_configs=[data_args, aug_args, model_args])

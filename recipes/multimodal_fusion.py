@@ -33,7 +33,7 @@ from accel_train.tasks.multimodal.data import (
     ImageTextDataset,
     load_image_text_data,
 )
-from accel_train.tasks.multimodal.fusion_loss import TASKS, FusionLoss, parse_loss_weights
+from accel_train.tasks.multimodal.fusion_loss import TASKS, FusionLoss, FusionTaskArguments, parse_loss_weights
 from accel_train.tasks.multimodal.fusion_metrics import FusionMetrics, summary
 from accel_train.tasks.multimodal.fusion_model import FusionEncoder, fusion_param_groups
 from accel_train.tasks.multimodal.towers import TowerModelArguments, TowerTrainingArguments, build_towers
@@ -70,38 +70,6 @@ class ModelArguments(TowerModelArguments):
 
 
 @dataclass(frozen=True)
-class TaskArguments:
-    """The two tasks, their weighting and the evaluation."""
-
-    loss_weights: str = field(default="itc=1,itm=1", metadata={"help": "Fixed task weights, task=weight pairs."})
-    loss_weighting: str = field(default="fixed", metadata={
-        "help": "fixed (--loss_weights) or uncertainty: learned homoscedastic-uncertainty weights (Kendall et al. "
-                "2018), starting at 1."})
-    log_task_grad_norms: bool = field(default=True, metadata={
-        "help": "Log each weighted task loss's gradient norm at the towers' outputs (two partial backward passes)."})
-    rerank_k: int = field(default=16, metadata={"help": "ITC candidates per query re-ranked by ITM."})
-    contrastive_steps: int = field(default=0, metadata={
-        "help": "Two-stage schedule: the first N optimizer steps train ITC alone; then the towers, projections and "
-                "temperature stay fixed and the fusion layers and ITM head learn ITM alone. 0: both tasks together."})
-
-    def __post_init__(self):
-        weights = parse_loss_weights(self.loss_weights)
-        if self.loss_weighting not in ("fixed", "uncertainty"):
-            raise ConfigError(f"--loss_weighting {self.loss_weighting!r}: choose fixed or uncertainty.")
-        if self.loss_weighting == "uncertainty" and set(weights.values()) != {1.0}:
-            raise ConfigError(f"--loss_weights {self.loss_weights} with --loss_weighting uncertainty: the learned "
-                              "weights replace the fixed ones; leave --loss_weights at itc=1,itm=1.")
-        if self.contrastive_steps and self.loss_weighting != "fixed":
-            raise ConfigError(f"--contrastive_steps {self.contrastive_steps} with --loss_weighting "
-                              f"{self.loss_weighting}: the two stages train one task each, so there is nothing to "
-                              "weigh; use --loss_weighting fixed.")
-        if self.contrastive_steps < 0:
-            raise ConfigError(f"--contrastive_steps {self.contrastive_steps}: must be >= 0 (0: one stage).")
-        if self.rerank_k < 1:
-            raise ConfigError(f"--rerank_k {self.rerank_k}: must be >= 1.")
-
-
-@dataclass(frozen=True)
 class TowerArguments(TowerTrainingArguments):
     """Per-tower optimisation and image augmentation (tasks.multimodal.towers), the fusion part's learning rate
     and the captions' token dropout."""
@@ -117,7 +85,7 @@ class TowerArguments(TowerTrainingArguments):
             raise ConfigError(f"--token_dropout {self.token_dropout}: must be in [0, 1).")
 
 
-CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, TaskArguments, TowerArguments)
+CONFIG_TYPES = (TrainConfig, ImageTextArguments, ModelArguments, FusionTaskArguments, TowerArguments)
 
 
 def load_data(data_args: ImageTextArguments, seed: int, accelerator):
@@ -134,7 +102,7 @@ def load_data(data_args: ImageTextArguments, seed: int, accelerator):
     return data, datasets
 
 
-def build_model(args: ModelArguments, tasks: TaskArguments, image_size: int):
+def build_model(args: ModelArguments, tasks: FusionTaskArguments, image_size: int):
     """(FusionEncoder, tokenizer, image processor or None)."""
     text_model, tokenizer, vision, processor = build_towers(args, image_size)
     model = FusionEncoder(text_model, vision, args.embed_dim, args.init_temperature, args.max_logit_scale,
@@ -144,7 +112,7 @@ def build_model(args: ModelArguments, tasks: TaskArguments, image_size: int):
     return model, tokenizer, processor
 
 
-def build_loss(config: TrainConfig, data_args: ImageTextArguments, tasks: TaskArguments, towers: TowerArguments,
+def build_loss(config: TrainConfig, data_args: ImageTextArguments, tasks: FusionTaskArguments, towers: TowerArguments,
                train_set: ImageTextDataset, mean, std) -> FusionLoss:
     train_transform = towers.train_transform(train_set.images.image_size, mean, std)
     return FusionLoss(train_transform, EvalTransform(mean, std), seed=config.seed, num_train_images=len(train_set),
@@ -153,7 +121,7 @@ def build_loss(config: TrainConfig, data_args: ImageTextArguments, tasks: TaskAr
                       freeze_steps=towers.freeze_steps(), contrastive_steps=tasks.contrastive_steps)
 
 
-def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: TaskArguments) -> FusionMetrics:
+def build_metrics(model: FusionEncoder, config: TrainConfig, tasks: FusionTaskArguments) -> FusionMetrics:
     return FusionMetrics(model, rerank_k=tasks.rerank_k, seed=config.seed, batch_size=config.per_device_eval_batch_size)
 
 

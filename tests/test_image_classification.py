@@ -16,7 +16,7 @@ from conftest import ROOT, SHARED_DATA, launch
 from PIL import Image
 from safetensors.torch import load_file
 
-from accel_train import ConfigError, DataError, ModelError, TrainConfig, parse_config
+from accel_train import ConfigError, DataError, ModelError, parse_config
 from accel_train.tasks.vision.data import (
     ImageDataArguments,
     ImageDataset,
@@ -245,9 +245,7 @@ def test_embedded_digits_and_the_cifar_subset_load(tmp_path):
 
 def test_shipped_cifar_config_parses():
     path = ROOT / "recipes" / "configs" / "image_classification_cifar10.yaml"
-    config, data, aug, model = parse_config(
-        (TrainConfig, ImageDataArguments, recipe.AugmentationArguments, recipe.ModelArguments),
-        ["--config", str(path)], defaults=recipe.DEFAULTS)
+    config, data, aug, model = parse_config(recipe.CONFIG_TYPES, ["--config", str(path)], defaults=recipe.DEFAULTS)
     assert data.data_dir == "../shared/data/cifar10-subset" and (ROOT / data.data_dir).resolve() == (
         SHARED_DATA / "cifar10-subset").resolve()
     assert config.lr_scheduler_type == "cosine" and model.model_type == "small_resnet"

@@ -18,6 +18,7 @@ from accel_train import TrainConfig
 
 NAMES = sorted(path.stem for path in RECIPES.glob("*.py"))
 ORDER = ("load_data", "build_model", "build_loss", "build_metrics", "Finish", "parse", "main")
+MAX_RECIPE_LINES = 200  # STYLE.md: a recipe is short, about 100-200 lines
 REQUIRED = {"load_data", "build_model", "build_loss", "build_metrics", "main"}
 # The library's obligations: a recipe that does any of these by hand copies what the session already does.
 LIBRARY_ONLY = {
@@ -57,6 +58,13 @@ def test_a_recipe_has_the_skeleton_in_order(name):
     assert recipe.DEFAULTS["output_dir"] == f"outputs/{name}", f"{name}: runs land in outputs/{name} by default"
     if hasattr(recipe, "Finish"):
         assert callable(getattr(recipe.Finish, "on_finish", None)), f"{name}.Finish is a hook with on_finish"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_recipe_is_short_enough_to_read_and_copy(name):
+    lines = len((RECIPES / f"{name}.py").read_text().splitlines())
+    assert lines <= MAX_RECIPE_LINES, \
+        f"{name}: {lines} lines; a recipe is at most {MAX_RECIPE_LINES} (what a third recipe repeats goes to tasks/)"
 
 
 @pytest.mark.parametrize("name", NAMES)

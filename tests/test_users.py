@@ -14,6 +14,7 @@ from conftest import ROOT, subprocess_env
 from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config
 from accel_train.cli import main as cli_main
 from accel_train.cli import plan_launch
+from accel_train.tasks.text.classification_args import ClassificationDataArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -160,8 +161,9 @@ def test_text_max_eval_samples_is_stratified(tmp_path):
     rows = "".join(f"{i // 50} text number {i}\n" for i in range(200))  # sorted by class
     (tmp_path / "train.txt").write_text(rows)
     (tmp_path / "dev.txt").write_text(rows)
-    args = nlp_finetune.DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "dev.txt"),
-                                      max_eval_samples=20, max_train_samples=40)
+    args = ClassificationDataArguments(train_file=str(tmp_path / "train.txt"),
+                                       validation_file=str(tmp_path / "dev.txt"), max_eval_samples=20,
+                                       max_train_samples=40)
     ds, _, labels, _ = nlp_finetune.load_data(args, seed=0)
     assert sorted(ds["validation"]["label"]) == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5
     assert sorted(set(ds["train"]["label"])) == [0, 1, 2, 3] and len(ds["train"]) == 40

@@ -23,6 +23,7 @@ from conftest import (
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
 from accel_train.observe.report import write_report
+from accel_train.tasks.text.classification_args import ClassificationDataArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--learning_rate", "3e-3",
@@ -178,7 +179,7 @@ def test_a_headerless_csv_is_detected_and_named_with_column_names(tiny_bert, tmp
 
 def test_a_folder_as_train_file_says_to_use_dataset_name(tmp_path):
     with pytest.raises(DataError, match=f"--train_file {tmp_path}: a folder.*--dataset_name {tmp_path}"):
-        nlp_finetune.load_data(nlp_finetune.DataArguments(train_file=str(tmp_path)), seed=0)
+        nlp_finetune.load_data(ClassificationDataArguments(train_file=str(tmp_path)), seed=0)
 
 
 def test_the_recipe_flags_have_help_texts_and_defaults(capsys):

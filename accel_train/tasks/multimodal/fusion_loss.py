@@ -16,6 +16,7 @@ classification losses: loss = sum_t exp(-s_t) L_t + s_t / 2, with s_t = log sigm
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -264,3 +265,35 @@ def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
     last = mask.shape[1] - 1 - mask.flip(1).argmax(1)[:, None]
     keep = (torch.rand(mask.shape, device=mask.device) >= p) | (positions == first) | (positions == last)
     return mask * keep.to(mask.dtype)
+
+
+@dataclass(frozen=True)
+class FusionTaskArguments:
+    """The fusion recipe's two tasks (ITC, ITM), their weighting and the evaluation's re-ranking."""
+
+    loss_weights: str = field(default="itc=1,itm=1", metadata={"help": "Fixed task weights, task=weight pairs."})
+    loss_weighting: str = field(default="fixed", metadata={
+        "help": "fixed (--loss_weights) or uncertainty: learned homoscedastic-uncertainty weights (Kendall et al. "
+                "2018), starting at 1."})
+    log_task_grad_norms: bool = field(default=True, metadata={
+        "help": "Log each weighted task loss's gradient norm at the towers' outputs (two partial backward passes)."})
+    rerank_k: int = field(default=16, metadata={"help": "ITC candidates per query re-ranked by ITM."})
+    contrastive_steps: int = field(default=0, metadata={
+        "help": "Two-stage schedule: the first N optimizer steps train ITC alone; then the towers, projections and "
+                "temperature stay fixed and the fusion layers and ITM head learn ITM alone. 0: both tasks together."})
+
+    def __post_init__(self):
+        weights = parse_loss_weights(self.loss_weights)
+        if self.loss_weighting not in ("fixed", "uncertainty"):
+            raise ConfigError(f"--loss_weighting {self.loss_weighting!r}: choose fixed or uncertainty.")
+        if self.loss_weighting == "uncertainty" and set(weights.values()) != {1.0}:
+            raise ConfigError(f"--loss_weights {self.loss_weights} with --loss_weighting uncertainty: the learned "
+                              "weights replace the fixed ones; leave --loss_weights at itc=1,itm=1.")
+        if self.contrastive_steps and self.loss_weighting != "fixed":
+            raise ConfigError(f"--contrastive_steps {self.contrastive_steps} with --loss_weighting "
+                              f"{self.loss_weighting}: the two stages train one task each, so there is nothing to "
+                              "weigh; use --loss_weighting fixed.")
+        if self.contrastive_steps < 0:
+            raise ConfigError(f"--contrastive_steps {self.contrastive_steps}: must be >= 0 (0: one stage).")
+        if self.rerank_k < 1:
+            raise ConfigError(f"--rerank_k {self.rerank_k}: must be >= 1.")

@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 import pandas as pd
 
-from ...errors import DataError
+from ...errors import DataError, ModelError
 
 DEFAULT_TEXT_COLUMNS = ("sentence", "text", "sentence1", "review", "content", "document")
 DEFAULT_LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target")
@@ -322,3 +322,15 @@ def padding_ratio(lengths: Sequence[int], order: Sequence[int], batch_size: int)
         padded += int(chunk.max()) * len(chunk)
         real += int(chunk.sum())
     return 1 - real / padded if padded else 0.0
+
+
+def pad_with_eos(tokenizer, config, path) -> None:
+    """Decoder models (GPT-2 style) have no padding token: pad with the end-of-sequence token, and tell the model,
+    whose classifier reads the last non-pad token, as the Hugging Face example scripts do."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"{path}: the tokenizer has neither a padding nor an end-of-sequence token, so batches "
+                             "cannot be padded. Use a tokenizer that has one (--tokenizer_name).")
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ...core.evaluation import confusion_matrix
+from ...rundir.layout import CONFUSION_MATRIX_PLOT
 from ..metrics import load_metric
 
 
@@ -77,3 +78,28 @@ def save_confusion_matrix(confusion: np.ndarray, class_names: Sequence[str], pat
 def _safe(name: str) -> str:
     """A class name as a metric-key fragment (TensorBoard tags and JSON keys without spaces or slashes)."""
     return re.sub(r"[^0-9A-Za-z_.-]+", "_", str(name)).strip("_") or "class"
+
+
+class ClassificationFinish:
+    """The finish seam: test_* entries when test was the evaluation split, the confusion matrix PNG of the last
+    evaluation (test if there is one) and a per-class accuracy table, on the main process."""
+
+    def __init__(self, eval_split, has_test: bool, metrics_fn: ClassificationMetrics, class_names, output_dir: str):
+        self.eval_split, self.has_test, self.metrics_fn = eval_split, has_test, metrics_fn
+        self.class_names, self.out = class_names, Path(output_dir)
+
+    def on_finish(self, session, metrics: dict) -> None:
+        if self.has_test and self.eval_split == "test":
+            metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
+        prefix = "test" if self.has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
+        confusion = self.metrics_fn.last_confusion
+        if not session.accelerator.is_main_process or confusion is None:
+            return
+        save_confusion_matrix(confusion, self.class_names, self.out / CONFUSION_MATRIX_PLOT,
+                              title="test" if prefix == "test" else self.eval_split)
+        rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}"
+                for name, key in zip(self.class_names, self.metrics_fn.keys, strict=True)]
+        print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
+        print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
+              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / CONFUSION_MATRIX_PLOT}",
+              flush=True)

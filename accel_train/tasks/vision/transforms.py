@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from ...errors import ConfigError
 from .data import ImageDataset
 
 
@@ -145,3 +147,23 @@ def image_processor(size: int, mean: Sequence[float], std: Sequence[float]):
     from transformers import ViTImageProcessorPil  # the PIL one: the default needs torchvision
 
     return ViTImageProcessorPil(size={"height": size, "width": size}, image_mean=list(mean), image_std=list(std))
+
+
+@dataclass(frozen=True)
+class ImageAugmentationArguments:
+    """The image-classification recipe's training augmentation, applied on the device to whole batches."""
+
+    crop_scale_min: float = field(default=0.8, metadata={
+        "help": "Random resized crop keeps this much area or more (mild for short runs; long runs: lower)."})
+    horizontal_flip: bool | None = field(default=None, metadata={
+        "help": "Random horizontal flips (default: on, off for the embedded digits, which are not mirror images)."})
+    color_jitter: float = field(default=0.1, metadata={"help": "Brightness/contrast/saturation jitter; 0 = off."})
+    mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(a, a); 0 = off."})
+    cutmix_alpha: float = field(default=0.0, metadata={"help": "CutMix Beta(a, a); 0 = off (both set: 50/50)."})
+
+    def __post_init__(self):
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"--crop_scale_min {self.crop_scale_min}: must be in (0, 1].")
+        for name in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be >= 0 (0 turns it off).")

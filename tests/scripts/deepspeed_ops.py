@@ -7,7 +7,7 @@ shared-memory collectives (at `init_distributed`), a few minutes on 2 cores. (Th
 torch's AdamW, "torch_adam": true; DeepSpeed's own AdamW would compile a fused Adam op as well.) A build that is
 killed leaves a `lock` file there, and every later start waits on it forever. This script removes such stale locks
 first (run it while no other DeepSpeed process is building), then builds; .ci/run runs it under `timeout` before the
-tests, and tests/test_sharded.py runs it when the ops are missing.
+tests, and tests/launch/test_sharded.py runs it when the ops are missing.
 """
 
 from __future__ import annotations

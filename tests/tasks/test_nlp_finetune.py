@@ -1,5 +1,5 @@
 """recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; 1 vs 2 processes; and one
-real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/test_bad_input_matrix.py."""
+real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/tasks/test_bad_input_matrix.py."""
 
 import json
 

@@ -1,5 +1,5 @@
 """Users coming from the Hugging Face scripts and the Trainer: their flags, no silent wrong numbers, the
-README's script as printed. Recipe runs and the run directory: tests/test_users_runs.py."""
+README's script as printed. Recipe runs and the run directory: tests/tasks/test_users_runs.py."""
 
 import json
 import re

@@ -17,10 +17,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests launch (toy_train, token_train, sharded_cpu, ...)
+CI = ROOT / ".ci"  # the tools: the DeepSpeed op build (deepspeed_ops) and the import-linter plugin (import_contracts)
 SHARED_DATA = ROOT.parent / "shared" / "data"
 ACCELERATE_CONFIGS = ROOT / "accelerate_configs"  # the launcher presets
-# Recipes and test scripts are scripts, not a package: tests import them by their file names.
-sys.path[:0] = [str(RECIPES), str(SCRIPTS)]
+# Recipes, test scripts and tools are scripts, not a package: tests import them by their file names.
+sys.path[:0] = [str(RECIPES), str(SCRIPTS), str(CI)]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import (
     ACCELERATE_CONFIGS,
+    CI,
     RECIPES,
     ROOT,
     SCRIPTS,
@@ -81,7 +82,7 @@ def deepspeed_ops():
     """DeepSpeed's CPU ops, built once (.ci/run builds them before the tests; this is for local runs)."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (.ci/run installs it: DS_BUILD_OPS=0 pip install deepspeed)")
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "deepspeed_ops.py")], cwd=ROOT, text=True,
+    proc = subprocess.run([sys.executable, str(CI / "deepspeed_ops.py")], cwd=ROOT, text=True,
                           capture_output=True, env=subprocess_env(**extensions_env()), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 

@@ -17,9 +17,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests launch (toy_train, token_train, sharded_cpu, ...)
+CI = ROOT / ".ci"  # the tools: the DeepSpeed op build (deepspeed_ops) and the import-linter plugin (import_contracts)
 SHARED_DATA = ROOT.parent / "shared" / "data"
-# Recipes and test scripts are scripts, not a package: tests import them by their file names.
-sys.path[:0] = [str(RECIPES), str(SCRIPTS)]
+ACCELERATE_CONFIGS = ROOT / "accelerate_configs"  # the launcher presets
+# Recipes, test scripts and tools are scripts, not a package: tests import them by their file names.
+sys.path[:0] = [str(RECIPES), str(SCRIPTS), str(CI)]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -189,4 +191,39 @@ def sst_like(tmp_path):
         files[split].write_text("".join(f"{y} {t}\n" for y, t in make_rows(n, seed)))
     return files
 
+# ------------------------------------------------------------------ a tiny image-text world
+# (the fusion recipe's tests, and the fusion run that test_export_runs.py exports)
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 220, 40), "blue": (40, 40, 220)}
+CAPTION_WORDS = sorted(set("a an of the photo picture square patch colour shape bright dark . red green blue".split()))
+TINY_FUSION = ["--fusion_dim", "16", "--fusion_heads", "2", "--embed_dim", "16"]
+TINY_VISION = ["--vision_config_overrides", '{"widths": [8, 16], "blocks_per_stage": 1}']
+
+
+def text_tower_config():
+    """A 1-layer BERT's config over CAPTION_WORDS (and the 5 special tokens)."""
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=len(CAPTION_WORDS) + 5, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)
+
+
+def caption_folder(root, counts, size=16, seed=0):
+    """<root>/<split>/*.png with metadata.jsonl: noisy single-colour images with two captions each."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split, n in counts.items():
+        folder = root / split
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for name, colour in COLOURS.items():
+            for i in range(n):
+                pixels = np.clip(np.array(colour) + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{name}{i}.png")
+                captions = [f"a {name} square", f"a photo of the colour {name}"]
+                lines.append({"file_name": f"{name}{i}.png", "captions": captions})
+        (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return root

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import ROOT
+from conftest import CI, ROOT
 
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
         "sys.exit(lint_imports_command())"]
 
 
 def lint(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]), "COLUMNS": "300"}
+    """lint-imports in `cwd` as .ci/run runs it: PYTHONPATH=.ci finds the private_names contract type."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), str(CI)]), "COLUMNS": "300"}
     return subprocess.run([*LINT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -25,7 +25,8 @@ from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
 WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
-_KNOWN_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+# the --report_to names accepted: Accelerate's trackers, each with an install check in accelerate.utils.imports
+KNOWN_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
 def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Accelerator:
@@ -55,7 +56,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
             data_seed=config.data_seed if config.data_seed is not None else config.seed,
             non_blocking=config.dataloader_pin_memory,
         ),
-        log_with=_trackers(config) or None,
+        log_with=resolve_trackers(config) or None,
         project_config=ProjectConfiguration(
             project_dir=config.output_dir, logging_dir=str(Path(config.output_dir) / "runs")
         ),
@@ -267,16 +268,18 @@ def precision_in_effect(accelerator: Accelerator) -> str:
     return "fp32"
 
 
-def _trackers(config: TrainConfig) -> list[str]:
+def resolve_trackers(config: TrainConfig) -> list[str]:
+    """The Accelerate trackers --report_to names (`all`: every installed one of KNOWN_TRACKERS); an unknown or
+    uninstalled one is a ConfigError that says what to do."""
     from accelerate.utils import imports
 
     trackers = config.trackers
     if [t.lower() for t in trackers] == ["all"]:  # the Hugging Face scripts' --report_to all: every installed one
-        return [name for name in _KNOWN_TRACKERS if getattr(imports, f"is_{name}_available", lambda: False)()]
+        return [name for name in KNOWN_TRACKERS if getattr(imports, f"is_{name}_available", lambda: False)()]
     for name in trackers:
         check = getattr(imports, f"is_{name}_available", None)
-        if name not in _KNOWN_TRACKERS or check is None:
-            raise ConfigError(f"--report_to {name}: unknown tracker; choose from {', '.join(_KNOWN_TRACKERS)} or none.")
+        if name not in KNOWN_TRACKERS or check is None:
+            raise ConfigError(f"--report_to {name}: unknown tracker; choose from {', '.join(KNOWN_TRACKERS)} or none.")
         if not check():
             raise ConfigError(f"--report_to {name}: the '{name}' package is not installed (pip install {name}).")
     return trackers

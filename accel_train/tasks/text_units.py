@@ -10,7 +10,7 @@
 * `bleu_tokens`: sacreBLEU's 13a tokenisation, with the same characters first set apart by spaces (what sacreBLEU's
   `zh` tokenizer does for Chinese), so that a Chinese sentence is not one "word".
 
-The metric modules in `metric_modules/` use these by default; `tests/test_text_metrics.py` checks identical and
+The metric modules in `metric_modules/` use these by default; `tests/tasks/test_text_metrics.py` checks identical and
 disjoint texts in English, Russian, Chinese and Arabic.
 """
 

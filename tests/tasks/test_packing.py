@@ -13,7 +13,7 @@ import datasets
 import pytest
 import token_train
 import torch
-from conftest import ROOT, SCRIPTS, launch, reset_accelerate
+from conftest import RECIPES, SCRIPTS, launch, reset_accelerate
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -241,7 +241,7 @@ def recipe(out, data, *extra, fault=None):
     env.pop("ACCEL_TRAIN_FAULT", None)
     if fault:
         env["ACCEL_TRAIN_FAULT"] = fault
-    args = [sys.executable, str(ROOT / "recipes" / "text_generation.py"), "--train_file", data, "--text_column",
+    args = [sys.executable, str(RECIPES / "text_generation.py"), "--train_file", data, "--text_column",
             "text", "--summary_column", "summary", "--validation_split", "8", *LLAMA, "--output_dir", str(out),
             "--report_to", "none", "--disable_tqdm", "--cpu_threads", "1", "--no_run_report", "--no_preflight",
             "--max_generate_samples", "0", "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
@@ -272,7 +272,7 @@ def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_
 def test_packing_a_seq2seq_model_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": "a b", "summary": "c"}) + "\n" for _ in range(12)))
-    out = subprocess.run([sys.executable, str(ROOT / "recipes" / "text_generation.py"), "--train_file", str(data),
+    out = subprocess.run([sys.executable, str(RECIPES / "text_generation.py"), "--train_file", str(data),
                           "--text_column", "text", "--summary_column", "summary", "--model_type", "t5",
                           "--train_tokenizer_vocab_size", "300", "--packing", "--output_dir", str(tmp_path / "o")],
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import semantic_segmentation as recipe
 import torch
-from conftest import ROOT, SCRIPTS, launch
+from conftest import RECIPES, SCRIPTS, launch
 from PIL import Image
 
 from accel_train import DataError
@@ -19,7 +19,7 @@ from accel_train.tasks.vision.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.segmentation import SegmentationMetrics, UNet, confusion_per_image, segmentation_losses
 
-RECIPE = ROOT / "recipes" / "semantic_segmentation.py"
+RECIPE = RECIPES / "semantic_segmentation.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
 TINY = ["--config_overrides", '{"widths": [8, 16, 16], "blocks_per_stage": 1}']
 

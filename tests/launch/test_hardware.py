@@ -8,12 +8,22 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, SCRIPTS, free_port, kill_tree, launch, run_process_tree, subprocess_env, toy_records
+from conftest import (
+    ACCELERATE_CONFIGS,
+    ROOT,
+    SCRIPTS,
+    free_port,
+    kill_tree,
+    launch,
+    run_process_tree,
+    subprocess_env,
+    toy_records,
+)
 from safetensors.torch import load_file
 
 from accel_train.cli import plan_launch
 
-PRESETS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+PRESETS = sorted(ACCELERATE_CONFIGS.glob("*.yaml"))
 TOY = SCRIPTS / "toy_train.py"
 QUIET = ["--report_to", "none", "--disable_tqdm"]
 
@@ -42,7 +52,7 @@ def test_preset_parses_with_accelerate_and_says_when_and_how(preset):
 def test_fsdp_preset_is_fsdp2_full_shard_with_layer_wrap_and_sharded_state():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    fsdp = load_config_from_file(str(ROOT / "accelerate_configs" / "fsdp.yaml")).fsdp_config
+    fsdp = load_config_from_file(str(ACCELERATE_CONFIGS / "fsdp.yaml")).fsdp_config
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
@@ -52,7 +62,7 @@ def test_accel_train_launch_turns_cpu_multiprocess_into_a_gloo_group():
     args, env = plan_launch(["--cpu", "--num_processes", "2", "train.py", "--lr", "1"], has_gpu=False)
     assert args == ["launch", "--multi_gpu", "--num_processes", "2", "train.py", "--lr", "1"]
     assert env == {"ACCEL_TRAIN_EXPECTED_WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "1"}
-    preset = str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")
+    preset = str(ACCELERATE_CONFIGS / "cpu_multiprocess.yaml")
     args, env = plan_launch(["--cpu", "--config_file", preset, "train.py"], has_gpu=True)
     assert args == ["launch", "--config_file", preset, "train.py"] and env["ACCELERATE_USE_CPU"] == "1"
     args, env = plan_launch(["--num_processes", "1", "train.py"], has_gpu=True)

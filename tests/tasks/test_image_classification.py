@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, SHARED_DATA, launch
+from conftest import RECIPES, ROOT, SHARED_DATA, launch
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -26,7 +26,7 @@ from accel_train.tasks.vision.data import (
 )
 from accel_train.tasks.vision.transforms import MixupCutmix, TrainAugmentation
 
-RECIPE = ROOT / "recipes" / "image_classification.py"
+RECIPE = RECIPES / "image_classification.py"
 COLOURS = [(220, 40, 40), (40, 220, 40), (40, 40, 220)]
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
 TINY_RESNET = ["--config_overrides", '{"widths": [8, 16], "blocks_per_stage": 1}']
@@ -244,7 +244,7 @@ def test_embedded_digits_and_the_cifar_subset_load(tmp_path):
 
 
 def test_shipped_cifar_config_parses():
-    path = ROOT / "recipes" / "configs" / "image_classification_cifar10.yaml"
+    path = RECIPES / "configs" / "image_classification_cifar10.yaml"
     config, data, aug, model = parse_config(recipe.CONFIG_TYPES, ["--config", str(path)], defaults=recipe.DEFAULTS)
     assert data.data_dir == "../shared/data/cifar10-subset" and (ROOT / data.data_dir).resolve() == (
         SHARED_DATA / "cifar10-subset").resolve()

@@ -13,9 +13,8 @@ import pytest
 import semantic_segmentation
 import text_generation
 import torch
-from conftest import reset_accelerate
+from conftest import CAPTION_WORDS, TINY_FUSION, TINY_VISION, caption_folder, reset_accelerate, text_tower_config
 from test_export import FORMAT_CASES
-from test_multimodal_fusion import TINY_FUSION, TINY_VISION, WORDS, caption_folder, tiny_bert_config
 
 from accel_train.deploy import export_run, load_trained_model
 
@@ -40,10 +39,10 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("runs")
     text = root / "tiny_text"
-    BertTokenizer(vocab={t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
+    BertTokenizer(vocab={t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CAPTION_WORDS])}
                   ).save_pretrained(text)
     torch.manual_seed(0)
-    BertModel(tiny_bert_config()).save_pretrained(text)
+    BertModel(text_tower_config()).save_pretrained(text)
     pairs = root / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"text": f"item {i} of the list", "summary": f"answer {i}"}) + "\n"
                              for i in range(24)))

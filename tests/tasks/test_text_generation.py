@@ -13,7 +13,7 @@ import sys
 import pytest
 import text_generation
 import torch
-from conftest import ROOT, SCRIPTS, launch, read_jsonl
+from conftest import ACCELERATE_CONFIGS, RECIPES, SCRIPTS, launch, read_jsonl
 
 from accel_train import ConfigError, DataError, ExportError, FinishError, ModelError, load_metric
 from accel_train.tasks.text.generation import (
@@ -37,7 +37,7 @@ from accel_train.tasks.text.generation import (
 from accel_train.tasks.text.generation_demo import date_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-RECIPE = ROOT / "recipes" / "text_generation.py"
+RECIPE = RECIPES / "text_generation.py"
 LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--config_overrides",
          "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2,"
          "max_position_embeddings=512"]
@@ -629,7 +629,7 @@ def test_generation_under_fsdp2_does_not_hang_when_processes_finish_at_different
     assert metrics["overfit_passed"] == 1.0
     out = tmp_path / "fsdp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
+           str(ACCELERATE_CONFIGS / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
            str(free_port()), "--mixed_precision", "no", str(SCRIPTS / "sharded_cpu.py"), str(RECIPE),
            "--train_file", dates["train"], "--validation_file", dates["train"], "--text_column", "text",
            "--summary_column", "summary", "--prompt_suffix", " =", "--model_name_or_path", str(memorised),

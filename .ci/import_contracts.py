@@ -1,5 +1,6 @@
-"""A custom import-linter contract type (registered in pyproject.toml's [tool.importlinter]): no private name crosses
-a module border inside the package.
+"""A custom import-linter contract type (registered in pyproject.toml's [tool.importlinter] as
+`import_contracts.PrivateNamesContract`, found through `PYTHONPATH=.ci lint-imports`): no private name crosses a module
+border inside the package.
 
 A private name is one that starts with an underscore (dunders such as `__version__` aside). The contract reads the
 source of every module of the root package and reports

@@ -21,7 +21,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, SCRIPTS, free_port, launch, make_rows, read_jsonl, run_process_tree, subprocess_env
+from conftest import (
+    ACCELERATE_CONFIGS,
+    CI,
+    RECIPES,
+    ROOT,
+    SCRIPTS,
+    free_port,
+    launch,
+    make_rows,
+    read_jsonl,
+    run_process_tree,
+    subprocess_env,
+)
 from safetensors.torch import load_file
 
 from accel_train import LaunchError, TrainConfig, build_accelerator
@@ -29,9 +41,8 @@ from accel_train.core.optim import make_plan
 from accel_train.core.sharded import carve_out_embedding, check_engine, fill_deepspeed_config
 from accel_train.rundir.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
-RECIPE = ROOT / "recipes" / "nlp_finetune.py"
+RECIPE = RECIPES / "nlp_finetune.py"
 SHIM = SCRIPTS / "sharded_cpu.py"
-PRESETS = ROOT / "accelerate_configs"
 LAUNCH_TIMEOUT = 420  # seconds per launch: a hung collective or a stale DeepSpeed build lock fails, never hangs CI
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -71,7 +82,7 @@ def deepspeed_ops():
     """DeepSpeed's CPU ops, built once (.ci/run builds them before the tests; this is for local runs)."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (.ci/run installs it: DS_BUILD_OPS=0 pip install deepspeed)")
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "deepspeed_ops.py")], cwd=ROOT, text=True,
+    proc = subprocess.run([sys.executable, str(CI / "deepspeed_ops.py")], cwd=ROOT, text=True,
                           capture_output=True, env=subprocess_env(**extensions_env()), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -79,7 +90,7 @@ def deepspeed_ops():
 def sharded_launch(preset: str, args: list[str], fault: str | None = None, shim: bool = True):
     """`accelerate launch` of the recipe with a shipped preset on 2 processes, in fp32 (the presets' bf16 would not
     compare with DDP), through the shim unless `shim=False`."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(PRESETS / preset),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / preset),
            "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
            *([str(SHIM)] if shim else []), str(RECIPE), *args]
     env = subprocess_env(**extensions_env(), **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
@@ -148,7 +159,7 @@ def test_fsdp2_wraps_the_layers_but_not_the_module_holding_the_embedding(tiny_be
 def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
-    ds = json.loads((PRESETS / "deepspeed" / "zero3.json").read_text())
+    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
     ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto",
                                                            "total_num_steps": "auto"}}
     ds["optimizer"]["params"]["eps"] = 1e-6  # set explicitly: kept

@@ -170,15 +170,15 @@ def test_trackers_are_chosen_by_name():
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
     from accelerate.utils import imports
 
-    from accel_train.core.accelerator import _KNOWN_TRACKERS, _trackers
+    from accel_train.core.accelerator import KNOWN_TRACKERS, resolve_trackers
 
-    for name in _KNOWN_TRACKERS:  # every name accel_train accepts is an Accelerate tracker with an install check
+    for name in KNOWN_TRACKERS:  # every name accel_train accepts is an Accelerate tracker with an install check
         assert name in LOGGER_TYPE_TO_CLASS and hasattr(imports, f"is_{name}_available")
-    assert _trackers(TrainConfig(report_to=["tensorboard"])) == ["tensorboard"]
-    assert _trackers(TrainConfig(report_to=["none"])) == []
+    assert resolve_trackers(TrainConfig(report_to=["tensorboard"])) == ["tensorboard"]
+    assert resolve_trackers(TrainConfig(report_to=["none"])) == []
     with pytest.raises(ConfigError, match="--report_to neptune: unknown tracker; choose from tensorboard, wandb"):
-        _trackers(TrainConfig(report_to=["neptune"]))
-    missing = [n for n in _KNOWN_TRACKERS if not getattr(imports, f"is_{n}_available")()]
+        resolve_trackers(TrainConfig(report_to=["neptune"]))
+    missing = [n for n in KNOWN_TRACKERS if not getattr(imports, f"is_{n}_available")()]
     for name in missing:  # installed ones would be accepted; the others say how to get them
         with pytest.raises(ConfigError, match=f"the '{name}' package is not installed \\(pip install {name}\\)"):
-            _trackers(TrainConfig(report_to=[name]))
+            resolve_trackers(TrainConfig(report_to=[name]))

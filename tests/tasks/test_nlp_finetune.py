@@ -1,17 +1,17 @@
 """recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; 1 vs 2 processes; and one
-real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/test_bad_input_matrix.py."""
+real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/tasks/test_bad_input_matrix.py."""
 
 import json
 
 import nlp_finetune
 import pandas as pd
 import pytest
-from conftest import FILLER, ROOT, SHARED_DATA, launch, make_rows, reset_accelerate
+from conftest import FILLER, RECIPES, SHARED_DATA, launch, make_rows, reset_accelerate
 
 from accel_train import layerwise_lr_decay_groups
 from accel_train.tasks.text.classification import load_embedded_tweets
 
-RECIPE = ROOT / "recipes" / "nlp_finetune.py"
+RECIPE = RECIPES / "nlp_finetune.py"
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "3", "--learning_rate", "3e-3",
         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--warmup_steps", "0",
         "--max_seq_length", "32"]

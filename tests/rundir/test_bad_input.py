@@ -1,4 +1,5 @@
-"""Bad input to the core: a message naming what and where and what to do, exit status 2, nothing lost."""
+"""Bad input to the core and above all to the run directory (output_dir, checkpoints, resume): a message naming
+what and where and what to do, exit status 2, nothing lost."""
 
 import pytest
 import toy_train

@@ -1,5 +1,5 @@
 """Users coming from the Hugging Face scripts and the Trainer: their flags, no silent wrong numbers, the
-README's script as printed. Recipe runs and the run directory: tests/test_users_runs.py."""
+README's script as printed. Recipe runs and the run directory: tests/tasks/test_users_runs.py."""
 
 import json
 import re
@@ -9,7 +9,7 @@ import sys
 import nlp_finetune
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
+from conftest import ACCELERATE_CONFIGS, RECIPES, ROOT, SHARED_DATA, subprocess_env
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config
 from accel_train.cli import main as cli_main
@@ -106,22 +106,22 @@ def test_a_preset_by_name_works_from_any_directory(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     args, env = plan_launch(["--preset", "cpu_multiprocess", "train.py", "--lr", "1"], has_gpu=False)
     config_file = args[args.index("--config_file") + 1]
-    assert config_file == str(ROOT / "accelerate_configs" / "cpu_multiprocess.yaml")
+    assert config_file == str(ACCELERATE_CONFIGS / "cpu_multiprocess.yaml")
     assert args[-3:] == ["train.py", "--lr", "1"] and env["ACCEL_TRAIN_EXPECTED_WORLD_SIZE"] == "2"
     args, _ = plan_launch(["--preset=deepspeed_zero3", "train.py"], has_gpu=True)  # its JSON made absolute
     import yaml
 
     preset = yaml.safe_load(open(args[args.index("--config_file") + 1]))
-    assert preset["deepspeed_config"]["deepspeed_config_file"] == str(ROOT / "accelerate_configs/deepspeed/zero3.json")
+    assert preset["deepspeed_config"]["deepspeed_config_file"] == str(ACCELERATE_CONFIGS / "deepspeed" / "zero3.json")
     assert cli_main(["launch", "--config_file", "accelerate_configs/cpu.yaml", "train.py"]) == 2
     assert "From another directory, name the preset: --preset cpu" in capsys.readouterr().err
 
 
 def test_a_shipped_config_works_from_any_directory(tmp_path, monkeypatch):
-    if not (ROOT.parent / "shared" / "data" / "sentence-classification").is_dir():
+    if not (SHARED_DATA / "sentence-classification").is_dir():
         pytest.skip("../shared/data is not beside the checkout")
     monkeypatch.chdir(tmp_path)
-    _, _, data = parse_config(nlp_finetune.CONFIG_TYPES, ["--config", str(ROOT / "recipes/configs/nlp_sst2.yaml")],
+    _, _, data = parse_config(nlp_finetune.CONFIG_TYPES, ["--config", str(RECIPES / "configs" / "nlp_sst2.yaml")],
                               defaults=nlp_finetune.DEFAULTS)
     for path in (data.train_file, data.validation_file, data.test_file):
         assert (tmp_path / path).is_file(), f"{path}: a config's paths are relative to the config file, not the cwd"

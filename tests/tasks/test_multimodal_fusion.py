@@ -8,11 +8,19 @@ import json
 import math
 
 import multimodal_fusion as recipe
-import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SCRIPTS, launch, read_jsonl
-from PIL import Image
+from conftest import (
+    CAPTION_WORDS,
+    RECIPES,
+    SCRIPTS,
+    TINY_FUSION,
+    TINY_VISION,
+    caption_folder,
+    launch,
+    read_jsonl,
+    text_tower_config,
+)
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, ModelError
@@ -35,25 +43,13 @@ from accel_train.tasks.multimodal.fusion_model import FusionEncoder, vision_toke
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
-RECIPE = ROOT / "recipes" / "multimodal_fusion.py"
+RECIPE = RECIPES / "multimodal_fusion.py"
 NEGATIVES = SCRIPTS / "fusion_negatives.py"
-COLOURS = {"red": (220, 40, 40), "green": (40, 220, 40), "blue": (40, 40, 220)}
-WORDS = sorted(set("a an of the photo picture square patch colour shape bright dark . red green blue".split()))
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
-TINY_FUSION = ["--fusion_dim", "16", "--fusion_heads", "2", "--embed_dim", "16"]
-TINY_VISION = ["--vision_config_overrides", '{"widths": [8, 16], "blocks_per_stage": 1}']
 TINY_VIT = ["--vision_model_type", "vit", "--vision_config_overrides", '{"patch_size": 4, "hidden_size": 16, '
             '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}']
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
-
-
-def tiny_bert_config():
-    from transformers import BertConfig
-
-    return BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                      intermediate_size=32, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                      attention_probs_dropout_prob=0.0)
 
 
 @pytest.fixture(scope="session")
@@ -62,42 +58,25 @@ def tiny_text(tmp_path_factory):
     from transformers import BertModel, BertTokenizer
 
     path = tmp_path_factory.mktemp("tiny_text")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CAPTION_WORDS]
     BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(path)
     torch.manual_seed(0)
-    BertModel(tiny_bert_config()).save_pretrained(path)
+    BertModel(text_tower_config()).save_pretrained(path)
     return path
-
-
-def caption_folder(root, counts, size=16, seed=0):
-    """<root>/<split>/*.png with metadata.jsonl: noisy single-colour images with two captions each."""
-    rng = np.random.default_rng(seed)
-    for split, n in counts.items():
-        folder = root / split
-        folder.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for name, colour in COLOURS.items():
-            for i in range(n):
-                pixels = np.clip(np.array(colour) + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{name}{i}.png")
-                captions = [f"a {name} square", f"a photo of the colour {name}"]
-                lines.append({"file_name": f"{name}{i}.png", "captions": captions})
-        (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return root
 
 
 def tiny_model(num_task_weights=0, seed=0, dropout=0.0):
     from transformers import BertModel
 
     torch.manual_seed(seed)
-    return FusionEncoder(BertModel(tiny_bert_config(), add_pooling_layer=False),
+    return FusionEncoder(BertModel(text_tower_config(), add_pooling_layer=False),
                          SmallResNet(0, widths=(4, 8), blocks_per_stage=1), embed_dim=8, fusion_dim=8, fusion_heads=2,
                          fusion_dropout=dropout, num_task_weights=num_task_weights)
 
 
 def fake_batch(n=6, k=2, length=5, seed=1):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, len(WORDS) + 5, (n, k, length), generator=g)
+    ids = torch.randint(5, len(CAPTION_WORDS) + 5, (n, k, length), generator=g)
     return {"pixel_values": torch.randint(0, 256, (n, 3, 12, 12), dtype=torch.uint8, generator=g),
             "caption_input_ids": ids, "caption_attention_mask": torch.ones_like(ids),
             "num_captions": torch.full((n,), k), "caption_ids": torch.arange(n * k).view(n, k),

@@ -15,7 +15,7 @@ import nlp_finetune
 import numpy as np
 import pytest
 import torch
-from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, launch, make_rows, reset_accelerate
+from conftest import FILLER, NEGATIVE, POSITIVE, RECIPES, ROOT, launch, make_rows, reset_accelerate
 from PIL import Image
 from torch import nn
 
@@ -405,7 +405,7 @@ def test_cli_on_a_directory_without_a_model_says_what_is_missing(tmp_path, capsy
 @pytest.mark.slow
 def test_export_formats_under_two_processes_export_once_on_the_main_process(image_run, tmp_path):
     out = tmp_path / "run"
-    proc = launch(ROOT / "recipes" / "image_classification.py",
+    proc = launch(RECIPES / "image_classification.py",
                   ["--data_dir", str(image_run.parent / "data"), "--output_dir", str(out), *QUIET,
                    "--config_overrides", '{"widths": [4, 8], "blocks_per_stage": 1}', "--num_train_epochs", "1",
                    "--per_device_train_batch_size", "3", "--save_strategy", "no", "--export_formats", "torchscript"],

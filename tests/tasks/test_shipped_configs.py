@@ -3,17 +3,17 @@
 import importlib
 
 import pytest
-from conftest import ROOT
+from conftest import RECIPES
 
 from accel_train import parse_config
 
-CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
 
 
 def recipe_for(config_path):
     # the longest recipe name the config name starts with (multimodal_fusion_* is not multimodal_contrastive's),
     # else a recipe of the same family (nlp_sst2 -> nlp_finetune)
-    name, recipes = config_path.stem, sorted((ROOT / "recipes").glob("*.py"))
+    name, recipes = config_path.stem, sorted(RECIPES.glob("*.py"))
     for recipe in sorted(recipes, key=lambda p: -len(p.stem)):
         if name.startswith(recipe.stem):
             return importlib.import_module(recipe.stem)
@@ -30,10 +30,10 @@ def test_config_parses(path):
     assert configs[0].output_dir.startswith("outputs/")
 
 
-RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.py"))
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_help_lists_every_flag(name, capsys):
     # argparse %-formats help texts: one stray '%' made `--help` a traceback.
     module = importlib.import_module(name)

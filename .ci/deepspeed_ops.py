@@ -1,13 +1,13 @@
 """Build, once, the C++ ops DeepSpeed compiles at its first start on CPU, so that no test launch pays for it.
 
-    timeout 900 python tests/scripts/deepspeed_ops.py        # into $TORCH_EXTENSIONS_DIR, default .torch_extensions/
+    timeout 900 python .ci/deepspeed_ops.py        # into $TORCH_EXTENSIONS_DIR, default .torch_extensions/
 
 DeepSpeed installed with DS_BUILD_OPS=0 JIT-compiles its ops on first use, into TORCH_EXTENSIONS_DIR: on CPU the
 shared-memory collectives (at `init_distributed`), a few minutes on 2 cores. (The shipped zero3.json asks for
 torch's AdamW, "torch_adam": true; DeepSpeed's own AdamW would compile a fused Adam op as well.) A build that is
 killed leaves a `lock` file there, and every later start waits on it forever. This script removes such stale locks
 first (run it while no other DeepSpeed process is building), then builds; .ci/run runs it under `timeout` before the
-tests, and tests/test_sharded.py runs it when the ops are missing.
+tests, and tests/launch/test_sharded.py runs it when the ops are missing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 OPS = ("ShareMemCommBuilder",)
 
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".torch_extensions"  # git-ignored
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".torch_extensions"  # git-ignored
 
 
 def extensions_dir() -> Path:

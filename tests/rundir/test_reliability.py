@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, free_port, read_jsonl, run_toy, subprocess_env
+from conftest import RECIPES, ROOT, free_port, read_jsonl, run_toy, subprocess_env
 from safetensors.torch import load_file
 
 from accel_train.rundir.checkpoint import list_checkpoints
@@ -93,7 +93,7 @@ def test_keep_last_n_never_deletes_the_only_good_checkpoint(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ kill tests
 
-RECIPE = ROOT / "recipes" / "nlp_finetune.py"
+RECIPE = RECIPES / "nlp_finetune.py"
 
 
 def recipe_args(tiny_bert, sst_like, out):

@@ -12,7 +12,7 @@ import numpy as np
 import object_detection as recipe
 import pytest
 import torch
-from conftest import ROOT, SCRIPTS, launch
+from conftest import RECIPES, SCRIPTS, launch
 from PIL import Image
 
 from accel_train import ConfigError, DataError
@@ -30,7 +30,7 @@ from accel_train.tasks.vision.detection import (
     generalized_box_iou,
 )
 
-RECIPE = ROOT / "recipes" / "object_detection.py"
+RECIPE = RECIPES / "object_detection.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
 TINY = ["--config_overrides", '{"widths": [8, 16, 16], "blocks_per_stage": 1, "head_width": 8}']
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, SHARED_DATA, launch, read_jsonl
+from conftest import RECIPES, SHARED_DATA, launch, read_jsonl
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -29,7 +29,7 @@ from accel_train.tasks.multimodal.dual_encoder import DualEncoder, build_text_to
 from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
-RECIPE = ROOT / "recipes" / "multimodal_contrastive.py"
+RECIPE = RECIPES / "multimodal_contrastive.py"
 COLOURS = {"red": (220, 40, 40), "green": (40, 220, 40), "blue": (40, 40, 220)}
 WORDS = sorted(set("a an of the photo picture square patch colour shape bright dark . red green blue".split()))
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]

@@ -69,3 +69,13 @@ def test_each_contract_breaks_on_a_violation(tmp_path, case, files, broken):
     assert proc.returncode != 0, f"{case}: every contract kept\n{proc.stdout}"
     broken_lines = [line for line in proc.stdout.splitlines() if "BROKEN" in line]
     assert len(broken_lines) == 1 and broken in broken_lines[0], proc.stdout
+
+
+MAX_MODULE_LINES = 400  # STYLE.md: files under about 400 lines; a larger one holds two things
+
+
+def test_no_module_of_the_package_is_over_400_lines():
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for path in (ROOT / "accel_train").rglob("*.py")}
+    over = {name: lines for name, lines in sizes.items() if lines > MAX_MODULE_LINES}
+    assert not over, f"split these modules (at most {MAX_MODULE_LINES} lines each): {over}"

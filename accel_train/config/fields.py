@@ -87,6 +87,13 @@ class TrainConfig:
     )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm; <= 0 turns it off."})
     label_smoothing_factor: float = field(default=0.0, metadata={"help": "Label smoothing for cross-entropy."})
+    ema_decay: float = field(default=0.0, metadata={
+        "help": "Keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off), evaluated "
+                "beside the live weights (eval_ema_*) and checkpointed with the run."})
+    ema_warmup: bool = field(default=True, metadata={
+        "help": "Warm the average's decay up as min(decay, (1 + t) / (10 + t)) after t steps (TF's rule)."})
+    save_ema_as_final: bool = field(default=False, metadata={
+        "help": "Write the averaged weights as the final model (and run the finish seam on them)."})
 
     # --- learning-rate schedule (counted in optimizer steps)
     lr_scheduler_type: str = field(
@@ -324,6 +331,10 @@ def _validate(cfg: TrainConfig) -> None:
             raise bad("warmup_ratio", cfg.warmup_ratio, "must be in [0, 1).")
     if cfg.warmup_steps < 0 or (cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps)):
         raise bad("warmup_steps", cfg.warmup_steps, "must be an integer >= 0 or a ratio in [0, 1).")
+    if not 0 <= cfg.ema_decay < 1:
+        raise bad("ema_decay", cfg.ema_decay, "must be in [0, 1): e.g. 0.999 (0 turns averaging off).")
+    if cfg.save_ema_as_final and not cfg.ema_decay:
+        raise ConfigError("--save_ema_as_final needs an average to save: set --ema_decay (e.g. 0.999).")
     if not 0 <= cfg.label_smoothing_factor < 1:
         raise bad("label_smoothing_factor", cfg.label_smoothing_factor, "must be in [0, 1).")
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rundir.layout import RESULTS
-from .evaluation import evaluate_model
+from .ema import evaluate_with_average
 from .meter import StepMeter, peak_memory
 from .state import TrainState
 
@@ -20,13 +20,13 @@ def final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float],
     if session.eval_loader is not None:
         step, metrics = session.last_eval
         if step != state.step:
-            metrics = evaluate_model(session.accelerator, session.model, session.eval_loader, session.eval_loss_fn,
-                                     session.metrics_fn)
+            metrics = evaluate_with_average(session.accelerator, session.model, session.eval_loader,
+                                            session.eval_loss_fn, session.metrics_fn, session.average)
             fresh.update(metrics)
     metrics = dict(metrics)
     for name, loader in session.final_eval_loaders.items():
-        fresh.update(evaluate_model(session.accelerator, session.model, loader, session.eval_loss_fn,
-                                    session.metrics_fn, prefix=name))
+        fresh.update(evaluate_with_average(session.accelerator, session.model, loader, session.eval_loss_fn,
+                                           session.metrics_fn, session.average, prefix=name))
     metrics.update(fresh)
     return metrics, fresh
 

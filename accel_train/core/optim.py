@@ -370,3 +370,18 @@ def _scale_rates(groups, schedules, ratios: list[float]) -> None:
                 group[key] *= ratio
     for schedule in schedules:
         schedule.base_lrs = [lr * ratio for lr, ratio in zip(schedule.base_lrs, ratios, strict=True)]
+
+
+def run_schedule(optimizer, config: TrainConfig, plan, scheduler, accelerator):
+    """The run's schedule: the caller's `scheduler`, or one built for the plan; --scale_lr applied to the optimizer
+    first."""
+    if plan.lr_scale != 1.0:
+        if scheduler is not None:
+            raise ConfigError("--scale_lr scales the optimizer's learning rates before the schedule is built; with a "
+                              "scheduler of your own, scale the rates yourself and leave --scale_lr none.")
+        # DeepSpeed's DummyOptim holds plain groups; its own lr is filled already scaled (sharded.py)
+        groups = getattr(optimizer, "param_groups", None) or getattr(optimizer, "params", [])
+        for group in groups:
+            if isinstance(group, dict) and "lr" in group:
+                group["lr"] *= plan.lr_scale
+    return scheduler or build_scheduler(optimizer, config, plan, accelerator)

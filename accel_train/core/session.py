@@ -36,7 +36,8 @@ from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import fit_micro_batch
 from .data import dataset_size
-from .evaluation import MetricsFn, evaluate_model
+from .ema import check_checkpoint_average, evaluate_with_average, weight_average
+from .evaluation import MetricsFn
 from .finish import failure_message, final_evaluation, short, training_figures
 from .hooks import call_hooks, hook_keys, saved_hook_state
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
@@ -45,11 +46,11 @@ from .optim import (
     apply_hyperparameters,
     batches_per_process,
     build_optimizer,
-    build_scheduler,
     current_lr,
     group_peaks,
     make_plan,
     run_hyperparameters,
+    run_schedule,
     steps_on_evaluation,
 )
 from .sharded import check_engine, engine_notes, prepare_engine
@@ -98,13 +99,14 @@ class Session:
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
-        scheduler = _schedule(optimizer, config, plan, spec, acc)
+        scheduler = run_schedule(optimizer, config, plan, spec.scheduler, acc)
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
         if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
         self.accelerator, self.config, self.plan = acc, config, plan
+        self.average = weight_average(acc, model, config)  # --ema_decay: None without it
         self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
@@ -170,7 +172,9 @@ class Session:
             raise CheckpointError(
                 f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
                 f"of batches of {per_batch} for this world size; resume with the original world size.")
-        acc.load_state(str(path))
+        if self.average is not None:
+            check_checkpoint_average(path)
+        acc.load_state(str(path))  # the weight average too (registered for checkpointing)
         self.notes += apply_hyperparameters(self.optimizer, self.scheduler, state.hyperparameters,
                                             run_hyperparameters(config, plan, self.group_peaks),
                                             engine_owned=acc.distributed_type.value == "DEEPSPEED")
@@ -221,6 +225,8 @@ class Session:
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
         faults.peer_fault_point(state.step, self.accelerator.process_index)
         state.flop_count = meter.flops.counts()  # saved with the checkpoints: a resumed run does not count again
+        if self.average is not None:
+            self.average.update()
         cfg, stop, acted = self.config, False, False
         self.log.advance()
         if _due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):
@@ -269,7 +275,8 @@ class Session:
 
     def evaluate(self, state: TrainState) -> tuple[dict[str, float], bool]:
         """Evaluate on the evaluation loader, log it, step a plateau schedule; (metrics, is it the best so far)."""
-        metrics = evaluate_model(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn, self.metrics_fn)
+        metrics = evaluate_with_average(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn,
+                                        self.metrics_fn, self.average)
         self.last_eval = (state.step, metrics)
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
@@ -332,6 +339,9 @@ class Session:
             self.last_eval = (-1, {})
         metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet
         metrics.update(training_figures(self, state, meter, runtime))
+        if cfg.save_ema_as_final:  # the average is the final model, and the finish seam runs on it
+            self.average.copy_into_model()
+            self.log.write(f"--save_ema_as_final: the final model is the weight average (decay {cfg.ema_decay})")
         save_final_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)
@@ -384,17 +394,3 @@ def _enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) 
         raise ConfigError("--gradient_checkpointing: this model has no gradient_checkpointing_enable() (transformers "
                           "models do); wrap its blocks with torch.utils.checkpoint.checkpoint instead.")
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _schedule(optimizer, config: TrainConfig, plan, spec: RunSpec, accelerator):
-    """The run's schedule: the caller's, or one built for the plan; --scale_lr applied to the optimizer first."""
-    if plan.lr_scale != 1.0:
-        if spec.scheduler is not None:
-            raise ConfigError("--scale_lr scales the optimizer's learning rates before the schedule is built; with a "
-                              "scheduler of your own, scale the rates yourself and leave --scale_lr none.")
-        # DeepSpeed's DummyOptim holds plain groups; its own lr is filled already scaled (sharded.py)
-        groups = getattr(optimizer, "param_groups", None) or getattr(optimizer, "params", [])
-        for group in groups:
-            if isinstance(group, dict) and "lr" in group:
-                group["lr"] *= plan.lr_scale
-    return spec.scheduler or build_scheduler(optimizer, config, plan, accelerator)

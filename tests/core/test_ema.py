@@ -1,0 +1,121 @@
+"""Weight averaging (--ema_decay): the average follows its warmed-up decay exactly, is evaluated beside the live
+weights (eval_ema_*), becomes the final model with --save_ema_as_final, and resumes bitwise after a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import toy_train
+from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate, run_process_tree, subprocess_env
+from safetensors.torch import load_file
+
+from accel_train import ConfigError, TrainConfig, run_cli
+from accel_train.core.ema import WeightAverage
+from accel_train.rundir.checkpoint import list_checkpoints
+
+QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false"]
+
+
+def test_the_average_follows_the_warmed_up_decay_and_the_swap_restores_the_live_weights_bitwise():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    average = WeightAverage(model, decay=0.9)
+    expected = {n: t.detach().clone() for n, t in average.average.items()}
+    g = torch.Generator().manual_seed(0)
+    for t in range(30):
+        with torch.no_grad():
+            for tensor in average.live.values():
+                tensor.copy_(torch.randn(tensor.shape, generator=g))
+        decay = min(0.9, (1 + t) / (10 + t))
+        for name, tensor in average.live.items():
+            expected[name] = decay * expected[name] + (1 - decay) * tensor
+        average.update()
+    assert set(average.average) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"}
+    for name, value in expected.items():
+        torch.testing.assert_close(average.average[name], value, rtol=0, atol=1e-6)
+    live = {n: t.detach().clone() for n, t in average.live.items()}
+    with average.swapped():
+        assert all(torch.allclose(average.live[n], expected[n], rtol=0, atol=1e-6) for n in expected)
+        assert model[0].weight is average.live["0.weight"], "the model's own parameters hold the average"
+    assert all(torch.equal(average.live[n], live[n]) for n in live), "the live weights come back bitwise"
+    assert WeightAverage(model, 0.9, warmup=False).current_decay() == 0.9
+
+
+def run(argv):
+    reset_accelerate()
+    run_cli(toy_train.main, argv)
+
+
+def test_a_run_evaluates_the_average_beside_the_live_weights_and_saves_it_as_the_final_model(tmp_path):
+    out = tmp_path / "run"
+    run(["--output_dir", str(out), *QUIET, "--num_train_epochs", "3", "--learning_rate", "0.05",
+         "--ema_decay", "0.9", "--save_ema_as_final", "--eval_strategy", "epoch"])
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r]
+    assert len(records) == 3 and all("eval_ema_loss" in r and "eval_ema_accuracy" in r for r in records)
+    assert all(r["eval_ema_loss"] != r["eval_loss"] for r in records), "the average is not the live weights"
+    # the final model is the average: its loss on the evaluation set is eval_ema_loss
+    weights = load_file(out / "model.safetensors")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Dropout(0.0),
+                                torch.nn.Linear(32, 2))
+    model.load_state_dict(weights)
+    points = toy_train.Points(37, 1)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(points.x), points.y).item()
+    assert abs(loss - records[-1]["eval_ema_loss"]) < 1e-6, (loss, records[-1])
+    assert abs(loss - records[-1]["eval_loss"]) > 1e-4, "the saved model would be the live weights"
+    results = json.loads((out / "all_results.json").read_text())
+    assert (results["eval_ema_loss"], results["eval_loss"]) == (records[-1]["eval_ema_loss"], records[-1]["eval_loss"])
+
+
+def toy(out, *extra, fault=None, processes=1):
+    """toy_train.py in a process of its own (or `processes` launched), averaging, checkpointing every 4 steps."""
+    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
+    batch = str(4 // processes)  # the same global batch of 4 either way
+    args = ["--output_dir", str(out), *QUIET, "--num_train_epochs", "3", "--dropout", "0.2", "--ema_decay", "0.95",
+            "--save_ema_as_final", "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "epoch",
+            "--per_device_train_batch_size", batch, *extra]
+    if processes > 1:
+        return launch(SCRIPTS / "toy_train.py", args, num_processes=processes, check=False, env=env)
+    return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_run_with_an_average_resumes_bitwise_after_sigkill(tmp_path, processes):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert toy(full, processes=processes).returncode == 0
+    # 72 steps of 4 samples; checkpoints every 4: the 2 steps after step-8 are lost
+    killed = toy(cut, fault="kill_after_step:10", processes=processes)
+    assert killed.returncode != 0 and list_checkpoints(cut)[-1].name == "step-00000008", killed.stderr[-2000:]
+    resumed = toy(cut, "--resume_from_checkpoint", "latest", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "the final average differs after the resume"
+    ema = [[r["eval_ema_loss"] for r in read_jsonl(d / "metrics.jsonl") if "eval_ema_loss" in r] for d in (full, cut)]
+    assert ema[0][-1] == ema[1][-1]
+
+
+def test_averaging_refuses_what_it_cannot_do(tmp_path, capsys):
+    def fails(argv, *fragments):
+        reset_accelerate()
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(toy_train.main, argv)
+        assert exit_info.value.code == 2
+        message = capsys.readouterr().err
+        assert all(f in message for f in fragments) and "Traceback" not in message, message
+
+    out = ["--output_dir", str(tmp_path / "run"), *QUIET]
+    fails([*out, "--save_ema_as_final"], "--save_ema_as_final needs an average", "--ema_decay")
+    fails([*out, "--ema_decay", "1.0"], "--ema_decay=1.0", "must be in [0, 1)")
+    run([*out, "--save_strategy", "steps", "--save_steps", "4"])  # a run without an average
+    fails([*out, "--save_strategy", "steps", "--save_steps", "4", "--ema_decay", "0.9", "--resume_from_checkpoint",
+           "latest"], "holds no weight average", "without --ema_decay")
+    with pytest.raises(ConfigError, match="under FSDP: the average is kept per process"):
+        from accel_train.core.ema import SHARDED_ENGINES, weight_average
+
+        class Sharded:  # what weight_average reads off an Accelerator under FSDP
+            class distributed_type:
+                value = SHARDED_ENGINES[0]
+
+        weight_average(Sharded(), torch.nn.Linear(2, 2), TrainConfig(ema_decay=0.9))

@@ -155,6 +155,15 @@ class TrainConfig:
         metadata={"help": "A NaN/inf loss or gradient: stop with a report (default) or skip the step."},
     )
     max_nonfinite_skips: int = field(default=10, metadata={"help": "With on_nonfinite=skip: stop after N skips."})
+    spike_window: int = field(default=0, metadata={
+        "help": "Loss-spike guard: compare each step's loss (agreed across processes) with the mean of the last N "
+                "steps' (0: off)."})
+    spike_threshold: float = field(default=3.0, metadata={
+        "help": "A step whose loss exceeds this multiple of the window's mean is a spike (> 1)."})
+    on_spike: Literal["stop", "skip"] = field(default="stop", metadata={
+        "help": "stop: end the run with the step, its loss and sample indices (the last checkpoint is kept); skip: "
+                "drop that step's update, log it, go on (a spike never enters the window)."})
+    max_spike_skips: int = field(default=10, metadata={"help": "With on_spike=skip: stop after N skips."})
 
     # --- intervals
     logging_strategy: Literal["no", "steps", "epoch"] = field(
@@ -331,6 +340,10 @@ def _validate(cfg: TrainConfig) -> None:
             raise bad("warmup_ratio", cfg.warmup_ratio, "must be in [0, 1).")
     if cfg.warmup_steps < 0 or (cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps)):
         raise bad("warmup_steps", cfg.warmup_steps, "must be an integer >= 0 or a ratio in [0, 1).")
+    if cfg.spike_window < 0 or cfg.spike_threshold <= 1:
+        raise bad("spike_window" if cfg.spike_window < 0 else "spike_threshold",
+                  cfg.spike_window if cfg.spike_window < 0 else cfg.spike_threshold,
+                  "the window is >= 0 steps (0: off) and the threshold a multiple > 1 of the window's mean loss.")
     if not 0 <= cfg.ema_decay < 1:
         raise bad("ema_decay", cfg.ema_decay, "must be in [0, 1): e.g. 0.999 (0 turns averaging off).")
     if cfg.save_ema_as_final and not cfg.ema_decay:

@@ -33,7 +33,8 @@ def final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float],
 
 def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime: float) -> dict[str, float]:
     """train_loss, runtime, steps, this session's samples/s (not a resumed run's), epoch, peak memory, skipped
-    steps, and the model FLOP/s and MFU as means over the logged intervals (evaluations excluded)."""
+    steps (fp16 overflow, non-finite, spikes), and the model FLOP/s and MFU as means over the logged intervals
+    (evaluations excluded)."""
     samples = state.samples_seen - session.start_samples
     figures: dict[str, float] = dict(
         train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
@@ -43,6 +44,8 @@ def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime:
         figures["train_skipped_steps"] = state.skipped_steps
     if state.nonfinite_skips:
         figures["train_nonfinite_skips"] = state.nonfinite_skips
+    if state.spike_skips:
+        figures["train_spike_skips"] = state.spike_skips
     throughput = session.throughput
     if throughput and meter.flops.peak:
         figures.update(train_model_tflops=sum(t for t, _ in throughput) / len(throughput),

@@ -35,20 +35,43 @@ class Verdict:
     preempt: bool = False
     empty: bool = False  # a sum loss counted no item in the whole window: there is nothing to step on
     bad_micro_batches: list[int] = field(default_factory=list)  # positions in the window, this rank
+    spike: bool = False  # the step's loss is a spike (--spike_window): `loss` against the window's `reference`
+    loss: float = math.nan  # the step's loss, the mean over its micro-batches on every process
+    reference: float = math.nan  # the spike window's mean loss
 
     @property
     def nonfinite(self) -> bool:
         return self.nonfinite_loss or self.nonfinite_grad
 
 
-class StepGuard:
-    """Non-finite detection and SIGTERM agreement, one device sync per optimizer step."""
+class SpikeWatch:
+    """--spike_window W --spike_threshold T: a step whose loss exceeds T x the mean of the last W steps' losses is a
+    spike. `losses` is the train state's list (checkpointed, so a resumed run judges by the same window); a spike
+    never enters it, so one bad step cannot raise the bar for the next."""
 
-    def __init__(self, accelerator: Accelerator, check_gradients: bool):
+    def __init__(self, window: int, threshold: float, losses: list[float]):
+        self.window, self.threshold, self.losses = window, threshold, losses
+
+    def judge(self, loss: float) -> tuple[bool, float]:
+        """(is `loss` a spike, the window's mean); a full window is needed before anything is a spike."""
+        reference = sum(self.losses) / len(self.losses) if self.losses else math.nan
+        spike = len(self.losses) >= self.window and math.isfinite(loss) and loss > self.threshold * reference
+        if not spike and math.isfinite(loss):
+            self.losses.append(loss)
+            del self.losses[:-self.window]
+        return spike, reference
+
+
+class StepGuard:
+    """Non-finite detection, the loss-spike guard and SIGTERM agreement, one device sync per optimizer step."""
+
+    def __init__(self, accelerator: Accelerator, check_gradients: bool, spike: SpikeWatch | None = None):
         self.accelerator = accelerator
         # Under fp16 the loss scaler owns non-finite gradients: it skips those steps and lowers the scale.
         self.check_gradients = check_gradients
+        self.spike = spike
         self.window: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []  # the window's micro-batch losses, for the spike guard
         self.sigterm = False
         self._previous_handler = None
 
@@ -67,8 +90,11 @@ class StepGuard:
     def _on_sigterm(self, signum, frame) -> None:
         self.sigterm = True
 
-    def watch(self, loss: torch.Tensor) -> None:
-        self.window.append(torch.isfinite(loss.detach().float()).all())
+    def watch(self, objective: torch.Tensor, loss: torch.Tensor | None = None) -> None:
+        """A micro-batch's objective (checked for non-finite values) and its displayed loss (the spike guard's)."""
+        self.window.append(torch.isfinite(objective.detach().float()).all())
+        if self.spike is not None and loss is not None:
+            self.losses.append(loss.detach().float().reshape(()))
 
     def verdict(self, grad_norm: torch.Tensor | None, items: torch.Tensor | None = None) -> Verdict:
         """The step's decision, agreed by every rank. `grad_norm`: the clipped gradients' norm; `items`: a sum
@@ -82,13 +108,21 @@ class StepGuard:
                 grad_norm = grad_norm.full_tensor()
             grad_bad = (~torch.isfinite(grad_norm.detach().float())).float().to(device)
         empty = (items <= 0).float().to(device) if items is not None else torch.zeros((), device=device)
+        losses, self.losses = self.losses, []
+        loss_sum = torch.stack(losses).sum().to(device) if losses else torch.zeros((), device=device)
         flags = torch.stack([(~finite).any().float().to(device), grad_bad,
-                             torch.tensor(float(self.sigterm), device=device), empty.reshape(())])
+                             torch.tensor(float(self.sigterm), device=device), empty.reshape(()),
+                             loss_sum, torch.tensor(float(len(losses)), device=device)])
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        loss_bad, grad_bad_any, preempt, nothing = (v > 0 for v in flags.tolist())  # the step's one host sync
+        values = flags.tolist()  # the step's one host sync
+        loss_bad, grad_bad_any, preempt, nothing = (v > 0 for v in values[:4])
         bad = [i for i, ok in enumerate(finite.tolist()) if not ok] if loss_bad else []
-        return Verdict(loss_bad, grad_bad_any, preempt, nothing, bad)
+        verdict = Verdict(loss_bad, grad_bad_any, preempt, nothing, bad)
+        if self.spike is not None and values[5] and not verdict.nonfinite:  # the same numbers on every rank
+            verdict.loss = values[4] / values[5]
+            verdict.spike, verdict.reference = self.spike.judge(verdict.loss)
+        return verdict
 
 
 def micro_batch_indices(loader, batch_index: int) -> list[int] | None:
@@ -188,6 +222,30 @@ def on_nonfinite(session, state, verdict: Verdict) -> None:
         "data at the reported sample indices, or use --on_nonfinite skip."
         + (f" ({state.nonfinite_skips} steps were skipped before)" if state.nonfinite_skips else "")
     )
+
+
+def on_spike(session, state, verdict: Verdict) -> None:
+    """--on_spike skip: count and log the step (its update is dropped); stop after --max_spike_skips. --on_spike
+    stop, or the limit reached: raise TrainingDiverged with the step, its loss, the window's mean and the sample
+    indices of the step's micro-batches on this process; the last checkpoint is as it was."""
+    step, cfg, log = state.step + 1, session.config, session.log
+    ratio = verdict.loss / verdict.reference
+    what = (f"loss spike at step {step} (epoch {state.epoch}): loss {verdict.loss:.4g} is {ratio:.1f}x the mean "
+            f"{verdict.reference:.4g} of the last {cfg.spike_window} steps (--spike_threshold {cfg.spike_threshold})")
+    if cfg.on_spike == "skip" and state.spike_skips < cfg.max_spike_skips:
+        state.spike_skips += 1
+        log.log({"spike_skipped_step": step, "spike_loss": verdict.loss, "spike_reference": verdict.reference,
+                 "spike_skips": state.spike_skips}, step)
+        log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
+        return
+    gas, last = cfg.gradient_accumulation_steps, state.batch_in_epoch - 1
+    indices = [micro_batch_indices(session.train_loader, b) for b in range(last - (last % gas), last + 1)]
+    latest = list_checkpoints(cfg.output_dir)
+    raise TrainingDiverged(
+        f"{what}; its samples on rank {session.accelerator.process_index}: {indices}. The update was not applied; the "
+        f"last checkpoint is {latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Check those samples, "
+        "lower --learning_rate, raise --spike_threshold, or use --on_spike skip."
+        + (f" ({state.spike_skips} spikes were skipped before)" if state.spike_skips else ""))
 
 
 def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import DataError
 from .data import seeded_generator, take_real_tokens
-from .guard import StepGuard, on_nonfinite
+from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .optim import steps_on_evaluation
@@ -34,7 +34,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     config, plan, loader = session.config, session.plan, session.train_loader
     window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
     model.train()
-    with StepGuard(acc, check_gradients=acc.scaler is None) as guard:
+    spike = SpikeWatch(config.spike_window, config.spike_threshold, state.spike_losses) if config.spike_window else None
+    with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:
             _seed_epoch(loader, config, state.epoch)
             batches = acc.skip_first_batches(loader, state.batch_in_epoch) if state.batch_in_epoch else loader
@@ -46,7 +47,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
                     acc.backward(out["objective"])  # Accelerate divides by the accumulation count
                 window.add(out)
-                guard.watch(out["objective"])
+                guard.watch(out["objective"], out["loss"])
                 meter.add_micro_batch(out, n, tokens, waited)
                 state.batch_in_epoch += 1
                 state.samples_in_epoch += n * acc.num_processes
@@ -64,11 +65,13 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                 verdict = guard.verdict(grad_norm, items)  # agreed by every rank: non-finite, empty, SIGTERM
                 if verdict.nonfinite:
                     on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
-                if verdict.nonfinite or verdict.empty:
+                if verdict.spike:
+                    on_spike(session, state, verdict)  # stop: report and raise; skip: count it
+                if verdict.nonfinite or verdict.empty or verdict.spike:
                     _skip_optimizer_step(acc)
                 else:
                     optimizer.step()
-                if acc.optimizer_step_was_skipped and not (verdict.nonfinite or verdict.empty):
+                if acc.optimizer_step_was_skipped and not (verdict.nonfinite or verdict.empty or verdict.spike):
                     state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
                 elif not steps_on_evaluation(scheduler):
                     scheduler.step()

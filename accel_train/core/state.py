@@ -23,6 +23,8 @@ class TrainState:
     loss_steps: float = 0  # the weights: an interval's steps (mean losses) or its items (sum losses)
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
+    spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)
+    spike_losses: list[float] = field(default_factory=list)  # the spike guard's window: the last steps' losses
     best_metric: float | None = None  # never NaN or inf: a non-finite evaluation is never the best
     best_metric_name: str | None = None  # the metric best_metric is a value of, and its direction: a resumed run
     best_greater: bool | None = None  # watching another metric (or direction) does not compare across them

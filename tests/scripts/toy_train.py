@@ -25,6 +25,7 @@ class ToyArgs:
     hidden: int = 32  # change it to make an incompatible architecture
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
     poison_index: int = -1  # this training sample's features are NaN
+    spike_index: int = -1  # a training batch holding this sample has its loss (and gradient) multiplied by 100
 
 
 class Points(Dataset):
@@ -64,6 +65,8 @@ def main(argv=None):
             seen.append(batch["index"].tolist())
         logits = model(batch["x"])
         losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+        if model.training and toy.spike_index in batch["index"].tolist():
+            losses = losses * 100
         return {"loss": losses.mean(), "per_sample_loss": losses, "logits": logits}
 
     def metrics_fn(outputs):

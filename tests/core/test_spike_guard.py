@@ -1,0 +1,115 @@
+"""The loss-spike guard (--spike_window / --spike_threshold / --on_spike): a seeded spike is caught at its step, `stop`
+names the step and its samples, `skip` drops exactly that update, the guard changes nothing in a run without spikes,
+and its window resumes with the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import toy_train
+from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate, run_process_tree, subprocess_env, toy_records
+from safetensors.torch import load_file
+
+from accel_train import run_cli
+from accel_train.core.guard import SpikeWatch
+from accel_train.rundir.checkpoint import list_checkpoints
+
+QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--learning_rate", "0.05"]
+GUARD = ["--spike_window", "5", "--spike_threshold", "3"]
+SPIKE = 40  # the training sample whose batch's loss is multiplied by 100 (toy_train --spike_index)
+
+
+def test_the_window_judges_by_its_mean_once_full_and_a_spike_never_enters_it():
+    watch = SpikeWatch(3, 2.0, [])
+    assert [watch.judge(x)[0] for x in (1.0, 9.0, 1.0)] == [False, False, False], "no verdict before the window fills"
+    spike, reference = watch.judge(8.0)
+    assert spike and reference == pytest.approx(11 / 3)
+    assert watch.losses == [1.0, 9.0, 1.0], "a spike stays out of the window"
+    assert watch.judge(7.0)[0] is False and watch.losses == [9.0, 1.0, 7.0]
+    assert watch.judge(float("nan"))[0] is False and watch.losses == [9.0, 1.0, 7.0]
+
+
+def run(argv):
+    reset_accelerate()
+    run_cli(toy_train.main, argv)
+
+
+def spike_steps(out):
+    """The optimizer steps after the window filled (5) whose batch held SPIKE, from the indices each step consumed."""
+    indices = toy_records(out)[0][-1]["indices"]
+    assert len(indices) == 36, "one entry per step: 3 epochs of 12 batches"
+    return [step for step, batch_indices in enumerate(indices, start=1) if SPIKE in batch_indices and step > 5]
+
+
+def test_stop_names_the_step_and_its_samples_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    reset_accelerate()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(toy_train.main, ["--output_dir", str(out), *QUIET, *GUARD, "--spike_index", str(SPIKE),
+                                 "--save_strategy", "steps", "--save_steps", "2"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "loss spike at step" in message and "Traceback" not in message, message
+    step = int(message.split("loss spike at step ")[1].split()[0])
+    # the same data order without the guard: the first step past the window's 5 that consumed the spiked sample
+    run(["--output_dir", str(tmp_path / "plain"), *QUIET, "--num_train_epochs", "3"])
+    assert step == spike_steps(tmp_path / "plain")[0]
+    assert f"{SPIKE}" in message.split("its samples on rank 0: ")[1].split("]")[0]
+    assert list_checkpoints(out)[-1].name == f"step-{(step - 1) // 2 * 2:08d}", "the last good checkpoint is kept"
+
+
+def test_skip_drops_exactly_the_spiked_updates_and_the_guard_changes_nothing_else(tmp_path):
+    skip, plain = tmp_path / "skip", tmp_path / "plain"
+    run(["--output_dir", str(skip), *QUIET, *GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE),
+         "--num_train_epochs", "3"])
+    run(["--output_dir", str(plain), *QUIET, "--num_train_epochs", "3"])
+    skipped = [r["spike_skipped_step"] for r in read_jsonl(skip / "metrics.jsonl") if "spike_skipped_step" in r]
+    expected = spike_steps(skip)  # each of the 3 epochs feeds the spiked sample once
+    assert skipped == expected and len(expected) >= 2, (skipped, expected)
+    assert json.loads((skip / "all_results.json").read_text())["train_spike_skips"] == len(expected)
+    # with the guard on and no spike, training is the same run, bitwise
+    guarded = tmp_path / "guarded"
+    run(["--output_dir", str(guarded), *QUIET, *GUARD, "--num_train_epochs", "3"])
+    a, b = load_file(plain / "model.safetensors"), load_file(guarded / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)
+    assert not any("spike_skipped_step" in r for r in read_jsonl(guarded / "metrics.jsonl"))
+
+
+def toy(out, *extra, fault=None, processes=1):
+    """toy_train.py skipping spikes in a process of its own (or `processes` launched: the same global batch of 8)."""
+    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
+    args = ["--output_dir", str(out), *QUIET, *GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE),
+            "--num_train_epochs", "3", "--dropout", "0.2", "--save_strategy", "steps", "--save_steps", "4",
+            "--per_device_train_batch_size", str(8 // processes), *extra]
+    if processes > 1:
+        return launch(SCRIPTS / "toy_train.py", args, num_processes=processes, check=False, env=env)
+    return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_guard_agrees_across_ranks_and_resumes_with_its_window_bitwise_after_sigkill(tmp_path, processes):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert toy(full, processes=processes).returncode == 0
+    killed = toy(cut, fault="kill_after_step:14", processes=processes)
+    assert killed.returncode != 0 and list_checkpoints(cut)[-1].name == "step-00000012", killed.stderr[-2000:]
+    resumed = toy(cut, "--resume_from_checkpoint", "latest", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    steps = [[r["spike_skipped_step"] for r in read_jsonl(d / "metrics.jsonl") if "spike_skipped_step" in r]
+             for d in (full, cut)]
+    assert steps[0] == sorted(set(steps[1])) and len(steps[0]) >= 2, steps
+
+
+def test_bad_guard_settings_are_refused(tmp_path, capsys):
+    for flags, fragment in ((["--spike_threshold", "1"], "--spike_threshold=1.0"),
+                            (["--spike_window", "-2"], "--spike_window=-2"),
+                            (["--on_spike", "rollback"], "--on_spike")):
+        reset_accelerate()
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(toy_train.main, ["--output_dir", str(tmp_path / "r"), *QUIET, *flags])
+        assert exit_info.value.code == 2
+        message = capsys.readouterr().err
+        assert fragment in message and "Traceback" not in message, message

@@ -4,12 +4,11 @@ weights (eval_ema_*), becomes the final model with --save_ema_as_final, and resu
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 import toy_train
-from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate, run_process_tree, subprocess_env
+from conftest import read_jsonl, reset_accelerate, toy_process
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, TrainConfig, run_cli
@@ -71,14 +70,11 @@ def test_a_run_evaluates_the_average_beside_the_live_weights_and_saves_it_as_the
 
 def toy(out, *extra, fault=None, processes=1):
     """toy_train.py in a process of its own (or `processes` launched), averaging, checkpointing every 4 steps."""
-    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
     batch = str(4 // processes)  # the same global batch of 4 either way
     args = ["--output_dir", str(out), *QUIET, "--num_train_epochs", "3", "--dropout", "0.2", "--ema_decay", "0.95",
             "--save_ema_as_final", "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "epoch",
             "--per_device_train_batch_size", batch, *extra]
-    if processes > 1:
-        return launch(SCRIPTS / "toy_train.py", args, num_processes=processes, check=False, env=env)
-    return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)
+    return toy_process(args, fault, processes)
 
 
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])

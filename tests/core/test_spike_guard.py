@@ -5,11 +5,10 @@ and its window resumes with the run."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import toy_train
-from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate, run_process_tree, subprocess_env, toy_records
+from conftest import read_jsonl, reset_accelerate, toy_process, toy_records
 from safetensors.torch import load_file
 
 from accel_train import run_cli
@@ -79,13 +78,10 @@ def test_skip_drops_exactly_the_spiked_updates_and_the_guard_changes_nothing_els
 
 def toy(out, *extra, fault=None, processes=1):
     """toy_train.py skipping spikes in a process of its own (or `processes` launched: the same global batch of 8)."""
-    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
     args = ["--output_dir", str(out), *QUIET, *GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE),
             "--num_train_epochs", "3", "--dropout", "0.2", "--save_strategy", "steps", "--save_steps", "4",
             "--per_device_train_batch_size", str(8 // processes), *extra]
-    if processes > 1:
-        return launch(SCRIPTS / "toy_train.py", args, num_processes=processes, check=False, env=env)
-    return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)
+    return toy_process(args, fault, processes)
 
 
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])

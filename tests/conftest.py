@@ -132,6 +132,17 @@ def toy_process(args: list[str], fault: str | None = None, processes: int = 1) -
     return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)
 
 
+def kill_then_resume(toy, full: Path, cut: Path, step: int, checkpoint: str, processes: int = 1) -> None:
+    """`toy(out, *flags, fault=, processes=)` run whole into `full`; into `cut` SIGKILLed after optimizer step `step`
+    (its newest checkpoint must then be `checkpoint`) and resumed with `latest`. The caller compares the two."""
+    assert toy(full, processes=processes).returncode == 0
+    killed = toy(cut, fault=f"kill_after_step:{step}", processes=processes)
+    assert killed.returncode != 0 and sorted(p.name for p in (cut / "checkpoints").glob("step-*"))[-1] == checkpoint, \
+        killed.stderr[-2000:]
+    resumed = toy(cut, "--resume_from_checkpoint", "latest", processes=processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

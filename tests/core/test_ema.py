@@ -8,12 +8,11 @@ import json
 import pytest
 import torch
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_process
+from conftest import kill_then_resume, read_jsonl, reset_accelerate, toy_process
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, TrainConfig, run_cli
 from accel_train.core.ema import WeightAverage
-from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false"]
 
@@ -80,12 +79,8 @@ def toy(out, *extra, fault=None, processes=1):
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_run_with_an_average_resumes_bitwise_after_sigkill(tmp_path, processes):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert toy(full, processes=processes).returncode == 0
     # 72 steps of 4 samples; checkpoints every 4: the 2 steps after step-8 are lost
-    killed = toy(cut, fault="kill_after_step:10", processes=processes)
-    assert killed.returncode != 0 and list_checkpoints(cut)[-1].name == "step-00000008", killed.stderr[-2000:]
-    resumed = toy(cut, "--resume_from_checkpoint", "latest", processes=processes)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kill_then_resume(toy, full, cut, 10, "step-00000008", processes)
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "the final average differs after the resume"
     ema = [[r["eval_ema_loss"] for r in read_jsonl(d / "metrics.jsonl") if "eval_ema_loss" in r] for d in (full, cut)]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_process, toy_records
+from conftest import kill_then_resume, read_jsonl, reset_accelerate, toy_process, toy_records
 from safetensors.torch import load_file
 
 from accel_train import run_cli
@@ -87,11 +87,7 @@ def toy(out, *extra, fault=None, processes=1):
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_guard_agrees_across_ranks_and_resumes_with_its_window_bitwise_after_sigkill(tmp_path, processes):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert toy(full, processes=processes).returncode == 0
-    killed = toy(cut, fault="kill_after_step:14", processes=processes)
-    assert killed.returncode != 0 and list_checkpoints(cut)[-1].name == "step-00000012", killed.stderr[-2000:]
-    resumed = toy(cut, "--resume_from_checkpoint", "latest", processes=processes)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kill_then_resume(toy, full, cut, 14, "step-00000012", processes)
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     steps = [[r["spike_skipped_step"] for r in read_jsonl(d / "metrics.jsonl") if "spike_skipped_step" in r]

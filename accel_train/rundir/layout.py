@@ -7,6 +7,7 @@
       predict_results.jsonl  the test split's predictions with label names (text classification, as run_glue.py)
       all_results.json     the final metrics, written once at the end
       runs/                tracker logs (TensorBoard)
+      mlflow.db            MLflow's SQLite tracking store (--report_to mlflow, unless MLFLOW_TRACKING_URI is set)
       checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
       checkpoints/superseded/      checkpoints of an abandoned timeline (newer than the one a run resumed from)
       report.md, report/   the run report and its plots
@@ -28,6 +29,7 @@ RESULTS = "all_results.json"
 PREDICTIONS = "predictions.jsonl"
 TEST_PREDICTIONS = "predict_results.jsonl"
 TRACKER_DIR = "runs"
+MLFLOW_DB = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: the run's own SQLite tracking store
 CHECKPOINTS_DIR = "checkpoints"
 REPORT = "report.md"
 REPORT_DIR = "report"
@@ -39,7 +41,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFUSION_MATRIX_PLOT = "confusion_matrix.png"  # image_classification.py's test confusion matrix; the report shows it
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
-RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR)
+RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB)
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .layout import HISTORY
+from .layout import HISTORY, MLFLOW_DB
 
 
 class RunLog:
@@ -35,9 +36,10 @@ class RunLog:
     def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
         if self.main:
             truncate_history(self.path, initial_step)
+        store = local_mlflow_store(self.accelerator, self.path.parent)
         if self.accelerator.log_with:
             self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams))
-        self.write(startup_report)
+        self.write(startup_report + (f"\n  mlflow           {store}" if store else ""))
         self.initial_step = initial_step
 
     def log(self, record: dict[str, Any], step: int, final: bool = False) -> None:
@@ -151,3 +153,24 @@ def _flat_hparams(config: dict[str, Any]) -> dict[str, Any]:
         elif value is not None:
             out[key] = str(value)
     return out
+
+
+def local_mlflow_store(accelerator: Accelerator, output_dir: Path) -> str | None:
+    """With --report_to mlflow and no MLFLOW_TRACKING_URI: the run's own SQLite store, output_dir/mlflow.db (MLflow's
+    default store is a SQLite file in the current directory, and its file store is legacy); its URI, else None.
+    Open it with `mlflow ui --backend-store-uri sqlite:///OUT/mlflow.db` or `mlflow.MlflowClient(that URI)`."""
+    names = {str(getattr(tracker, "name", tracker)).lower() for tracker in accelerator.log_with}
+    given = os.environ.get("MLFLOW_TRACKING_URI")
+    # mlflow.set_tracking_uri also sets the environment variable (child processes inherit it): a URI this function
+    # set for an earlier run in the same process is not the user's choice, and must not collect this run too.
+    if "mlflow" not in names or (given and given not in _OWN_MLFLOW_STORES):
+        return None
+    import mlflow
+
+    uri = f"sqlite:///{(Path(output_dir) / MLFLOW_DB).resolve()}"
+    mlflow.set_tracking_uri(uri)
+    _OWN_MLFLOW_STORES.add(uri)
+    return uri
+
+
+_OWN_MLFLOW_STORES: set[str] = set()  # the stores local_mlflow_store chose in this process

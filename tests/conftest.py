@@ -123,10 +123,11 @@ def run_toy(capsys, argv, code=None):
     return capsys.readouterr()
 
 
-def toy_process(args: list[str], fault: str | None = None, processes: int = 1) -> subprocess.CompletedProcess:
+def toy_process(args: list[str], fault: str | None = None, processes: int = 1,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """tests/scripts/toy_train.py in a process of its own, or launched on `processes` gloo processes, with an
-    optional fault point (ACCEL_TRAIN_FAULT); the caller checks the return code."""
-    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
+    optional fault point (ACCEL_TRAIN_FAULT) and more environment `env`; the caller checks the return code."""
+    env = subprocess_env(ACCELERATE_USE_CPU="1", **({"ACCEL_TRAIN_FAULT": fault} if fault else {}), **(env or {}))
     if processes > 1:
         return launch(SCRIPTS / "toy_train.py", args, num_processes=processes, check=False, env=env)
     return run_process_tree([sys.executable, str(SCRIPTS / "toy_train.py"), *args], env, timeout=600)

@@ -42,7 +42,7 @@ class WeightAverage:
     def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = True):
         if not 0 < decay < 1:
             raise ConfigError(f"--ema_decay {decay}: must be in (0, 1), e.g. 0.999 (0 turns averaging off).")
-        self.model, self.decay, self.warmup = model, decay, warmup
+        self.decay, self.warmup = decay, warmup
         self.live = averaged_tensors(model)
         self.average = {name: tensor.detach().clone() for name, tensor in self.live.items()}
         self.updates = 0

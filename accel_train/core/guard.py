@@ -43,6 +43,11 @@ class Verdict:
     def nonfinite(self) -> bool:
         return self.nonfinite_loss or self.nonfinite_grad
 
+    @property
+    def drops_update(self) -> bool:
+        """The step's update is not applied: non-finite, nothing to step on (empty), or a spike."""
+        return self.nonfinite or self.empty or self.spike
+
 
 class SpikeWatch:
     """--spike_window W --spike_threshold T: a step whose loss exceeds T x the mean of the last W steps' losses is a
@@ -224,6 +229,12 @@ def on_nonfinite(session, state, verdict: Verdict) -> None:
     )
 
 
+def window_batches(state, config) -> list[int]:
+    """The epoch's batch numbers of the accumulation window that just ended (its last one is batch_in_epoch - 1)."""
+    last, gas = state.batch_in_epoch - 1, config.gradient_accumulation_steps
+    return list(range(last - (last % gas), last + 1))
+
+
 def on_spike(session, state, verdict: Verdict) -> None:
     """--on_spike skip: count and log the step (its update is dropped); stop after --max_spike_skips. --on_spike
     stop, or the limit reached: raise TrainingDiverged with the step, its loss, the window's mean and the sample
@@ -238,8 +249,7 @@ def on_spike(session, state, verdict: Verdict) -> None:
                  "spike_skips": state.spike_skips}, step)
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
         return
-    gas, last = cfg.gradient_accumulation_steps, state.batch_in_epoch - 1
-    indices = [micro_batch_indices(session.train_loader, b) for b in range(last - (last % gas), last + 1)]
+    indices = [micro_batch_indices(session.train_loader, b) for b in window_batches(state, cfg)]
     latest = list_checkpoints(cfg.output_dir)
     raise TrainingDiverged(
         f"{what}; its samples on rank {session.accelerator.process_index}: {indices}. The update was not applied; the "
@@ -251,9 +261,8 @@ def on_spike(session, state, verdict: Verdict) -> None:
 def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:
     """The sample indices of the window's failing micro-batches and, where each process holds the whole model, the
     first module whose output and whose gradient went non-finite; written to nonfinite_step<N>_rank<R>.json."""
-    acc, gas, loader = session.accelerator, session.config.gradient_accumulation_steps, session.train_loader
-    last = state.batch_in_epoch - 1  # the window's micro-batches: last - (len-1) .. last
-    window = list(range(last - (last % gas), last + 1))
+    acc, loader = session.accelerator, session.train_loader
+    window = window_batches(state, session.config)
     positions = verdict.bad_micro_batches or [len(window) - 1]
     report: dict[str, Any] = {"step": state.step + 1, "epoch": state.epoch, "rank": acc.process_index,
                               "nonfinite_loss": verdict.nonfinite_loss, "nonfinite_gradient": verdict.nonfinite_grad,

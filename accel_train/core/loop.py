@@ -67,11 +67,11 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
                 if verdict.spike:
                     on_spike(session, state, verdict)  # stop: report and raise; skip: count it
-                if verdict.nonfinite or verdict.empty or verdict.spike:
+                if verdict.drops_update:
                     _skip_optimizer_step(acc)
                 else:
                     optimizer.step()
-                if acc.optimizer_step_was_skipped and not (verdict.nonfinite or verdict.empty or verdict.spike):
+                if acc.optimizer_step_was_skipped and not verdict.drops_update:
                     state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
                 elif not steps_on_evaluation(scheduler):
                     scheduler.step()

@@ -8,6 +8,7 @@
     hooks.py       the hook protocol and EarlyStopping
     optim.py       optimizer, schedule and the step plan, in optimizer steps
     data.py        loaders, worker seeding, length-grouped batches
+    stream.py      a stream's loader position in checkpoints: exact resume without re-reading
     accelerator.py build_accelerator and the checks of what is really running
     meter.py       loss, throughput, MFU and memory between log events
     state.py       TrainState (saved with checkpoints) and TrainResult

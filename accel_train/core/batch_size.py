@@ -7,6 +7,8 @@ under length grouping) forward and backward with optimizer-state-sized memory he
 out-of-memory; the processes agree on the smallest size that fit everywhere; accumulation rises by the
 same factor. Global batch, steps per epoch and the schedule are unchanged, so the run is the one that was
 asked for, at a size that fits.
+
+`--gradient_checkpointing`, the other way to fit a run in memory, is switched on here too.
 """
 
 from __future__ import annotations
@@ -116,3 +118,14 @@ def fit_micro_batch(accelerator: Accelerator, model: torch.nn.Module, loader: Da
     config, loader = with_micro_batch(config, loader, micro)
     GradientState(GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps))
     return config, loader
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) -> None:
+    """--gradient_checkpointing: recompute activations in backward (a transformers model's own switch)."""
+    if not config.gradient_checkpointing:
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError("--gradient_checkpointing: this model has no gradient_checkpointing_enable() (transformers "
+                          "models do); wrap its blocks with torch.utils.checkpoint.checkpoint instead.")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})

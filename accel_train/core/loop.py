@@ -35,10 +35,12 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
     model.train()
     spike = SpikeWatch(config.spike_window, config.spike_threshold, state.spike_losses) if config.spike_window else None
+    restored = session.position_restored  # a stream's loader that starts at its saved position skips nothing
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:
             _seed_epoch(loader, config, state.epoch)
-            batches = acc.skip_first_batches(loader, state.batch_in_epoch) if state.batch_in_epoch else loader
+            skip, restored = 0 if restored else state.batch_in_epoch, False
+            batches = acc.skip_first_batches(loader, skip) if skip else loader
             fed = False
             for batch, waited in _timed(batches):
                 fed, n = True, batch_size_of(batch)

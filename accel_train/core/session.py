@@ -34,7 +34,7 @@ from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
-from .batch_size import fit_micro_batch
+from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .data import dataset_size
 from .ema import check_checkpoint_average, evaluate_with_average, weight_average
 from .evaluation import MetricsFn
@@ -55,6 +55,7 @@ from .optim import (
 )
 from .sharded import check_engine, engine_notes, prepare_engine
 from .state import TrainResult, TrainState
+from .stream import StreamPosition, rereading_notes, stateful_loaders
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,17 @@ class Session:
         check_accumulation(loss_fn, config.gradient_accumulation_steps)
         if getattr(loss_fn, "leaves_parameters_unused", False):  # some steps give trainable parameters no gradient
             acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-        _enable_gradient_checkpointing(model, config)
+        enable_gradient_checkpointing(model, config)
         if config.auto_find_batch_size:  # the micro-batch and accumulation actually used
             config, train_loader = fit_micro_batch(acc, model, train_loader, loss_fn, config, optimizer)
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
         scheduler = run_schedule(optimizer, config, plan, spec.scheduler, acc)
+        self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
-        model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
+        with stateful_loaders(acc, self.stream is not None):
+            model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
         if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
@@ -109,6 +112,7 @@ class Session:
         self.average = weight_average(acc, model, config)  # --ema_decay: None without it
         self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.position_restored = self.stream is not None and self.stream.attach(train_loader, acc.process_index)
         self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
         self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
         if steps_on_evaluation(scheduler) and (self.eval_loader is None or config.eval_strategy == "no"):
@@ -179,6 +183,9 @@ class Session:
                                             run_hyperparameters(config, plan, self.group_peaks),
                                             engine_owned=acc.distributed_type.value == "DEEPSPEED")
         state.batch_in_epoch = state.samples_in_epoch // per_batch
+        if self.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
+            self.position_restored = self.stream.restore(path, acc.num_processes, state.batch_in_epoch)
+        self.notes += rereading_notes(self.train_loader, state.batch_in_epoch, self.position_restored)
         state.world_size = acc.num_processes
         self._restore_hooks(state)
         self._check_best(state, path)
@@ -299,7 +306,8 @@ class Session:
         state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
                        if hasattr(hook, "state_dict")}
         path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
-                                    dataclasses.asdict(state), self.shapes, extra_files=self.model_files)
+                                    dataclasses.asdict(state), self.shapes, extra_files=self.model_files,
+                                    rank_files=self.stream.save if self.stream is not None else None)
         self.last_save = state.step
         self.verified.add(path.name)
         if self.accelerator.is_main_process:
@@ -384,13 +392,3 @@ class Session:
 
 def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
     return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_end)
-
-
-def _enable_gradient_checkpointing(model: torch.nn.Module, config: TrainConfig) -> None:
-    if not config.gradient_checkpointing:
-        return
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ConfigError("--gradient_checkpointing: this model has no gradient_checkpointing_enable() (transformers "
-                          "models do); wrap its blocks with torch.utils.checkpoint.checkpoint instead.")
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})

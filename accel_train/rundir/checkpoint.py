@@ -65,10 +65,11 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(
     accelerator: Accelerator, output_dir: str | Path, step: int, train_state: dict[str, Any], shapes: dict,
-    extra_files: Callable[[Path], Any] | None = None,
+    extra_files: Callable[[Path], Any] | None = None, rank_files: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Save the full training state for `step`; every rank must call this (collective). `extra_files(folder)` runs
-    on the main process before the manifest, so what it writes there (a model's config.json) is verified too."""
+    on the main process before the manifest, so what it writes there (a model's config.json) is verified too;
+    `rank_files(folder)` runs on every rank (a stream's loader position, per process)."""
     root = checkpoints_dir(output_dir)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
@@ -80,6 +81,8 @@ def save_checkpoint(
     error: BaseException | None = None
     try:  # every rank writes its part (RNG state; FSDP / DeepSpeed shards)
         accelerator.save_state(str(tmp), safe_serialization=True)
+        if rank_files is not None:
+            rank_files(tmp)
     except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
         error = err
     failed = _any_rank(accelerator, error is not None)  # also the barrier before the manifest

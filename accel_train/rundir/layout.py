@@ -8,7 +8,8 @@
       all_results.json     the final metrics, written once at the end
       runs/                tracker logs (TensorBoard)
       mlflow.db            MLflow's SQLite tracking store (--report_to mlflow, unless MLFLOW_TRACKING_URI is set)
-      checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last)
+      checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last);
+                                   a stream's loader position per process (stream_position_rank<R>.pt)
       checkpoints/superseded/      checkpoints of an abandoned timeline (newer than the one a run resumed from)
       report.md, report/   the run report and its plots
       diagnostics/         gradient flow, activation statistics, memory snapshots
@@ -71,6 +72,11 @@ def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint directory name, or None for any other name."""
     match = CHECKPOINT_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def stream_position_file(rank: int | str) -> str:
+    """Inside a checkpoint: a stream's loader position on process `rank` (`"*"`: the glob of all of them)."""
+    return f"stream_position_rank{rank}.pt"
 
 
 def crash_file(output_dir: str | Path, rank: int) -> Path:

@@ -26,6 +26,8 @@ class ToyArgs:
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
     poison_index: int = -1  # this training sample's features are NaN
     spike_index: int = -1  # a training batch holding this sample has its loss (and gradient) multiplied by 100
+    stream_dir: str = ""  # train on a `datasets` stream of the parquet files here (write_stream_shards) instead
+    stream_shuffle: int = -1  # >= 0: the stream's .shuffle(seed, buffer_size=this): 1 shuffles the shard order only
 
 
 class Points(Dataset):
@@ -51,6 +53,35 @@ class StopAt:
         return state.step == self.step
 
 
+def write_stream_shards(folder: Path, num_samples: int, shards: int) -> None:
+    """The training points as `shards` parquet files, in index order: the stream toy_train --stream_dir reads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data, per = Points(num_samples, 0), -(-num_samples // shards)
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard in range(shards):
+        rows = range(shard * per, min((shard + 1) * per, num_samples))
+        table = pa.table({"x": [data.x[i].tolist() for i in rows], "labels": [int(data.y[i]) for i in rows],
+                          "index": list(rows)}, schema=pa.schema([("x", pa.list_(pa.float32())),
+                                                                 ("labels", pa.int64()), ("index", pa.int64())]))
+        pq.write_table(table, folder / f"part-{shard:03d}.parquet", row_group_size=5)
+
+
+def train_loader(toy: ToyArgs, config: TrainConfig) -> DataLoader:
+    if not toy.stream_dir:
+        return DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=config.per_device_train_batch_size,
+                          shuffle=True, drop_last=config.dataloader_drop_last)
+    import datasets
+
+    files = sorted(str(p) for p in Path(toy.stream_dir).glob("*.parquet"))
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True).with_format("torch")
+    if toy.stream_shuffle >= 0:
+        stream = stream.shuffle(seed=config.seed, buffer_size=toy.stream_shuffle)
+    return DataLoader(stream, batch_size=config.per_device_train_batch_size,
+                      num_workers=config.dataloader_num_workers or 0)
+
+
 def main(argv=None):
     quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False}
     config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults=quiet)
@@ -72,11 +103,9 @@ def main(argv=None):
     def metrics_fn(outputs):
         return {"accuracy": (outputs["logits"].argmax(-1) == outputs["labels"]).float().mean()}
 
-    bs = config.per_device_train_batch_size
     result = train(
         model,
-        DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=bs, shuffle=True,
-                   drop_last=config.dataloader_drop_last),
+        train_loader(toy, config),
         eval_loader=DataLoader(Points(toy.eval_samples, 1), batch_size=config.per_device_eval_batch_size),
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 from accelerate.utils import send_to_device
+from torch.utils.data import IterableDataset
 
 from ...core.accelerator import holds_whole_model
 from ...core.guard import fetch_batch
@@ -205,6 +206,8 @@ def _column_labels(loader) -> torch.Tensor | None:
 
 def check_labels(f) -> list[Finding]:
     loader = f.train_loader
+    if isinstance(loader.dataset, IterableDataset):
+        return [Finding("labels", "ok", "not checked: a stream has no indices to read its first samples by.")]
     size = min(loader_batch(loader) or 1, len(loader.dataset))
     batch = fetch_batch(loader, list(range(size)))  # the first samples: no sampler, no random number drawn
     labels = batch.get("labels") if isinstance(batch, Mapping) else None

@@ -4,6 +4,7 @@ the package docstring for the levels). Each takes the run's core.session.Session
 from __future__ import annotations
 
 import torch
+from torch.utils.data import IterableDataset
 
 from ...core.accelerator import holds_whole_model, precision_in_effect, requested_world_size, resolve_precision
 from .findings import Finding, Level, loader_batch
@@ -66,10 +67,14 @@ def check_batch(f) -> list[Finding]:
 def check_steps(f) -> list[Finding]:
     cfg, plan, n = f.config, f.plan, f.accelerator.num_processes
     gas, total = cfg.gradient_accumulation_steps, plan.total_steps
-    out = [Finding("steps", "ok", f"{plan.steps_per_epoch} optimizer step(s) per epoch = {plan.batches_per_epoch} "
-                   f"micro-batches per process (after sharding over {n}) / {gas} accumulation; {total} in total "
-                   f"over {plan.num_epochs} epoch(s).")]
-    if gas > plan.batches_per_epoch:
+    if plan.batches_per_epoch is None:
+        out = [Finding("steps", "ok", f"a stream without a length: {total} optimizer step(s) in total (--max_steps), "
+                       f"{gas} micro-batch(es) per process each; its epochs are counted where it runs out.")]
+    else:
+        out = [Finding("steps", "ok", f"{plan.steps_per_epoch} optimizer step(s) per epoch = {plan.batches_per_epoch} "
+                       f"micro-batches per process (after sharding over {n}) / {gas} accumulation; {total} in total "
+                       f"over {plan.num_epochs} epoch(s).")]
+    if plan.batches_per_epoch is not None and gas > plan.batches_per_epoch:
         out.append(Finding("steps", "warning", f"--gradient_accumulation_steps {gas} exceeds the "
                            f"{plan.batches_per_epoch} micro-batches each process gets per epoch: every step averages "
                            f"only {plan.batches_per_epoch}, not the {gas} the global batch counts.",
@@ -99,13 +104,25 @@ def _order(sampler) -> str:
     return "unknown"
 
 
+def _stream_order(loader) -> list[Finding]:
+    """A stream has no sampler: it is read in its own order, and resumes at its saved position or by re-reading."""
+    saved = callable(getattr(loader.dataset, "state_dict", None))
+    return [Finding("train_order", "ok", "training order: the stream's own (a datasets stream reorders its shards at "
+                    "every epoch; shuffle any other stream yourself)."),
+            Finding("seedable_sampler", "ok", "a resumed run starts at the stream position its checkpoint saved."
+                    if saved else "a resumed run re-reads the stream up to its position (the dataset has no "
+                    "state_dict()): exact, in a time that grows with the position.")]
+
+
 def check_loaders(f) -> list[Finding]:
     from accelerate.data_loader import get_sampler
 
-    out = []
-    train = get_sampler(f.train_loader)
+    out = _stream_order(f.train_loader) if isinstance(f.train_loader.dataset, IterableDataset) else []
+    train = get_sampler(f.train_loader) if not out else None
     order = _order(train)
-    if order == "sequential" and not f.config.overfit_batches:
+    if train is None:
+        pass  # a stream: said above
+    elif order == "sequential" and not f.config.overfit_batches:
         out.append(Finding("train_order", "warning", "the training loader is not shuffled: every epoch sees the "
                            "samples in the same order (a dataset sorted by label trains on one class at a time).",
                            "DataLoader(..., shuffle=True) or make_loader(dataset, config, train=True); ignore this "

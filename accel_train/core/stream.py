@@ -1,0 +1,122 @@
+"""A stream's position in a checkpoint: an iterable dataset resumes where it was, without re-reading.
+
+A map-style dataset resumes by skipping the batches its sampler would give again: indices, no data read. A stream has
+no indices, so skipping means reading and dropping everything before the position, which grows with the position
+(156 s at 10^6 samples of a parquet stream here). A stream that can say where it is (`state_dict()` /
+`load_state_dict()`: a `datasets.IterableDataset` keeps a shard and an example within it, in each loader worker) is
+loaded instead by torchdata's StatefulDataLoader, through Accelerate; each process writes its loader's position into
+the checkpoint, and a resumed run's loader starts there.
+
+    position = StreamPosition.of(train_loader, config, accelerator.num_processes)  # None: not such a stream
+    with stateful_loaders(accelerator, position is not None):
+        ... = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    position.attach(prepared_loader, accelerator.process_index)
+    position.save(checkpoint_folder)            # every process, with each checkpoint
+    position.restore(checkpoint_folder, ...)    # on resume: True when the loader now starts at the saved position
+
+What cannot resume exactly is refused, with the reason: a shuffle buffer (datasets does not save its content, so a
+resumed run would lose up to `buffer_size` examples) when checkpoints are taken inside an epoch, and a resume on a
+different number of processes (each process reads its own shards). A stream that cannot say where it is (a plain
+torch IterableDataset, or a `datasets` stream with fewer shards than processes, which Accelerate splits by reading
+all of it in every process) still resumes exactly, by re-reading, and the resume says so.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ..errors import CheckpointError, ConfigError
+from ..rundir.layout import stream_position_file
+
+
+class StreamPosition:
+    """The training loader's position, saved per process with each checkpoint and restored on resume."""
+
+    def __init__(self) -> None:
+        self.loader, self.process_index = None, 0
+
+    @classmethod
+    def of(cls, loader, config, num_processes: int) -> StreamPosition | None:
+        """A StreamPosition for a training loader over a stream that can save its position, else None. Refuses a
+        shuffle buffer when the run checkpoints inside epochs (ConfigError)."""
+        dataset = getattr(loader, "dataset", None)
+        if not isinstance(dataset, IterableDataset):
+            return None
+        buffer = shuffle_buffer(dataset)
+        if buffer > 1 and config.save_strategy == "steps":
+            raise ConfigError(
+                f"the training stream is shuffled through a buffer of {buffer} examples, and datasets does not save "
+                "the buffer's content: a run resumed from a checkpoint inside an epoch would lose up to that many "
+                "examples and see the rest in another order. Pre-shuffle the rows across the files and drop the "
+                "buffer (datasets reorders the shards at every epoch by itself), or checkpoint at epoch ends "
+                "(--save_strategy epoch), or not at all (--save_strategy no).")
+        if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+            return None
+        if num_processes > 1 and getattr(dataset, "n_shards", 0) < num_processes:
+            return None  # Accelerate gives each process a share of the whole stream (IterableDatasetShard): re-read
+        return cls()
+
+    def attach(self, loader, process_index: int) -> bool:
+        """Keep the prepared loader (False: no position is restored yet). Accelerate's save_state would write every
+        process's loader state into one file (the last writer wins, and every process would load that one):
+        this class saves them per process instead."""
+        loader.use_stateful_dataloader = False  # read by Accelerate's save_state / load_state only
+        # Accelerate asked the new loader for its state_dict(), which made StatefulDataLoader start an iterator
+        # (and its workers) with the dataset as it is now, and keep it for the first iteration: a run resumed at
+        # epoch 2 would read epoch 0's shard order. Loading an empty state drops that iterator.
+        loader.load_state_dict({})
+        self.loader, self.process_index = loader, process_index
+        return False
+
+    def save(self, folder: Path) -> None:
+        """Write this process's loader position into the checkpoint folder (every process, before the manifest)."""
+        torch.save(self.loader.state_dict(), folder / stream_position_file(self.process_index))
+
+    def restore(self, folder: Path, num_processes: int, batch_in_epoch: int) -> bool:
+        """Load the position saved with checkpoint `folder`; False when the checkpoint is at an epoch's start
+        (a new epoch starts from the beginning anyway) or holds no position (saved before: re-read instead)."""
+        path = folder / stream_position_file(self.process_index)
+        if batch_in_epoch == 0 or not path.is_file():
+            return False
+        saved = len(list(folder.glob(stream_position_file("*"))))
+        if saved != num_processes:
+            raise CheckpointError(
+                f"{folder} holds the stream positions of {saved} process(es), this run has {num_processes}: each "
+                f"process reads its own shards of the stream, so the position cannot carry over. Resume on "
+                f"{saved} process(es), or from a checkpoint at an epoch's end.")
+        # our own file, verified against the manifest's SHA-256 before this: loader states hold plain Python objects
+        self.loader.load_state_dict(torch.load(path, weights_only=False))
+        return True
+
+
+def rereading_notes(loader, batch_in_epoch: int, restored: bool) -> list[str]:
+    """What a resume says when a stream resumes inside an epoch by re-reading what it had consumed."""
+    if restored or not batch_in_epoch or not isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return []
+    return [f"the training stream cannot save its position (no state_dict(), or fewer shards than processes): it "
+            f"re-reads the {batch_in_epoch} batches of this epoch it had consumed, which takes time in proportion"]
+
+
+@contextmanager
+def stateful_loaders(accelerator, on: bool):
+    """With `on`, Accelerate builds the loaders of a `prepare` call inside this block as StatefulDataLoaders."""
+    config = accelerator.dataloader_config
+    before = config.use_stateful_dataloader
+    config.use_stateful_dataloader = before or on
+    try:
+        yield
+    finally:
+        config.use_stateful_dataloader = before
+
+
+def shuffle_buffer(dataset) -> int:
+    """The shuffle buffer size of a `datasets.IterableDataset` (0: none), found along its chain of iterables."""
+    node, size = getattr(dataset, "_ex_iterable", None), 0
+    while node is not None:
+        size = max(size, getattr(node, "buffer_size", 0) or 0)
+        node = getattr(node, "ex_iterable", None)
+    return size

@@ -6,6 +6,8 @@
                                                     overlay the curves of several runs (default DIR: compare)
     accel-train export RUN_DIR_OR_CHECKPOINT --format torchscript|exported_program|onnx [--output DIR]
                                                     export the trained model for inference, verified against it
+    accel-train sweep --space SPACE.yaml [--trials N] [--metric NAME] [--study_dir DIR] -- SCRIPT [script flags]
+                                                    a hyperparameter search with Optuna (a SQLite study, resumable)
 
 `launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
 joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
@@ -212,7 +214,13 @@ def _export(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"launch": _launch, "report": _report, "compare": _compare, "export": _export}
+def _sweep(argv: Sequence[str]) -> int:
+    from .sweep import main as sweep_main
+
+    return sweep_main(argv)
+
+
+COMMANDS = {"launch": _launch, "report": _report, "compare": _compare, "export": _export, "sweep": _sweep}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -74,7 +75,9 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
     """Run a recipe's `main(argv)`; turn a `UserError` (or running out of memory) into a one-paragraph
     message and exit code 2. A SIGTERM checkpoint (`Preempted`) exits 0.
 
-    Set `ACCEL_TRAIN_TRACEBACK=1` to see the full stack trace as well.
+    Set `ACCEL_TRAIN_TRACEBACK=1` to see the full stack trace as well. With `ACCEL_TRAIN_STATUS_FILE=PATH`, the
+    main process writes how it ended there as JSON ({"exit": 0 | 2, "kind": ..., "message": ...}): a launcher
+    (`accelerate launch` reports every failure as exit code 1) does not pass the code on, a supervisor can read it.
     """
     import torch
 
@@ -82,6 +85,7 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
         main(argv)
     except Preempted as stop:
         _say(f"accel_train: {stop}")
+        _status(0, "preempted", str(stop))
         sys.exit(0)
     except Exception as err:  # noqa: BLE001 - anything else keeps its traceback (re-raised below)
         if isinstance(err, UserError):
@@ -92,10 +96,20 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
                        "--gradient_checkpointing or --mixed_precision bf16. Saved checkpoints are intact.")
         else:
             raise
+        _status(EXIT_USER_ERROR, getattr(err, "kind", "out of memory"), message)
         if os.environ.get("ACCEL_TRAIN_TRACEBACK"):
             raise
         _say(message)
         sys.exit(EXIT_USER_ERROR)
+    _status(0, "finished", "")
+
+
+def _status(code: int, kind: str, message: str) -> None:
+    path = os.environ.get("ACCEL_TRAIN_STATUS_FILE")
+    if path and os.environ.get("RANK", "0") == "0":
+        import json
+
+        Path(path).write_text(json.dumps({"exit": code, "kind": kind, "message": message}))
 
 
 def _say(message: str) -> None:

@@ -35,8 +35,12 @@ def compare(full, cut, step):
 # datasets reorders a stream's shards at every epoch by itself (set_epoch); .shuffle(buffer_size=1) on top of it is
 # checked without workers only: datasets 5 wraps a shuffled stream into one of up to 10 sources, which leaves loader
 # workers without shards (huggingface/datasets#8669) and cannot load a worker's state back
-@pytest.mark.parametrize("workers,shuffle", [(0, "1"), (2, "-1")])
-def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle):
+# (workers, shuffle, killed after step, newest checkpoint): without workers, inside the first epoch (a saved
+# position restored); with 2 workers, at the start of the second (24 batches an epoch: the new epoch's shard order
+# must come back, not the first epoch's); the 2-process test below restores 2 workers' positions inside an epoch
+@pytest.mark.parametrize("workers,shuffle,kill,checkpoint", [(0, "1", 10, 8), (2, "-1", 27, 24)])
+def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle, kill,
+                                                                                checkpoint):
     data = tmp_path / "data"
     toy_train.write_stream_shards(data, 96, 8)
     flags = stream_flags(data, "--dataloader_num_workers", str(workers), "--stream_shuffle", shuffle)
@@ -44,13 +48,9 @@ def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights
     def toy(out, *more, fault=None, processes=1):
         return toy_process(["--output_dir", str(out), *flags, *more], fault=fault, processes=processes)
 
-    # killed inside the second epoch (24 batches an epoch): the shard order of epoch 1 must come back too
-    kill_then_resume(toy, tmp_path / "full", tmp_path / "cut", 27, "step-00000024")
-    compare(tmp_path / "full", tmp_path / "cut", 24)
-    assert (tmp_path / "cut" / "checkpoints" / "step-00000024" / "stream_position_rank0.pt").is_file()
-    # and killed inside the first epoch
-    kill_then_resume(toy, tmp_path / "full2", tmp_path / "cut2", 10, "step-00000008")
-    compare(tmp_path / "full2", tmp_path / "cut2", 8)
+    kill_then_resume(toy, tmp_path / "full", tmp_path / "cut", kill, f"step-{checkpoint:08d}")
+    compare(tmp_path / "full", tmp_path / "cut", checkpoint)
+    assert (tmp_path / "cut" / "checkpoints" / f"step-{checkpoint:08d}" / "stream_position_rank0.pt").is_file()
 
 
 @pytest.mark.slow

@@ -206,24 +206,26 @@ def _objective(sweep: Sweep, trial) -> float:
 def _watch(sweep: Sweep, trial, proc: subprocess.Popen, history: Path) -> int | None:
     """Report each evaluation of the metric to the pruner as the run logs it; on a prune, SIGTERM the run (a
     checkpoint and a clean exit) and return the step. None: the run ended by itself."""
-    read, pruned_at = 0, None
+    offset = 0  # what of metrics.jsonl was read: each poll reads only the complete lines appended since
     while True:
         ended = proc.poll() is not None
-        if history.is_file() and pruned_at is None:
-            lines = history.read_text().splitlines()
-            complete = lines if ended else lines[:-1]  # the last line may be half written
-            for line in complete[read:]:
-                record = json.loads(line)
+        if history.is_file():
+            with open(history, "rb") as fh:
+                fh.seek(offset)
+                appended = fh.read()
+            complete = appended if ended else appended[:appended.rfind(b"\n") + 1]  # a last line may be half written
+            offset += len(complete)
+            for line in complete.decode().splitlines():
+                record = json.loads(line) if line.strip() else {}
                 if sweep.metric in record and not record.get("final"):
                     trial.report(float(record[sweep.metric]), int(record["step"]))
                     if trial.should_prune():
-                        pruned_at = int(record["step"])
-                        break
-            read = len(complete)
-            if pruned_at is not None and not ended:
-                os.killpg(proc.pid, signal.SIGTERM)
+                        if not ended:
+                            os.killpg(proc.pid, signal.SIGTERM)
+                        proc.wait()
+                        return int(record["step"])
         if ended:
-            return pruned_at
+            return None
         time.sleep(sweep.poll_seconds)
 
 

@@ -39,7 +39,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:
             _seed_epoch(loader, config, state.epoch)
-            skip, restored = 0 if restored else state.batch_in_epoch, False
+            skip = 0 if restored else state.batch_in_epoch
+            restored = False  # later epochs start from their beginning
             batches = acc.skip_first_batches(loader, skip) if skip else loader
             fed = False
             for batch, waited in _timed(batches):

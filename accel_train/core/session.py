@@ -112,7 +112,9 @@ class Session:
         self.average = weight_average(acc, model, config)  # --ema_decay: None without it
         self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
-        self.position_restored = self.stream is not None and self.stream.attach(train_loader, acc.process_index)
+        if self.stream is not None:
+            self.stream.attach(train_loader, acc.process_index)
+        self.position_restored = False  # resume() sets it when the stream's loader starts at its saved position
         self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
         self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
         if steps_on_evaluation(scheduler) and (self.eval_loader is None or config.eval_strategy == "no"):

@@ -60,17 +60,15 @@ class StreamPosition:
             return None  # Accelerate gives each process a share of the whole stream (IterableDatasetShard): re-read
         return cls()
 
-    def attach(self, loader, process_index: int) -> bool:
-        """Keep the prepared loader (False: no position is restored yet). Accelerate's save_state would write every
-        process's loader state into one file (the last writer wins, and every process would load that one):
-        this class saves them per process instead."""
+    def attach(self, loader, process_index: int) -> None:
+        """Keep the prepared loader. Accelerate's save_state would write every process's loader state into one file
+        (the last writer wins, and every process would load that one): this class saves them per process instead."""
         loader.use_stateful_dataloader = False  # read by Accelerate's save_state / load_state only
         # Accelerate asked the new loader for its state_dict(), which made StatefulDataLoader start an iterator
         # (and its workers) with the dataset as it is now, and keep it for the first iteration: a run resumed at
         # epoch 2 would read epoch 0's shard order. Loading an empty state drops that iterator.
         loader.load_state_dict({})
         self.loader, self.process_index = loader, process_index
-        return False
 
     def save(self, folder: Path) -> None:
         """Write this process's loader position into the checkpoint folder (every process, before the manifest)."""

@@ -114,21 +114,16 @@ def _stream_order(loader) -> list[Finding]:
                     "state_dict()): exact, in a time that grows with the position.")]
 
 
-def check_loaders(f) -> list[Finding]:
-    from accelerate.data_loader import get_sampler
-
-    out = _stream_order(f.train_loader) if isinstance(f.train_loader.dataset, IterableDataset) else []
-    train = get_sampler(f.train_loader) if not out else None
+def _sampler_order(train, overfit_batches: int) -> list[Finding]:
+    """A map-style dataset's training order: shuffled or not, and replayable on resume (its sampler's set_epoch)."""
     order = _order(train)
-    if train is None:
-        pass  # a stream: said above
-    elif order == "sequential" and not f.config.overfit_batches:
-        out.append(Finding("train_order", "warning", "the training loader is not shuffled: every epoch sees the "
-                           "samples in the same order (a dataset sorted by label trains on one class at a time).",
-                           "DataLoader(..., shuffle=True) or make_loader(dataset, config, train=True); ignore this "
-                           "only if the data is shuffled already or the order is a curriculum."))
+    if order == "sequential" and not overfit_batches:
+        out = [Finding("train_order", "warning", "the training loader is not shuffled: every epoch sees the samples "
+                       "in the same order (a dataset sorted by label trains on one class at a time).",
+                       "DataLoader(..., shuffle=True) or make_loader(dataset, config, train=True); ignore this only "
+                       "if the data is shuffled already or the order is a curriculum.")]
     else:
-        out.append(Finding("train_order", "ok", f"training order: {order} ({type(train).__name__})."))
+        out = [Finding("train_order", "ok", f"training order: {order} ({type(train).__name__}).")]
     if train is not None and order != "sequential" and not hasattr(train, "set_epoch"):
         out.append(Finding("seedable_sampler", "warning", f"the training sampler ({type(train).__name__}) has no "
                            "set_epoch(): its order cannot be replayed, so a resumed run sees other batches than an "
@@ -136,6 +131,16 @@ def check_loaders(f) -> list[Finding]:
                            "sampler) or give the sampler set_epoch(epoch) and seed it from (seed, epoch)."))
     elif train is not None:
         out.append(Finding("seedable_sampler", "ok", f"the training order is replayable ({type(train).__name__})."))
+    return out
+
+
+def check_loaders(f) -> list[Finding]:
+    from accelerate.data_loader import get_sampler
+
+    if isinstance(f.train_loader.dataset, IterableDataset):
+        out = _stream_order(f.train_loader)
+    else:
+        out = _sampler_order(get_sampler(f.train_loader), f.config.overfit_batches)
     if f.eval_loader is not None:
         evaluation = get_sampler(f.eval_loader)
         if _order(evaluation) == "shuffled":

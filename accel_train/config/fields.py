@@ -160,10 +160,12 @@ class TrainConfig:
                 "steps' (0: off)."})
     spike_threshold: float = field(default=3.0, metadata={
         "help": "A step whose loss exceeds this multiple of the window's mean is a spike (> 1)."})
-    on_spike: Literal["stop", "skip"] = field(default="stop", metadata={
+    on_spike: Literal["stop", "skip", "rollback"] = field(default="stop", metadata={
         "help": "stop: end the run with the step, its loss and sample indices (the last checkpoint is kept); skip: "
-                "drop that step's update, log it, go on (a spike never enters the window)."})
-    max_spike_skips: int = field(default=10, metadata={"help": "With on_spike=skip: stop after N skips."})
+                "drop that step's update, log it, go on (a spike never enters the window); rollback: return to the "
+                "last checkpoint and replay from there without the spiked step's batches (needs checkpoints)."})
+    max_spike_skips: int = field(default=10, metadata={
+        "help": "With on_spike=skip or rollback: stop after N skips (or N rollbacks)."})
 
     # --- intervals
     logging_strategy: Literal["no", "steps", "epoch"] = field(
@@ -344,6 +346,10 @@ def _validate(cfg: TrainConfig) -> None:
         raise bad("spike_window" if cfg.spike_window < 0 else "spike_threshold",
                   cfg.spike_window if cfg.spike_window < 0 else cfg.spike_threshold,
                   "the window is >= 0 steps (0: off) and the threshold a multiple > 1 of the window's mean loss.")
+    if cfg.on_spike == "rollback" and cfg.spike_window and cfg.save_strategy == "no":
+        raise ConfigError("--on_spike rollback returns to the last checkpoint, and --save_strategy no saves none: "
+                          "set --save_strategy steps with --save_steps N (a rollback replays up to N steps), or use "
+                          "--on_spike skip.")
     if not 0 <= cfg.ema_decay < 1:
         raise bad("ema_decay", cfg.ema_decay, "must be in [0, 1): e.g. 0.999 (0 turns averaging off).")
     if cfg.save_ema_as_final and not cfg.ema_decay:

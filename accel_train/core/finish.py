@@ -46,6 +46,8 @@ def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime:
         figures["train_nonfinite_skips"] = state.nonfinite_skips
     if state.spike_skips:
         figures["train_spike_skips"] = state.spike_skips
+    if state.spike_rollbacks:
+        figures["train_spike_rollbacks"] = state.spike_rollbacks
     throughput = session.throughput
     if throughput and meter.flops.peak:
         figures.update(train_model_tflops=sum(t for t, _ in throughput) / len(throughput),

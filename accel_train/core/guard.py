@@ -235,27 +235,40 @@ def window_batches(state, config) -> list[int]:
     return list(range(last - (last % gas), last + 1))
 
 
-def on_spike(session, state, verdict: Verdict) -> None:
-    """--on_spike skip: count and log the step (its update is dropped); stop after --max_spike_skips. --on_spike
-    stop, or the limit reached: raise TrainingDiverged with the step, its loss, the window's mean and the sample
-    indices of the step's micro-batches on this process; the last checkpoint is as it was."""
+def on_spike(session, state, verdict: Verdict) -> Path | None:
+    """--on_spike skip: count and log the step (its update is dropped). --on_spike rollback: log it and return the
+    checkpoint to go back to (the loop calls roll_back once the step is dropped). Either stops after
+    --max_spike_skips. --on_spike stop, the limit reached, or no checkpoint to return to: raise TrainingDiverged with
+    the step, its loss, the window's mean and the sample indices of the step's micro-batches on this process; the
+    last checkpoint is as it was."""
     step, cfg, log = state.step + 1, session.config, session.log
     ratio = verdict.loss / verdict.reference
     what = (f"loss spike at step {step} (epoch {state.epoch}): loss {verdict.loss:.4g} is {ratio:.1f}x the mean "
             f"{verdict.reference:.4g} of the last {cfg.spike_window} steps (--spike_threshold {cfg.spike_threshold})")
+    record = {"spike_loss": verdict.loss, "spike_reference": verdict.reference}
     if cfg.on_spike == "skip" and state.spike_skips < cfg.max_spike_skips:
         state.spike_skips += 1
-        log.log({"spike_skipped_step": step, "spike_loss": verdict.loss, "spike_reference": verdict.reference,
-                 "spike_skips": state.spike_skips}, step)
+        log.log({"spike_skipped_step": step, **record, "spike_skips": state.spike_skips}, step)
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
-        return
-    indices = [micro_batch_indices(session.train_loader, b) for b in window_batches(state, cfg)]
+        return None
     latest = list_checkpoints(cfg.output_dir)
+    if cfg.on_spike == "rollback" and latest and state.spike_rollbacks < cfg.max_spike_skips:
+        log.log({"spike_rollback_step": step, **record, "rolled_back_to": latest[-1].name,
+                 "spike_rollbacks": state.spike_rollbacks + 1}, step)
+        log.write(f"{what}: back to {latest[-1].name}, to replay without the step's micro-batches "
+                  f"({state.spike_rollbacks + 1}/{cfg.max_spike_skips})")
+        return latest[-1]
+    indices = [micro_batch_indices(session.train_loader, b) for b in window_batches(state, cfg)]
+    why = ""  # why skip or rollback did not apply here
+    if cfg.on_spike == "skip":
+        why = f" (--max_spike_skips: {state.spike_skips} spikes were skipped before)"
+    elif cfg.on_spike == "rollback":
+        why = (f" (--max_spike_skips: {state.spike_rollbacks} rollbacks before)" if latest else
+               " (--on_spike rollback: no checkpoint to return to yet; save earlier with --save_steps)")
     raise TrainingDiverged(
         f"{what}; its samples on rank {session.accelerator.process_index}: {indices}. The update was not applied; the "
         f"last checkpoint is {latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Check those samples, "
-        "lower --learning_rate, raise --spike_threshold, or use --on_spike skip."
-        + (f" ({state.spike_skips} spikes were skipped before)" if state.spike_skips else ""))
+        "lower --learning_rate, raise --spike_threshold, or use --on_spike skip or rollback." + why)
 
 
 def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:

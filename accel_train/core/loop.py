@@ -21,6 +21,7 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .optim import steps_on_evaluation
+from .restore import roll_back
 from .session import Session
 from .state import TrainState
 
@@ -42,9 +43,12 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
             skip = 0 if restored else state.batch_in_epoch
             restored = False  # later epochs start from their beginning
             batches = acc.skip_first_batches(loader, skip) if skip else loader
-            fed = False
+            fed = rolled_back = False
             for batch, waited in _timed(batches):
                 fed, n = True, batch_size_of(batch)
+                if [state.epoch, state.batch_in_epoch] in state.excluded_batches:  # --on_spike rollback took it out
+                    _pass_over(acc, state, n)
+                    continue
                 tokens = take_real_tokens(batch)  # before the loss: a packed batch's count is no model input
                 with acc.accumulate(model), meter.flops.measure(n, _positions(batch)):  # MFU: counted once
                     out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
@@ -68,12 +72,20 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                 verdict = guard.verdict(grad_norm, items)  # agreed by every rank: non-finite, empty, SIGTERM
                 if verdict.nonfinite:
                     on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
-                if verdict.spike:
-                    on_spike(session, state, verdict)  # stop: report and raise; skip: count it
+                # stop: report and raise; skip: count it; rollback: the checkpoint to go back to
+                back_to = on_spike(session, state, verdict) if verdict.spike else None
                 if verdict.drops_update:
                     _skip_optimizer_step(acc)
                 else:
                     optimizer.step()
+                if back_to is not None:  # the run resumes at the checkpoint, from its data position
+                    optimizer.zero_grad(set_to_none=True)
+                    roll_back(session, state, back_to)
+                    meter.reset()
+                    if spike is not None:
+                        spike.losses = state.spike_losses  # the checkpoint's window
+                    rolled_back = True
+                    break
                 if acc.optimizer_step_was_skipped and not verdict.drops_update:
                     state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
                 elif not steps_on_evaluation(scheduler):
@@ -90,11 +102,23 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     session.preempt(state)
                 if stop or state.step >= plan.total_steps:
                     break
+            if rolled_back:
+                getattr(batches, "end", lambda: None)()  # Accelerate's loader: the abandoned pass is over
+                continue
             if not fed:
                 raise DataError(f"the training loader yielded no batch in epoch {state.epoch} (after "
                                 f"{state.batch_in_epoch} batches of it were consumed): an iterable dataset that "
                                 "ran dry, or a loader whose length is wrong. Check the dataset, or set --max_steps "
                                 "to what it can feed.")
+
+
+def _pass_over(accelerator, state: TrainState, samples: int) -> None:
+    """A micro-batch an --on_spike rollback excluded: it keeps its place in the epoch (the data position counts it)
+    but is never fed. Exclusions are whole accumulation windows, so the following windows stay aligned."""
+    state.batch_in_epoch += 1
+    state.samples_in_epoch += samples * accelerator.num_processes
+    if accelerator.gradient_state.end_of_dataloader:  # it was the epoch's last
+        state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
 
 
 def _skip_optimizer_step(accelerator) -> None:

@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list
 
 from ..config import TrainConfig
-from ..errors import CheckpointError, ConfigError, FinishError, Preempted
+from ..errors import ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.final_model import save_final_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
@@ -36,14 +36,13 @@ from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .data import dataset_size
-from .ema import check_checkpoint_average, evaluate_with_average, weight_average
+from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
 from .finish import failure_message, final_evaluation, short, training_figures
-from .hooks import call_hooks, hook_keys, saved_hook_state
+from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
 from .optim import (
-    apply_hyperparameters,
     batches_per_process,
     build_optimizer,
     current_lr,
@@ -53,9 +52,10 @@ from .optim import (
     run_schedule,
     steps_on_evaluation,
 )
+from .restore import resume
 from .sharded import check_engine, engine_notes, prepare_engine
 from .state import TrainResult, TrainState
-from .stream import StreamPosition, rereading_notes, stateful_loaders
+from .stream import StreamPosition, stateful_loaders
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,11 @@ class Session:
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
         scheduler = run_schedule(optimizer, config, plan, spec.scheduler, acc)
+        if config.on_spike == "rollback" and config.spike_window and isinstance(
+                getattr(train_loader, "dataset", None), torch.utils.data.IterableDataset):
+            raise ConfigError("--on_spike rollback takes the spiked step's batches out by their position in the "
+                              "epoch, which needs a dataset with a length; this training set is a stream. Use "
+                              "--on_spike skip (drop the update) or stop.")
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         with stateful_loaders(acc, self.stream is not None):
@@ -148,7 +153,7 @@ class Session:
         declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
-        state = (self.resume() if self.resume_path else
+        state = (resume(self) if self.resume_path else
                  TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
         start_run_dir(acc, self.config, self.existing, self.extra_configs, resumed=self.resume_path is not None)
         self.last_save = self.last_log_step = state.step
@@ -159,73 +164,6 @@ class Session:
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
                       "\n".join([report, *(f"  note             {note}" for note in self.notes)]))
         return state
-
-    def resume(self) -> TrainState:
-        """Load a checkpoint, re-derive the data position from the samples consumed in the current epoch, and
-        start a new timeline there: newer checkpoints are moved aside, changed hyperparameters are applied."""
-        acc, config, plan = self.accelerator, self.config, self.plan
-        path = self.resume_path
-        manifest = ckpt.verify_checkpoint(path)
-        ckpt.check_compatible(path, manifest, self.shapes)
-        state = TrainState(**ckpt.load_train_state(path))
-        if state.global_batch_size != plan.global_batch_size:
-            raise CheckpointError(
-                f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
-                f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
-                "position would not line up: keep the same global batch when resuming.")
-        per_batch = config.per_device_train_batch_size * acc.num_processes
-        if state.samples_in_epoch % per_batch:
-            raise CheckpointError(
-                f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
-                f"of batches of {per_batch} for this world size; resume with the original world size.")
-        if self.average is not None:
-            check_checkpoint_average(path)
-        acc.load_state(str(path))  # the weight average too (registered for checkpointing)
-        self.notes += apply_hyperparameters(self.optimizer, self.scheduler, state.hyperparameters,
-                                            run_hyperparameters(config, plan, self.group_peaks),
-                                            engine_owned=acc.distributed_type.value == "DEEPSPEED")
-        state.batch_in_epoch = state.samples_in_epoch // per_batch
-        if self.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
-            self.position_restored = self.stream.restore(path, acc.num_processes, state.batch_in_epoch)
-        self.notes += rereading_notes(self.train_loader, state.batch_in_epoch, self.position_restored)
-        state.world_size = acc.num_processes
-        self._restore_hooks(state)
-        self._check_best(state, path)
-        self.verified.add(path.name)
-        if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
-            moved = ckpt.supersede_newer(config.output_dir, state.step)
-            if moved:
-                self.notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
-                                  f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")
-        acc.wait_for_everyone()
-        if manifest.get("world_size") != acc.num_processes:
-            acc.print(f"note: {path} was written by {manifest.get('world_size')} process(es), resuming on "
-                      f"{acc.num_processes}; the data position is re-derived from the samples consumed. Random "
-                      "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
-        acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
-        return state
-
-    def _restore_hooks(self, state: TrainState) -> None:
-        for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True):
-            saved = saved_hook_state(state.hooks, key)
-            if hasattr(hook, "load_state_dict") and saved is not None:
-                hook.load_state_dict(saved)
-
-    def _check_best(self, state: TrainState, resumed_from: Path) -> None:
-        """A best value is compared only with values of the same metric in the same direction, and names a
-        checkpoint of this run's directory (resuming from another run's checkpoint, its best is not here)."""
-        name, greater = self.config.best_metric_name, self.config.best_is_greater
-        here = checkpoints_dir(self.config.output_dir)
-        if state.best_checkpoint and resumed_from.resolve().parent != here.resolve():
-            self.notes.append(f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, "
-                              f"not in this run's {here}: the best is tracked afresh")
-            state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
-            return
-        if state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
-            self.notes.append(f"the checkpoint's best model was chosen by {state.best_metric_name} "
-                              f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by "
-                              f"{name}: the best is tracked afresh")
-            state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
 
     # --------------------------------------------------------------------------------------- between steps
     def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:

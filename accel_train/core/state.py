@@ -25,6 +25,10 @@ class TrainState:
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
     spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)
     spike_losses: list[float] = field(default_factory=list)  # the spike guard's window: the last steps' losses
+    spike_rollbacks: int = 0  # returns to the last checkpoint for a loss spike (--on_spike rollback)
+    # [epoch, micro-batch position in that epoch (per process)] of each batch a rollback took out of the data; the
+    # loop passes over them, so the run goes on as if its data never held them.
+    excluded_batches: list[list[int]] = field(default_factory=list)
     best_metric: float | None = None  # never NaN or inf: a non-finite evaluation is never the best
     best_metric_name: str | None = None  # the metric best_metric is a value of, and its direction: a resumed run
     best_greater: bool | None = None  # watching another metric (or direction) does not compare across them

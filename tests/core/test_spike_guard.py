@@ -95,10 +95,70 @@ def test_the_guard_agrees_across_ranks_and_resumes_with_its_window_bitwise_after
     assert steps[0] == sorted(set(steps[1])) and len(steps[0]) >= 2, steps
 
 
+# In index order the spiked sample's batch (SPIKE..SPIKE+7 in a global batch of 8) comes back in every epoch: each
+# time the run returns to its last checkpoint and replays without it. 33 steps: 3 epochs of the 88 other points. In
+# index order the loss also varies 4x on its own, and the spiked batch's loss falls as the model learns: the threshold
+# is 10, the spike 10^4x.
+ROLLBACK = ["--spike_window", "5", "--spike_threshold", "10", "--shuffle", "false", "--dropout", "0.2",
+            "--max_steps", "33", "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "no"]
+
+
+def rollback_then_reference(tmp_path, processes=1, per_device=8, accumulation=1):
+    """The guarded run with its spikes rolled back, and the run whose data never held the spiked batch."""
+    batch = ["--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation)]
+    rolled, never = tmp_path / "rolled", tmp_path / "never"
+    for out, extra in ((rolled, ["--spike_index", str(SPIKE), "--spike_scale", "1e4"]),
+                       (never, ["--without", f"{SPIKE}-{SPIKE + 7}"])):
+        args = ["--output_dir", str(out), *QUIET, "--on_spike", "rollback", *ROLLBACK, *batch, *extra]
+        if processes == 1:
+            run(args)
+        else:
+            proc = toy_process(args, processes=processes)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    return rolled, never
+
+
+def assert_rolled_back_to_the_run_without_the_batch(rolled, never, positions):
+    """`positions`: the spiked step's micro-batches in each epoch, per process."""
+    a, b = load_file(rolled / "model.safetensors"), load_file(never / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "rollback = the data without those batches"
+    rows = [r for r in read_jsonl(rolled / "metrics.jsonl") if "spike_rollback_step" in r]
+    # the spiked batch is the epoch's 6th: the first spike comes once the window of 5 is full, then once an epoch
+    assert [r["spike_rollback_step"] for r in rows] == [6 + e * 11 for e in range(3)], rows
+    assert [r["rolled_back_to"] for r in rows] == ["step-00000004", "step-00000016", "step-00000024"]
+    assert json.loads((rolled / "all_results.json").read_text())["train_spike_rollbacks"] == 3
+    assert not any("spike_rollback_step" in r for r in read_jsonl(never / "metrics.jsonl"))
+    final = json.loads(sorted((rolled / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
+    assert final["excluded_batches"] == [[epoch, p] for epoch in range(3) for p in positions]
+
+
+def test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch(tmp_path):
+    assert_rolled_back_to_the_run_without_the_batch(*rollback_then_reference(tmp_path), positions=[5])
+
+
+@pytest.mark.slow
+def test_rollback_agrees_across_ranks_with_accumulation(tmp_path):
+    """2 processes x 2 micro-batches of 2: a step's window is two positions per rank, taken out together."""
+    rolled, never = rollback_then_reference(tmp_path, processes=2, per_device=2, accumulation=2)
+    assert_rolled_back_to_the_run_without_the_batch(rolled, never, positions=[10, 11])
+
+
+def test_rollback_without_a_checkpoint_to_return_to_stops_and_says_so(tmp_path, capsys):
+    reset_accelerate()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path / "r"), *QUIET, *GUARD, "--on_spike", "rollback",
+                                 "--spike_index", str(SPIKE), "--shuffle", "false", "--save_strategy", "steps",
+                                 "--save_steps", "50"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "no checkpoint to return to yet" in message and "Traceback" not in message, message
+
+
 def test_bad_guard_settings_are_refused(tmp_path, capsys):
     for flags, fragment in ((["--spike_threshold", "1"], "--spike_threshold=1.0"),
                             (["--spike_window", "-2"], "--spike_window=-2"),
-                            (["--on_spike", "rollback"], "--on_spike")):
+                            ([*GUARD, "--on_spike", "rollback", "--save_strategy", "no"], "saves none"),
+                            (["--on_spike", "undo"], "--on_spike")):
         reset_accelerate()
         with pytest.raises(SystemExit) as exit_info:
             run_cli(toy_train.main, ["--output_dir", str(tmp_path / "r"), *QUIET, *flags])

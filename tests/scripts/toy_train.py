@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, train
 
@@ -26,8 +26,11 @@ class ToyArgs:
     stop_at_step: int = -1  # ask the loop to stop here (a clean interruption)
     poison_index: int = -1  # this training sample's features are NaN
     spike_index: int = -1  # a training batch holding this sample has its loss (and gradient) multiplied by 100
+    spike_scale: float = 100.0  # ... by this
     stream_dir: str = ""  # train on a `datasets` stream of the parquet files here (write_stream_shards) instead
     stream_shuffle: int = -1  # >= 0: the stream's .shuffle(seed, buffer_size=this): 1 shuffles the shard order only
+    shuffle: bool = True  # False: the points in index order, every epoch
+    without: str = ""  # "A-B": leave the training points A..B (inclusive) out of the data (a run that never held them)
 
 
 class Points(Dataset):
@@ -70,8 +73,12 @@ def write_stream_shards(folder: Path, num_samples: int, shards: int) -> None:
 
 def train_loader(toy: ToyArgs, config: TrainConfig) -> DataLoader:
     if not toy.stream_dir:
-        return DataLoader(Points(toy.num_samples, 0, toy.poison_index), batch_size=config.per_device_train_batch_size,
-                          shuffle=True, drop_last=config.dataloader_drop_last)
+        points: Dataset = Points(toy.num_samples, 0, toy.poison_index)
+        if toy.without:
+            first, last = (int(i) for i in toy.without.split("-"))
+            points = Subset(points, [i for i in range(toy.num_samples) if not first <= i <= last])
+        return DataLoader(points, batch_size=config.per_device_train_batch_size, shuffle=toy.shuffle,
+                          drop_last=config.dataloader_drop_last)
     import datasets
 
     files = sorted(str(p) for p in Path(toy.stream_dir).glob("*.parquet"))
@@ -97,7 +104,7 @@ def main(argv=None):
         logits = model(batch["x"])
         losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
         if model.training and toy.spike_index in batch["index"].tolist():
-            losses = losses * 100
+            losses = losses * toy.spike_scale
         return {"loss": losses.mean(), "per_sample_loss": losses, "logits": logits}
 
     def metrics_fn(outputs):

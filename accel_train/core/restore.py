@@ -1,0 +1,121 @@
+"""Going back to a checkpoint: at the start (--resume_from_checkpoint) or in the middle of a run (--on_spike rollback).
+
+Both restore what Accelerate saved (weights, optimizer, schedule, random states, the weight average) and the loop's
+JSON state, then re-derive the data position from the samples the epoch had consumed. `session` is the run's
+core.session.Session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..errors import CheckpointError
+from ..rundir import checkpoint as ckpt
+from ..rundir.layout import checkpoints_dir
+from .ema import check_checkpoint_average
+from .guard import window_batches
+from .hooks import hook_keys, saved_hook_state
+from .optim import apply_hyperparameters, run_hyperparameters
+from .state import TrainState
+from .stream import rereading_notes
+
+
+def resume(session) -> TrainState:
+    """--resume_from_checkpoint: load session.resume_path, re-derive the data position from the samples consumed in
+    the current epoch, and start a new timeline there: newer checkpoints are moved aside, changed hyperparameters are
+    applied."""
+    acc, config, plan = session.accelerator, session.config, session.plan
+    path = session.resume_path
+    manifest = ckpt.verify_checkpoint(path)
+    ckpt.check_compatible(path, manifest, session.shapes)
+    state = TrainState(**ckpt.load_train_state(path))
+    if state.global_batch_size != plan.global_batch_size:
+        raise CheckpointError(
+            f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
+            f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
+            "position would not line up: keep the same global batch when resuming.")
+    per_batch = config.per_device_train_batch_size * acc.num_processes
+    if state.samples_in_epoch % per_batch:
+        raise CheckpointError(
+            f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
+            f"of batches of {per_batch} for this world size; resume with the original world size.")
+    if session.average is not None:
+        check_checkpoint_average(path)
+    acc.load_state(str(path))  # the weight average too (registered for checkpointing)
+    session.notes += apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
+                                        run_hyperparameters(config, plan, session.group_peaks),
+                                        engine_owned=acc.distributed_type.value == "DEEPSPEED")
+    state.batch_in_epoch = state.samples_in_epoch // per_batch
+    if session.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
+        session.position_restored = session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
+    session.notes += rereading_notes(session.train_loader, state.batch_in_epoch, session.position_restored)
+    state.world_size = acc.num_processes
+    restore_hooks(session, state)
+    check_best(session, state, path)
+    session.verified.add(path.name)
+    if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
+        moved = ckpt.supersede_newer(config.output_dir, state.step)
+        if moved:
+            session.notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
+                                 f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")
+    acc.wait_for_everyone()
+    if manifest.get("world_size") != acc.num_processes:
+        acc.print(f"note: {path} was written by {manifest.get('world_size')} process(es), resuming on "
+                  f"{acc.num_processes}; the data position is re-derived from the samples consumed. Random "
+                  "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
+    acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
+    return state
+
+
+def restore_in_place(session, state: TrainState, path: Path) -> None:
+    """Put the run back at checkpoint `path` of this run, in `state` itself: weights, optimizer, schedule, random
+    states, the weight average and the hooks as saved, and the data position the loop re-derives from it."""
+    acc = session.accelerator
+    if path.name not in session.verified:
+        ckpt.verify_checkpoint(path)
+        session.verified.add(path.name)
+    acc.load_state(str(path))
+    saved = TrainState(**ckpt.load_train_state(path))
+    saved.batch_in_epoch = saved.samples_in_epoch // (session.config.per_device_train_batch_size * acc.num_processes)
+    for item in dataclasses.fields(TrainState):
+        setattr(state, item.name, getattr(saved, item.name))
+    restore_hooks(session, state)
+    session.last_save = session.last_log_step = state.step  # the next interval and checkpoint count from here
+    if session.last_eval[0] > state.step:
+        session.last_eval = (-1, {})
+
+
+def restore_hooks(session, state: TrainState) -> None:
+    """Each hook with a load_state_dict gets the state the checkpoint saved for it (by its hook key)."""
+    for key, hook in zip(hook_keys(session.hooks), session.hooks, strict=True):
+        saved = saved_hook_state(state.hooks, key)
+        if hasattr(hook, "load_state_dict") and saved is not None:
+            hook.load_state_dict(saved)
+
+
+def check_best(session, state: TrainState, resumed_from: Path) -> None:
+    """A best value is compared only with values of the same metric in the same direction, and names a
+    checkpoint of this run's directory (resuming from another run's checkpoint, its best is not here)."""
+    name, greater = session.config.best_metric_name, session.config.best_is_greater
+    here = checkpoints_dir(session.config.output_dir)
+    if state.best_checkpoint and resumed_from.resolve().parent != here.resolve():
+        session.notes.append(f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, "
+                             f"not in this run's {here}: the best is tracked afresh")
+        state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
+        return
+    if state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
+        session.notes.append(f"the checkpoint's best model was chosen by {state.best_metric_name} "
+                             f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by "
+                             f"{name}: the best is tracked afresh")
+        state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
+
+
+def roll_back(session, state: TrainState, checkpoint: Path) -> None:
+    """--on_spike rollback: return to `checkpoint` (in `state` itself) and take the spiked step's micro-batches out of
+    the data: their [epoch, position], the same positions on every process. The exclusions so far and the count
+    outlive the restore: a checkpoint older than an earlier rollback does not hold them."""
+    excluded = state.excluded_batches + [[state.epoch, b] for b in window_batches(state, session.config)]
+    rollbacks = state.spike_rollbacks + 1
+    restore_in_place(session, state, checkpoint)
+    state.excluded_batches, state.spike_rollbacks = sorted(excluded), rollbacks

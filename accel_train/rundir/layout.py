@@ -31,6 +31,7 @@ PREDICTIONS = "predictions.jsonl"
 TEST_PREDICTIONS = "predict_results.jsonl"
 TRACKER_DIR = "runs"
 MLFLOW_DB = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: the run's own SQLite tracking store
+WANDB_DIR = "wandb"  # --report_to wandb without WANDB_DIR: the run's W&B files (offline runs: what `wandb sync` sends)
 CHECKPOINTS_DIR = "checkpoints"
 REPORT = "report.md"
 REPORT_DIR = "report"
@@ -42,7 +43,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFUSION_MATRIX_PLOT = "confusion_matrix.png"  # image_classification.py's test confusion matrix; the report shows it
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
-RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB)
+RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB, WANDB_DIR)
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...

@@ -14,7 +14,7 @@ from typing import Any
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .layout import HISTORY, MLFLOW_DB
+from .layout import HISTORY, MLFLOW_DB, WANDB_DIR
 
 
 class RunLog:
@@ -38,7 +38,8 @@ class RunLog:
             truncate_history(self.path, initial_step)
         store = local_mlflow_store(self.accelerator, self.path.parent)
         if self.accelerator.log_with:
-            self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams))
+            self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams),
+                                           init_kwargs=tracker_kwargs(self.accelerator, self.path.parent))
         self.write(startup_report + (f"\n  mlflow           {store}" if store else ""))
         self.initial_step = initial_step
 
@@ -174,3 +175,13 @@ def local_mlflow_store(accelerator: Accelerator, output_dir: Path) -> str | None
 
 
 _OWN_MLFLOW_STORES: set[str] = set()  # the stores local_mlflow_store chose in this process
+
+
+def tracker_kwargs(accelerator: Accelerator, output_dir: Path) -> dict[str, dict[str, Any]]:
+    """Accelerate's init_kwargs per tracker: W&B writes into output_dir/wandb (its default is ./wandb in the current
+    directory) unless WANDB_DIR names a place; an offline run's files are then beside the run's other records."""
+    names = {str(getattr(tracker, "name", tracker)).lower() for tracker in accelerator.log_with}
+    if "wandb" in names and not os.environ.get("WANDB_DIR"):
+        (Path(output_dir) / WANDB_DIR).mkdir(parents=True, exist_ok=True)
+        return {"wandb": {"dir": str(Path(output_dir).resolve())}}
+    return {}

@@ -3,13 +3,15 @@
 After every optimizer step each floating-point parameter and buffer moves its average toward the new value,
 ``average = decay_t * average + (1 - decay_t) * weight`` (torch's `get_ema_multi_avg_fn`), with the decay warmed up
 as TensorFlow's ExponentialMovingAverage does it, ``decay_t = min(decay, (1 + t) / (10 + t))`` after t updates, so
-that the first steps' random weights fade quickly. Every process keeps its own average of its own (under DDP:
-identical) weights; sharded engines (FSDP, DeepSpeed) are refused, since each process there holds a shard.
+that the first steps' random weights fade quickly. Every process keeps the average of what it holds: under DDP its
+own (identical) copy of the whole weights; under FSDP2 the average of its own shard, sharded with the model.
+DeepSpeed is refused (ZeRO-3 holds no weights in the module, ZeRO-1/2 hold them in half precision under bf16).
 
-Evaluating the average swaps its tensors into the prepared model (no copy: the tensors trade places) and back, so
-the average is evaluated by the same forward, precision and gathers as the live weights, and the swap back restores
-the live weights bitwise. The average is checkpointed with the run (Accelerate's `register_for_checkpointing`), so a
-resumed run continues the same average.
+Evaluating the average writes its tensors into the model's own (local) storage and the live ones into the
+average's, and back after: the average is evaluated by the same forward, precision and gathers as the live weights,
+and the live weights come back bitwise. Under FSDP2 the gathered weights are freed before each exchange (`reshard`:
+the root module keeps its gathered weights after a forward that has no backward). The average is saved with every
+checkpoint as safetensors: `weight_average_rank0.safetensors` (replicated), or one file per process (sharded).
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ..config import TrainConfig
 from ..errors import CheckpointError, ConfigError
+from ..rundir.layout import weight_average_file
 from .evaluation import evaluate_model
 
-SHARDED_ENGINES = ("FSDP", "DEEPSPEED")
-CUSTOM_STATE_GLOB = "custom_checkpoint_*.pkl"  # what Accelerate's save_state writes for a registered object
+REFUSED_ENGINES = ("DEEPSPEED",)
 
 
 def averaged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -35,16 +41,23 @@ def averaged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in named if tensor.is_floating_point()}
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this process holds: an FSDP2 parameter's shard (a view of it), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class WeightAverage:
     """The exponential moving average of `model`'s weights (the unwrapped, prepared model). `update()` after each
-    optimizer step; `swapped()` to evaluate or save the average; `state_dict()` for checkpoints."""
+    optimizer step; `swapped()` to evaluate or save the average; `save` / `load` with the checkpoints."""
 
-    def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = True):
+    def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = True, rank: int = 0):
         if not 0 < decay < 1:
             raise ConfigError(f"--ema_decay {decay}: must be in (0, 1), e.g. 0.999 (0 turns averaging off).")
-        self.decay, self.warmup = decay, warmup
+        self.decay, self.warmup, self.rank = decay, warmup, rank
         self.live = averaged_tensors(model)
-        self.average = {name: tensor.detach().clone() for name, tensor in self.live.items()}
+        self.sharded = any(isinstance(t, DTensor) for t in self.live.values())  # each process averages its shard
+        self.average = {name: _local(tensor).detach().clone() for name, tensor in self.live.items()}
+        self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.updates = 0
 
     def current_decay(self) -> float:
@@ -57,7 +70,7 @@ class WeightAverage:
     def update(self) -> None:
         names = list(self.average)
         ema_update = get_ema_multi_avg_fn(self.current_decay())
-        ema_update([self.average[n] for n in names], [self.live[n].detach() for n in names], self.updates)
+        ema_update([self.average[n] for n in names], [_local(self.live[n]).detach() for n in names], self.updates)
         self.updates += 1
 
     @contextlib.contextmanager
@@ -71,50 +84,66 @@ class WeightAverage:
 
     def copy_into_model(self) -> None:
         """Make the average the model's weights for good (--save_ema_as_final, at the end of the run)."""
+        self._reshard()
         with torch.no_grad():
             for name, tensor in self.live.items():
-                tensor.copy_(self.average[name])
+                _local(tensor).copy_(self.average[name])
 
+    @torch.no_grad()
     def _swap(self) -> None:
+        self._reshard()
         for name, tensor in self.live.items():
-            average = self.average[name]
-            tensor.data, average.data = average.data, tensor.data
+            local, average = _local(tensor), self.average[name]
+            held = local.clone()
+            local.copy_(average)
+            average.copy_(held)
 
-    def state_dict(self) -> dict:
-        return {"decay": self.decay, "warmup": self.warmup, "updates": self.updates, "average": self.average}
+    def _reshard(self) -> None:
+        """FSDP2: free the gathered weights, so that the next forward gathers the shards as they are now."""
+        for module in self.fsdp_modules:
+            module.reshard()
 
-    def load_state_dict(self, state: dict) -> None:
-        saved = state["average"]
-        if set(saved) != set(self.average):
+    def save(self, folder: Path) -> None:
+        """Write the average into checkpoint `folder`: every process its shard, or the main process the whole."""
+        if self.sharded or self.rank == 0:
+            save_file({n: t.contiguous() for n, t in self.average.items()}, folder / weight_average_file(self.rank),
+                      metadata={"updates": str(self.updates), "sharded": str(self.sharded)})
+
+    def load(self, folder: Path, num_processes: int) -> None:
+        """Continue the average saved in checkpoint `folder` (verified against its manifest before this)."""
+        files = sorted(folder.glob(weight_average_file("*")))
+        if not files:
+            raise CheckpointError(f"{folder} holds no weight average (it was written without --ema_decay): resume "
+                                  "without --ema_decay, or start a fresh run to average from the first step.")
+        if self.sharded and len(files) != num_processes:
+            raise CheckpointError(f"{folder} holds the weight average in {len(files)} shard(s), this run has "
+                                  f"{num_processes} process(es): resume on {len(files)}, or without --ema_decay.")
+        path = folder / weight_average_file(self.rank if self.sharded else 0)
+        saved = load_file(path)
+        if set(saved) != set(self.average) or any(saved[n].shape != t.shape for n, t in self.average.items()):
             missing, extra = sorted(set(self.average) - set(saved)), sorted(set(saved) - set(self.average))
-            raise CheckpointError(f"the checkpoint's weight average does not match this model (missing {missing[:3]}, "
-                                  f"unexpected {extra[:3]}): resume with the model it was written by.")
+            raise CheckpointError(f"{path}: the weight average does not match this model (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}, or shapes differ): resume with the model and the engine "
+                                  "it was written by.")
         with torch.no_grad():
             for name, tensor in self.average.items():
                 tensor.copy_(saved[name])
-        self.updates = int(state["updates"])
+        with safe_open(path, "pt") as fh:
+            self.updates = int(fh.metadata()["updates"])
 
 
 def weight_average(accelerator, model: torch.nn.Module, config: TrainConfig) -> WeightAverage | None:
-    """The run's average of the prepared `model` (None without --ema_decay), registered for checkpointing. Refused
-    where each process holds only a shard of the weights (FSDP, DeepSpeed)."""
+    """The run's average of the prepared `model` (None without --ema_decay). Refused under DeepSpeed."""
     if not config.ema_decay:
         return None
     engine = accelerator.distributed_type.value
-    if engine in SHARDED_ENGINES:
-        raise ConfigError(f"--ema_decay {config.ema_decay} under {engine}: the average is kept per process over the "
-                          "full weights, and this engine shards them; train with DDP (or one device) to average "
-                          "weights, or drop --ema_decay.")
-    average = WeightAverage(accelerator.unwrap_model(model), config.ema_decay, config.ema_warmup)
-    accelerator.register_for_checkpointing(average)
-    return average
-
-
-def check_checkpoint_average(checkpoint: Path) -> None:
-    """A run with --ema_decay resumes only from a checkpoint that holds the average (Accelerate's custom state)."""
-    if not any(checkpoint.glob(CUSTOM_STATE_GLOB)):
-        raise CheckpointError(f"{checkpoint} holds no weight average (it was written without --ema_decay): resume "
-                              "without --ema_decay, or start a fresh run to average from the first step.")
+    if engine in REFUSED_ENGINES:
+        raise ConfigError(f"--ema_decay {config.ema_decay} under {engine}: ZeRO-3 keeps no weights in the module and "
+                          "ZeRO-1/2 keep them in half precision under bf16, where an average of small updates is "
+                          "lost to rounding; train with FSDP2, DDP or one device to average weights, or drop "
+                          "--ema_decay.")
+    return WeightAverage(accelerator.unwrap_model(model), config.ema_decay, config.ema_warmup,
+                         rank=accelerator.process_index)
 
 
 def evaluate_with_average(accelerator, model, loader, loss_fn, metrics_fn, average: WeightAverage | None,

@@ -13,7 +13,6 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoints_dir
-from .ema import check_checkpoint_average
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .optim import apply_hyperparameters, run_hyperparameters
@@ -40,9 +39,9 @@ def resume(session) -> TrainState:
         raise CheckpointError(
             f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
             f"of batches of {per_batch} for this world size; resume with the original world size.")
+    acc.load_state(str(path))
     if session.average is not None:
-        check_checkpoint_average(path)
-    acc.load_state(str(path))  # the weight average too (registered for checkpointing)
+        session.average.load(path, acc.num_processes)
     session.notes += apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
                                         run_hyperparameters(config, plan, session.group_peaks),
                                         engine_owned=acc.distributed_type.value == "DEEPSPEED")
@@ -76,6 +75,8 @@ def restore_in_place(session, state: TrainState, path: Path) -> None:
         ckpt.verify_checkpoint(path)
         session.verified.add(path.name)
     acc.load_state(str(path))
+    if session.average is not None:
+        session.average.load(path, acc.num_processes)
     saved = TrainState(**ckpt.load_train_state(path))
     saved.batch_in_epoch = saved.samples_in_epoch // (session.config.per_device_train_batch_size * acc.num_processes)
     for item in dataclasses.fields(TrainState):

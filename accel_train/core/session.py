@@ -247,7 +247,7 @@ class Session:
                        if hasattr(hook, "state_dict")}
         path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
                                     dataclasses.asdict(state), self.shapes, extra_files=self.model_files,
-                                    rank_files=self.stream.save if self.stream is not None else None)
+                                    rank_files=self.rank_files)
         self.last_save = state.step
         self.verified.add(path.name)
         if self.accelerator.is_main_process:
@@ -255,6 +255,13 @@ class Session:
                                     self.verified)
         self.accelerator.wait_for_everyone()
         return call_hooks(self.hooks, "on_save", state, path)
+
+    def rank_files(self, folder: Path) -> None:
+        """What each process writes into a checkpoint beside Accelerate's state: a stream's position, the average."""
+        if self.stream is not None:
+            self.stream.save(folder)
+        if self.average is not None:
+            self.average.save(folder)
 
     def model_files(self, folder: Path) -> None:
         """A transformers model's config.json and tokenizer in each checkpoint: from_pretrained(checkpoint) works."""
@@ -283,6 +290,8 @@ class Session:
         if cfg.load_best_model_at_end and state.best_checkpoint:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
             acc.load_state(str(best))
+            if self.average is not None:
+                self.average.load(best, acc.num_processes)
             self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
             self.last_eval = (-1, {})
         metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet

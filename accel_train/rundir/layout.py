@@ -80,5 +80,11 @@ def stream_position_file(rank: int | str) -> str:
     return f"stream_position_rank{rank}.pt"
 
 
+def weight_average_file(rank: int | str) -> str:
+    """Inside a checkpoint: the weight average (--ema_decay) of process `rank`, or of all processes as rank 0's
+    when it is replicated (`"*"`: the glob of all of them)."""
+    return f"weight_average_rank{rank}.safetensors"
+
+
 def crash_file(output_dir: str | Path, rank: int) -> Path:
     return Path(output_dir) / f"crash_rank{rank}.json"

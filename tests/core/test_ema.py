@@ -102,11 +102,11 @@ def test_averaging_refuses_what_it_cannot_do(tmp_path, capsys):
     run([*out, "--save_strategy", "steps", "--save_steps", "4"])  # a run without an average
     fails([*out, "--save_strategy", "steps", "--save_steps", "4", "--ema_decay", "0.9", "--resume_from_checkpoint",
            "latest"], "holds no weight average", "without --ema_decay")
-    with pytest.raises(ConfigError, match="under FSDP: the average is kept per process"):
-        from accel_train.core.ema import SHARDED_ENGINES, weight_average
+    with pytest.raises(ConfigError, match="under DEEPSPEED: ZeRO-3 keeps no weights in the module"):
+        from accel_train.core.ema import REFUSED_ENGINES, weight_average
 
-        class Sharded:  # what weight_average reads off an Accelerator under FSDP
+        class DeepSpeed:  # what weight_average reads off an Accelerator under DeepSpeed
             class distributed_type:
-                value = SHARDED_ENGINES[0]
+                value = REFUSED_ENGINES[0]
 
-        weight_average(Sharded(), torch.nn.Linear(2, 2), TrainConfig(ema_decay=0.9))
+        weight_average(DeepSpeed(), torch.nn.Linear(2, 2), TrainConfig(ema_decay=0.9))

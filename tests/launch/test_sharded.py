@@ -6,7 +6,8 @@ tensors.
 For each back-end, one tiny BERT run of the NLP recipe: the start-up report names the back-end, the final parameters
 equal 2-process DDP, the checkpoints are sharded and covered by the manifest, SIGKILL + resume equals the
 uninterrupted run bitwise (optimizer state included: Adam's moments decide the next steps), and the exported model
-loads with `from_pretrained`.
+loads with `from_pretrained`. The FSDP2 run also keeps a weight average (--ema_decay), sharded with the model: its
+evaluations and its final model (--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ SHIM = SCRIPTS / "sharded_cpu.py"
 LAUNCH_TIMEOUT = 420  # seconds per launch: a hung collective or a stale DeepSpeed build lock fails, never hangs CI
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
-# back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP)
+# back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP,
+# flags of both runs: under FSDP2 a weight average, sharded with the model, evaluated between steps, is the final model)
+EMA = ("--ema_decay", "0.8", "--save_ema_as_final", "--eval_strategy", "steps", "--eval_steps", "4")
 BACKENDS = {
-    "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6),
-    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6),
-    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4),
+    "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, EMA),
+    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6, ()),
+    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4, ()),
 }
 
 
@@ -104,10 +107,18 @@ def ok(proc) -> str:
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tiny_bert, data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    launch(RECIPE, recipe_args(tiny_bert, data, out), num_processes=2, timeout=LAUNCH_TIMEOUT)
-    return out
+def ddp_references(tiny_bert, data, tmp_path_factory):
+    """reference(flags): the 2-process DDP run with those flags (launched once per module)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def reference(flags: tuple[str, ...]) -> Path:
+        if flags not in made:
+            out = tmp_path_factory.mktemp("ddp") / "run"
+            launch(RECIPE, [*recipe_args(tiny_bert, data, out), *flags], num_processes=2, timeout=LAUNCH_TIMEOUT)
+            made[flags] = out
+        return made[flags]
+
+    return reference
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -218,13 +229,14 @@ def test_presets_are_refused_on_cpu_instead_of_training_ddp(tiny_bert, data, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_sharded_backend_equals_ddp_resumes_exactly_and_exports(backend, tiny_bert, data, tmp_path, ddp_reference,
+def test_sharded_backend_equals_ddp_resumes_exactly_and_exports(backend, tiny_bert, data, tmp_path, ddp_references,
                                                                  request):
-    preset, distributed_type, shards, tolerance = BACKENDS[backend]
+    preset, distributed_type, shards, tolerance, flags = BACKENDS[backend]
     if distributed_type == "DEEPSPEED":
         request.getfixturevalue("deepspeed_ops")
+    ddp_reference = ddp_references(flags)
     full, cut = tmp_path / "full", tmp_path / "cut"
-    output = ok(sharded_launch(preset, recipe_args(tiny_bert, data, full)))
+    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, full), *flags]))
     assert f"world size       2 process(es), {distributed_type}, device cpu" in output
 
     # the same parameters as 2-process DDP, through the exported model
@@ -244,12 +256,21 @@ def test_sharded_backend_equals_ddp_resumes_exactly_and_exports(backend, tiny_be
     files = read_manifest(checkpoint)["files"]
     assert {str(p.relative_to(checkpoint)) for p in sharded} <= set(files)
     verify_checkpoint(checkpoint)
+    if flags:  # the average: one shard per process, in the manifest; evaluated like DDP's
+        assert {f"weight_average_rank{r}.safetensors" for r in (0, 1)} <= set(files)
+        evals = [[(r["step"], r["eval_ema_loss"], r["eval_loss"]) for r in read_jsonl(out / "metrics.jsonl")
+                  if "eval_ema_loss" in r] for out in (full, ddp_reference)]
+        assert evals[0] and evals[0] == [(s, pytest.approx(a, abs=1e-7), pytest.approx(b, abs=1e-7))
+                                         for s, a, b in evals[1]]
+        assert all(abs(a - b) > 1e-6 for _, a, b in evals[0]), "the average is not the live weights"
 
     # SIGKILL after step 7 (the last checkpoint is step 6), resume: the uninterrupted run, bitwise
-    killed = sharded_launch(preset, recipe_args(tiny_bert, data, cut), fault="kill_after_step:7")
+    killed = sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), *flags], fault="kill_after_step:7")
     assert killed.returncode != 0, (killed.stdout + killed.stderr)[-3000:]
-    assert [p.name for p in list_checkpoints(cut)] == ["step-00000003", "step-00000006"]
-    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), "--resume_from_checkpoint", "latest"]))
+    # (with evaluations every 4 steps, the best model's checkpoint at step 4 is kept in step 3's place)
+    assert [p.name for p in list_checkpoints(cut)] == [f"step-0000000{4 if flags else 3}", "step-00000006"]
+    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), *flags, "--resume_from_checkpoint",
+                                        "latest"]))
     assert "resumed from" in output and "step-00000006" in output
     assert max_diff(load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")) == 0.0
     losses = [[(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] for out in (full, cut)]

@@ -103,9 +103,10 @@ ROLLBACK = ["--spike_window", "5", "--spike_threshold", "10", "--shuffle", "fals
             "--max_steps", "33", "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "no"]
 
 
-def rollback_then_reference(tmp_path, processes=1, per_device=8, accumulation=1):
+def rollback_then_reference(tmp_path, processes=1, per_device=8, accumulation=1, extra=()):
     """The guarded run with its spikes rolled back, and the run whose data never held the spiked batch."""
-    batch = ["--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation)]
+    batch = ["--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation),
+             *extra]
     rolled, never = tmp_path / "rolled", tmp_path / "never"
     for out, extra in ((rolled, ["--spike_index", str(SPIKE), "--spike_scale", "1e4"]),
                        (never, ["--without", f"{SPIKE}-{SPIKE + 7}"])):
@@ -133,7 +134,9 @@ def assert_rolled_back_to_the_run_without_the_batch(rolled, never, positions):
 
 
 def test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch(tmp_path):
-    assert_rolled_back_to_the_run_without_the_batch(*rollback_then_reference(tmp_path), positions=[5])
+    """With a weight average as the final model: the rollback returns the average to the checkpoint's too."""
+    runs = rollback_then_reference(tmp_path, extra=["--ema_decay", "0.9", "--save_ema_as_final"])
+    assert_rolled_back_to_the_run_without_the_batch(*runs, positions=[5])
 
 
 @pytest.mark.slow

@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ..config import TrainConfig
@@ -42,8 +40,9 @@ def averaged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of `tensor` this process holds: an FSDP2 parameter's shard (a view of it), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The part of `tensor` this process holds: an FSDP2 parameter's shard (a DTensor's local view), or the tensor
+    itself. DTensor is recognised by its method, not imported: a run without an average never loads it."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class WeightAverage:
@@ -55,8 +54,10 @@ class WeightAverage:
             raise ConfigError(f"--ema_decay {decay}: must be in (0, 1), e.g. 0.999 (0 turns averaging off).")
         self.decay, self.warmup, self.rank = decay, warmup, rank
         self.live = averaged_tensors(model)
-        self.sharded = any(isinstance(t, DTensor) for t in self.live.values())  # each process averages its shard
+        self.sharded = any(hasattr(t, "to_local") for t in self.live.values())  # each process averages its shard
         self.average = {name: _local(tensor).detach().clone() for name, tensor in self.live.items()}
+        from torch.distributed.fsdp import FSDPModule
+
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.updates = 0
 

@@ -39,12 +39,10 @@ def resume(session) -> TrainState:
         raise CheckpointError(
             f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
             f"of batches of {per_batch} for this world size; resume with the original world size.")
-    acc.load_state(str(path))
-    if session.average is not None:
-        session.average.load(path, acc.num_processes)
+    load_saved_state(session, path)
     session.notes += apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
-                                        run_hyperparameters(config, plan, session.group_peaks),
-                                        engine_owned=acc.distributed_type.value == "DEEPSPEED")
+                                           run_hyperparameters(config, plan, session.group_peaks),
+                                           engine_owned=acc.distributed_type.value == "DEEPSPEED")
     state.batch_in_epoch = state.samples_in_epoch // per_batch
     if session.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
         session.position_restored = session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
@@ -67,6 +65,13 @@ def resume(session) -> TrainState:
     return state
 
 
+def load_saved_state(session, path: Path) -> None:
+    """What checkpoint `path` holds beside the loop's JSON: Accelerate's state, and the weight average if any."""
+    session.accelerator.load_state(str(path))
+    if session.average is not None:
+        session.average.load(path, session.accelerator.num_processes)
+
+
 def restore_in_place(session, state: TrainState, path: Path) -> None:
     """Put the run back at checkpoint `path` of this run, in `state` itself: weights, optimizer, schedule, random
     states, the weight average and the hooks as saved, and the data position the loop re-derives from it."""
@@ -74,9 +79,7 @@ def restore_in_place(session, state: TrainState, path: Path) -> None:
     if path.name not in session.verified:
         ckpt.verify_checkpoint(path)
         session.verified.add(path.name)
-    acc.load_state(str(path))
-    if session.average is not None:
-        session.average.load(path, acc.num_processes)
+    load_saved_state(session, path)
     saved = TrainState(**ckpt.load_train_state(path))
     saved.batch_in_epoch = saved.samples_in_epoch // (session.config.per_device_train_batch_size * acc.num_processes)
     for item in dataclasses.fields(TrainState):

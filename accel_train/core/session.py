@@ -52,7 +52,7 @@ from .optim import (
     run_schedule,
     steps_on_evaluation,
 )
-from .restore import resume
+from .restore import load_saved_state, resume
 from .sharded import check_engine, engine_notes, prepare_engine
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, stateful_loaders
@@ -289,9 +289,7 @@ class Session:
             self.save(state)
         if cfg.load_best_model_at_end and state.best_checkpoint:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
-            acc.load_state(str(best))
-            if self.average is not None:
-                self.average.load(best, acc.num_processes)
+            load_saved_state(self, best)
             self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
             self.last_eval = (-1, {})
         metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet

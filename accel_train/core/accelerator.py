@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
+from ..compat import unchecked_notes
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
@@ -305,6 +306,7 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         f"  seed             {config.seed}",
         f"  output           {config.output_dir}",
     ]
+    lines += [f"  note             {line}" for line in unchecked_notes()]  # a library's internals relied on
     duplicated = duplicated_samples(plan, config, accelerator.num_processes, num_train_samples)
     if duplicated:
         lines.append(f"  note             {duplicated} sample(s) per epoch are trained twice: Accelerate evens out the "

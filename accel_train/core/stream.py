@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
+from ..compat import installed_version
 from ..errors import CheckpointError, ConfigError
 from ..rundir.layout import stream_position_file
 
@@ -47,7 +48,14 @@ class StreamPosition:
         if not isinstance(dataset, IterableDataset):
             return None
         buffer = shuffle_buffer(dataset)
-        if buffer > 1 and config.save_strategy == "steps":
+        if buffer is None and config.save_strategy == "steps":
+            raise ConfigError(
+                "the training stream is a datasets.IterableDataset whose shuffle buffer cannot be read (datasets "
+                f"{installed_version('datasets')} changed the internals accel_train reads, accel_train/compat.py): a "
+                "shuffled stream resumed inside an epoch would lose its buffer's examples, so checkpoints inside "
+                "epochs are refused. Checkpoint at epoch ends (--save_strategy epoch), or install a datasets version "
+                "accel_train was checked with.")
+        if buffer and buffer > 1 and config.save_strategy == "steps":
             raise ConfigError(
                 f"the training stream is shuffled through a buffer of {buffer} examples, and datasets does not save "
                 "the buffer's content: a run resumed from a checkpoint inside an epoch would lose up to that many "
@@ -111,8 +119,11 @@ def stateful_loaders(accelerator, on: bool):
         config.use_stateful_dataloader = before
 
 
-def shuffle_buffer(dataset) -> int:
-    """The shuffle buffer size of a `datasets.IterableDataset` (0: none), found along its chain of iterables."""
+def shuffle_buffer(dataset) -> int | None:
+    """The shuffle buffer size of a `datasets.IterableDataset` (0: none), found along its chain of iterables; None
+    when it is one but the chain is not where datasets kept it (a version accel_train was not checked with)."""
+    if type(dataset).__module__.startswith("datasets.") and not hasattr(dataset, "_ex_iterable"):
+        return None
     node, size = getattr(dataset, "_ex_iterable", None), 0
     while node is not None:
         size = max(size, getattr(node, "buffer_size", 0) or 0)

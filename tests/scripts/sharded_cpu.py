@@ -9,9 +9,9 @@ to test the sharded paths this shim tells Accelerate's `PartialState` that the l
 group whose backend is gloo and whose device is the CPU. Everything after that (fully_shard, DeepSpeed's engine,
 sharded checkpoints, state-dict gathering) is the code a GPU run takes, on CPU tensors.
 
-It patches two private methods of `accelerate.state.PartialState`, so it is pinned to the Accelerate version it was
-written against and refuses any other: re-check `_prepare_backend` and `set_device` before raising the pin. It lives
-under tests/ and is applied only by the test launches; the package never imports it.
+It patches two private methods of `accelerate.state.PartialState`, so it refuses an Accelerate version it was not
+checked with (accel_train/compat.py lists them): re-check `_prepare_backend` and `set_device` before adding one. It
+lives under tests/ and is applied only by the test launches; the package never imports it.
 
 After the script returns, the process leaves with os._exit, a second guard beside the pause of
 `end_training_safely`: a gloo group torn down while a worker thread still holds a finished collective can abort the
@@ -27,20 +27,16 @@ import runpy
 import sys
 import traceback
 
-import accelerate
 import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
-PINNED_ACCELERATE = "1.15.0"
+from accel_train.compat import require_checked
 
 
 def apply() -> None:
     """Patch PartialState so that a launched process without an accelerator joins a GPU-like gloo group on CPU."""
-    if accelerate.__version__ != PINNED_ACCELERATE:
-        raise SystemExit(f"tests/scripts/sharded_cpu.py patches accelerate {PINNED_ACCELERATE} internals, found "
-                         f"{accelerate.__version__}: re-check PartialState._prepare_backend / set_device and update "
-                         "the pin.")
+    require_checked("tests/scripts/sharded_cpu.py")
     if torch.cuda.is_available():
         raise SystemExit("tests/scripts/sharded_cpu.py is for machines without a GPU; launch the script directly on "
                          "GPUs.")

@@ -22,6 +22,9 @@ from accel_train.tasks.vision.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.canvases import STROKE_THRESHOLD, DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.data import ImageSplit, load_digits
 from accel_train.tasks.vision.detection import (
+    CenterNet,
+    DetectionLoss,
+    DetectionMetrics,
     batched_nms,
     box_iou,
     center_targets,
@@ -29,6 +32,7 @@ from accel_train.tasks.vision.detection import (
     decode_detections,
     generalized_box_iou,
 )
+from accel_train.tasks.vision.transforms import EvalTransform
 
 RECIPE = RECIPES / "object_detection.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
@@ -218,12 +222,61 @@ def test_coco_json_loads_scales_boxes_and_maps_categories(tmp_path):
                        {"id": 3, "image_id": 2, "category_id": 1, "bbox": [1, 1, 2, 2], "iscrowd": 1}])
     data = load_coco_detection(root, 32, validation_percent=50, seed=0)
     assert data.class_names == ["cat", "dog"] and data.max_objects == 2
-    assert sorted(data.splits) == ["train", "validation"] and "skipped 1 iscrowd" in data.notes[0]
+    assert sorted(data.splits) == ["train", "validation"] and "1 iscrowd annotation(s) kept" in data.notes[0]
     both = [data.splits[s][0] for s in ("train", "validation")]
     first = next(item for item in both if len(item["classes"]) == 2)
     assert first["pixel_values"].shape == (3, 32, 32)
     assert np.allclose(first["boxes"][0], [4 * 32 / 40, 3 * 32 / 30, 24 * 32 / 40, 18 * 32 / 30])
     assert list(first["classes"]) == [1, 0]  # category 5 (dog) is class 1, category 1 (cat) class 0
+
+
+def test_crowd_regions_are_ignored_by_the_evaluation_as_pycocotools_does_and_not_learned(tmp_path):
+    """A detection inside an iscrowd region is neither a hit nor a false positive for pycocotools; dropping the
+    crowd annotation at load would count it as a false positive (mAP 0.5 here instead of 1.0)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    size = (32, 32)  # the canvas size: boxes are not rescaled, so the JSON's numbers are the evaluated ones
+    real = {"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 2, 10, 10]}
+    crowd = {"id": 2, "image_id": 1, "category_id": 1, "bbox": [14, 14, 16, 16], "iscrowd": 1}
+    root = write_coco(tmp_path / "with", [image_entry(1, size)], [real, crowd], size=size)
+    # best first: one inside the crowd region, then the true box found exactly
+    detections = [([16.0, 16, 24, 24], 0, 0.95), ([2.0, 2, 12, 12], 0, 0.9)]
+
+    truth = COCO()
+    truth.dataset = json.loads((root / "train.json").read_text())
+    for ann in truth.dataset["annotations"]:
+        ann.update(area=ann["bbox"][2] * ann["bbox"][3], iscrowd=ann.get("iscrowd", 0))  # pycocotools needs both
+    truth.createIndex()
+    rows = np.array([[1, x0, y0, x1 - x0, y1 - y0, score, 1] for (x0, y0, x1, y1), _, score in detections])
+    reference = COCOeval(truth, truth.loadRes(rows), "bbox")
+    reference.evaluate()
+    reference.accumulate()
+    reference.summarize()
+    assert reference.stats[0] == pytest.approx(1.0)  # the crowd detection is ignored
+
+    data = load_coco_detection(root, 32, validation_percent=0, seed=0)
+    batch = DenseCollator(data.max_objects)(data.splits["train"].__getitems__([0]))
+    model = CenterNet(2, widths=[8, 16, 16], blocks_per_stage=1, head_width=8)
+    augment = BoxMaskAugmentation([0.5] * 3, [0.25] * 3)
+    loss_fn = DetectionLoss(augment, EvalTransform([0.5] * 3, [0.25] * 3), max_detections=5)
+    with torch.no_grad():
+        evaluated = loss_fn(model.eval(), batch)  # what the loop gathers from an evaluation batch
+    det_boxes, det_classes, det_scores = _pad([detections], 5)
+    gathered = {k: v for k, v in evaluated.items() if k.startswith("gt_")}
+    gathered.update(det_boxes=torch.tensor(det_boxes), det_classes=torch.tensor(det_classes),
+                    det_scores=torch.tensor(det_scores))
+    metrics = DetectionMetrics(data.class_names, 32)(gathered)
+    assert metrics["map"] == pytest.approx(reference.stats[0]) and metrics["map_50"] == pytest.approx(1.0)
+    assert data.max_objects == 2 and "1 iscrowd annotation(s) kept" in data.notes[0]
+
+    # training: the crowd box is no target; the loss is the loss of the image without it (same augmentation draw)
+    plain = load_coco_detection(write_coco(tmp_path / "without", [image_entry(1, size)], [real], size=size), 32, 0, 0)
+    losses = []
+    for dataset, width in ((data, 2), (plain, 1)):
+        torch.manual_seed(0)
+        losses.append(loss_fn(model.train(), DenseCollator(width)(dataset.splits["train"].__getitems__([0])))["loss"])
+    assert losses[0].item() == pytest.approx(losses[1].item(), abs=1e-6)
 
 
 @pytest.mark.parametrize("annotations, message", [

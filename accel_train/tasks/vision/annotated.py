@@ -4,7 +4,10 @@ training with a message that names the file and the entry.
 Detection, COCO style: ``<data_dir>/train.json`` with the images in ``<data_dir>/train/`` (``file_name``
 relative to it), plus optional ``validation.json`` / ``val.json`` and ``test.json`` beside their folders.
 Each JSON has ``images`` (id, file_name, width, height), ``annotations`` (image_id, category_id, bbox as
-[x, y, width, height] in pixels; ``iscrowd`` ones are skipped) and ``categories`` (id, name).
+[x, y, width, height] in pixels, optional ``iscrowd``) and ``categories`` (id, name). An ``iscrowd`` box marks a
+region of many objects that were not boxed one by one: it is kept, flagged in the ``crowd`` column, so that the
+evaluation passes it to pycocotools as a crowd region (a detection inside it is neither a hit nor a false
+positive), and it is no training target (as in detectron2 and torchvision's reference scripts).
 
 Segmentation, image + mask pairs: ``<data_dir>/train/images/<name>.<ext>`` and
 ``<data_dir>/train/masks/<name>.png`` (plus optional ``validation/`` or ``val/`` and ``test/``). A mask is a
@@ -53,9 +56,11 @@ def load_coco_detection(data_dir: str | Path, image_size: int, validation_percen
         if _categories(doc, files[split]) != categories:
             raise DataError(f"{files[split]}: its categories differ from {files['train']}'s; every split needs the "
                             "same categories (ids and names).")
-        columns, skipped = _coco_split(doc, files[split], root / files[split].stem, index, image_size)
-        if skipped:
-            notes.append(f"{files[split].name}: skipped {skipped} iscrowd annotation(s)")
+        columns = _coco_split(doc, files[split], root / files[split].stem, index, image_size)
+        crowds = sum(map(sum, columns["crowd"]))
+        if crowds:
+            notes.append(f"{files[split].name}: {crowds} iscrowd annotation(s) kept as crowd regions (evaluation "
+                         "ignores detections inside them, as pycocotools does; training does not learn them)")
         most = max([most, *map(len, columns["classes"])])
         splits[split] = _lazy(columns, image_size)
     splits = _carve_validation(splits, validation_percent, seed)
@@ -86,8 +91,8 @@ def _categories(doc: dict, path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _coco_split(doc: dict, path: Path, folder: Path, index: dict[int, int], size: int) -> tuple[dict, int]:
-    """Columns {"image", "boxes", "classes"} with boxes scaled to `size`; and the count of skipped crowd boxes."""
+def _coco_split(doc: dict, path: Path, folder: Path, index: dict[int, int], size: int) -> dict:
+    """Columns {"image", "boxes", "classes", "crowd"} with boxes scaled to `size`; crowd flags each box."""
     images = {}
     for entry in doc["images"]:
         try:
@@ -101,15 +106,11 @@ def _coco_split(doc: dict, path: Path, folder: Path, index: dict[int, int], size
         if (entry.get("width", width), entry.get("height", height)) != (width, height):
             raise DataError(f"{path}: image {image_id} ({name}) is {width}x{height} but the JSON says "
                             f"{entry.get('width')}x{entry.get('height')}.")
-        images[image_id] = {"image": str(file), "size": (width, height), "boxes": [], "classes": []}
-    skipped = 0
+        images[image_id] = {"image": str(file), "size": (width, height), "boxes": [], "classes": [], "crowd": []}
     for n, ann in enumerate(doc["annotations"]):
         where = f"{path}: annotation {ann.get('id', n) if isinstance(ann, dict) else n}"
         if not isinstance(ann, dict) or not {"image_id", "category_id", "bbox"} <= set(ann):
             raise DataError(f"{where} needs image_id, category_id and bbox: {ann!r:.200}")
-        if ann.get("iscrowd"):
-            skipped += 1
-            continue
         image = images.get(ann["image_id"])
         if image is None:
             raise DataError(f"{where}: image_id {ann['image_id']} is not in the images list.")
@@ -117,10 +118,8 @@ def _coco_split(doc: dict, path: Path, folder: Path, index: dict[int, int], size
             raise DataError(f"{where}: category_id {ann['category_id']} is not in the categories list.")
         image["boxes"].append(_checked_box(ann["bbox"], image["size"], size, where))
         image["classes"].append(index[ann["category_id"]])
-    kept = list(images.values())
-    columns = {"image": [i["image"] for i in kept], "boxes": [i["boxes"] for i in kept],
-               "classes": [i["classes"] for i in kept]}
-    return columns, skipped
+        image["crowd"].append(bool(ann.get("iscrowd")))
+    return {key: [i[key] for i in images.values()] for key in ("image", "boxes", "classes", "crowd")}
 
 
 def _checked_box(bbox, image_size: tuple[int, int], size: int, where: str) -> list[float]:
@@ -233,7 +232,7 @@ def _decode(batch: dict, size: int) -> dict:
     if "mask_path" in batch:
         out["mask"] = [np.asarray(Image.fromarray(_read_mask(Path(p)).astype(np.uint8)).resize(
             (size, size), Image.Resampling.NEAREST)) for p in batch["mask_path"]]
-    for key in ("boxes", "classes"):
+    for key in ("boxes", "classes", "crowd"):
         if key in batch:
             out[key] = batch[key]
     return out

@@ -177,8 +177,9 @@ def pixel_mean_std(dataset, max_images: int = 2000) -> tuple[list[float], list[f
 
 class DenseCollator:
     """Items -> one batch: "pixel_values" uint8 [B, 3, S, S]; "boxes" float32 [B, M, 4] and "classes" int64
-    [B, M] padded to `max_objects` with class -1 (the validity mask: `classes >= 0`); "mask" int64 [B, S, S]
-    when the items have masks. M is fixed by the data, not the batch, so gathered tensors line up."""
+    [B, M] padded to `max_objects` with class -1 (the validity mask: `classes >= 0`); "crowd" bool [B, M] when
+    the items flag crowd regions; "mask" int64 [B, S, S] when the items have masks. M is fixed by the data, not
+    the batch, so gathered tensors line up."""
 
     def __init__(self, max_objects: int):
         self.max_objects = max_objects
@@ -197,6 +198,10 @@ class DenseCollator:
                     boxes[i, :n] = torch.tensor(np.asarray(item["boxes"], dtype=np.float32).reshape(n, 4))
                     classes[i, :n] = torch.tensor(np.asarray(item["classes"], dtype=np.int64))
             batch["boxes"], batch["classes"] = boxes, classes
+            if "crowd" in items[0]:  # a user's COCO crowd regions (annotated.py); padding is no crowd
+                batch["crowd"] = torch.zeros(len(items), self.max_objects, dtype=torch.bool)
+                for i, item in enumerate(items):
+                    batch["crowd"][i, :len(item["crowd"])] = torch.tensor(np.asarray(item["crowd"], dtype=bool))
         if "mask" in items[0]:
             batch["mask"] = torch.from_numpy(np.stack([np.asarray(it["mask"]) for it in items]).astype(np.int64))
         return batch

@@ -205,9 +205,12 @@ def decode_detections(outputs: dict[str, torch.Tensor], image_size: tuple[int, i
 
 
 def coco_metrics(gt_boxes: np.ndarray, gt_classes: np.ndarray, det_boxes: np.ndarray, det_scores: np.ndarray,
-                 det_classes: np.ndarray, class_names: Sequence[str], image_size: tuple[int, int]) -> dict[str, float]:
+                 det_classes: np.ndarray, class_names: Sequence[str], image_size: tuple[int, int],
+                 gt_crowd: np.ndarray | None = None) -> dict[str, float]:
     """COCO box metrics (pycocotools) over all images: {"map" (IoU .50:.95), "map_50", "map_75", "mar_100",
-    "ap_<class>"...}. Inputs are padded per image: class -1 marks an empty slot. Image i has id i + 1."""
+    "ap_<class>"...}. Inputs are padded per image: class -1 marks an empty slot. Image i has id i + 1.
+    `gt_crowd` (nonzero = iscrowd) marks true boxes that are crowd regions: pycocotools neither requires them to
+    be found nor counts a detection inside them as a false positive."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -217,7 +220,8 @@ def coco_metrics(gt_boxes: np.ndarray, gt_classes: np.ndarray, det_boxes: np.nda
         x0, y0, x1, y1 = (float(v) for v in gt_boxes[i, k])
         annotations.append({"id": len(annotations) + 1, "image_id": int(i) + 1,
                             "category_id": int(gt_classes[i, k]) + 1, "bbox": [x0, y0, x1 - x0, y1 - y0],
-                            "area": (x1 - x0) * (y1 - y0), "iscrowd": 0})
+                            "area": (x1 - x0) * (y1 - y0),
+                            "iscrowd": int(gt_crowd is not None and gt_crowd[i, k])})
     keys = ["map", "map_50", "map_75", "mar_100"] + [f"ap_{name}" for name in class_names]
     if not annotations:
         return dict.fromkeys(keys, math.nan)
@@ -249,7 +253,8 @@ def _xywh(box) -> list[float]:
 
 class DetectionMetrics:
     """A `metrics_fn` for the loop: COCO box metrics from the gathered "gt_boxes", "gt_classes", "det_boxes",
-    "det_scores" and "det_classes" (one row per image, dataset order). Keeps its last result in `last`."""
+    "det_scores" and "det_classes" (one row per image, dataset order), and "gt_crowd" where the data has crowd
+    regions. Keeps its last result in `last`."""
 
     def __init__(self, class_names: Sequence[str], image_size: int):
         self.class_names, self.image_size = list(class_names), image_size
@@ -257,7 +262,7 @@ class DetectionMetrics:
 
     def __call__(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         arrays = {k: outputs[k].cpu().numpy() for k in ("gt_boxes", "gt_classes", "det_boxes", "det_scores",
-                                                         "det_classes")}
+                                                         "det_classes", "gt_crowd") if k in outputs}
         self.last = coco_metrics(**arrays, class_names=self.class_names,
                                  image_size=(self.image_size, self.image_size))
         return self.last
@@ -268,7 +273,9 @@ class DetectionLoss:
     heatmap focal + `giou_weight` * GIoU + `l1_weight` * L1. Evaluation: standardise only, and add what the
     metrics need as per-image tensors: the decoded detections and the true boxes.
 
-    The batch is a `DenseCollator` batch: "pixel_values" uint8, "boxes" [B, M, 4], "classes" [B, M] (-1 pads)."""
+    The batch is a `DenseCollator` batch: "pixel_values" uint8, "boxes" [B, M, 4], "classes" [B, M] (-1 pads),
+    and "crowd" [B, M] where the data has crowd regions: they are no training target (their class is taken as
+    padding) and reach the metrics as "gt_crowd"."""
 
     def __init__(self, augment: nn.Module, eval_transform: nn.Module, max_detections: int = 100,
                  nms_iou: float = 0.5, score_threshold: float = 0.01, giou_weight: float = 2.0, l1_weight: float = 0.5):
@@ -278,18 +285,21 @@ class DetectionLoss:
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
         images, boxes, classes = batch["pixel_values"], batch["boxes"], batch["classes"]
+        crowd = batch.get("crowd")
+        targets = classes if crowd is None else classes.masked_fill(crowd, -1)  # a crowd region is no target
         if model.training:
-            images, boxes, classes, _ = self.augment(images, boxes, classes)
+            images, boxes, targets, _ = self.augment(images, boxes, targets)
         else:
             images = self.eval_transform(images)
         outputs = model(pixel_values=images)
         stride = images.shape[-1] // outputs["heatmap"].shape[-1]
-        parts = detection_losses(outputs, boxes, classes, stride)
+        parts = detection_losses(outputs, boxes, targets, stride)
         per_image = parts["heatmap"] + self.giou_weight * parts["giou"] + self.l1_weight * parts["l1"]
         out = {"loss": per_image.mean(), "log": {f"{k}_loss": v.detach().mean() for k, v in parts.items()}}
         if not model.training:
             size = (images.shape[-1], images.shape[-2])
             out.update(per_sample_loss=per_image, gt_boxes=boxes, gt_classes=classes,
+                       **({} if crowd is None else {"gt_crowd": crowd.long()}),  # gathered as numbers
                        **decode_detections(outputs, size, self.max_detections, self.nms_iou, self.score_threshold))
         return out
 

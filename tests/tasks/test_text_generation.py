@@ -349,6 +349,27 @@ def test_chat_column_that_is_not_messages_and_chat_with_seq2seq_are_refused(tmp_
         run(tmp_path, "--train_file", path, "--messages_column", "messages", *T5)
 
 
+@pytest.mark.parametrize("flags, seq2seq, message", [
+    (dict(text_column="text", summary_column="summary", prompt_suffix=" ="), True,
+     r"--prompt_suffix ' =' is appended to the prompts of a causal LM's pairs .* this model is an encoder-decoder"),
+    (dict(messages_column="messages", prompt_suffix=" ="), False, r"--prompt_suffix .* chat data .*chat template"),
+    (dict(messages_column="messages", source_prefix="q: "), False, r"--source_prefix 'q: ' is prepended .* chat data"),
+    (dict(text_column="text", source_prefix="q: "), False, r"--source_prefix .* language modelling"),
+    (dict(text_column="text", prompt_suffix=" ="), False, r"--prompt_suffix .* language modelling"),
+])
+def test_a_prefix_or_suffix_that_would_be_ignored_is_refused(flags, seq2seq, message):
+    columns = ["text", "summary", "messages"]
+    with pytest.raises(ConfigError, match=message):
+        resolve_columns(GenerationDataArguments(**flags), seq2seq, columns)
+
+
+def test_a_prefix_and_suffix_where_they_apply_are_accepted():
+    columns = ["text", "summary"]
+    pairs = dict(text_column="text", summary_column="summary", source_prefix="q: ")
+    assert resolve_columns(GenerationDataArguments(**pairs), True, columns).kind == "pairs"
+    assert resolve_columns(GenerationDataArguments(**pairs, prompt_suffix=" ="), False, columns).kind == "pairs"
+
+
 def test_a_misspelled_config_override_names_the_field_for_every_model_source(tmp_path, dates):
     # one parser for --config_overrides in every recipe (accel_train.tasks.model_config)
     with pytest.raises(ConfigError, match="no field 'hiden_size', did you mean 'hidden_size'"):

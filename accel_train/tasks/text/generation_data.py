@@ -137,7 +137,25 @@ def resolve_columns(args: GenerationDataArguments, seq2seq: bool, columns: list[
     if missing:
         raise DataError(f"column {missing[0]!r} is not in the data; its columns are {columns}. Check the column "
                         "flags (or --column_names for a csv file without a header row).")
+    check_affixes(args, task, seq2seq)
     return task
+
+
+def check_affixes(args: GenerationDataArguments, task: TaskColumns, seq2seq: bool) -> None:
+    """--source_prefix applies to pairs (either family), --prompt_suffix to the pairs of a causal LM: given where
+    tokenization never reads it, it is refused rather than silently left out of every example."""
+    data = {"chat": "chat data (--messages_column: the tokenizer's chat template frames each turn)",
+            "lm": "language modelling (--text_column alone: the texts are cut into blocks)"}.get(task.kind)
+    if args.source_prefix and data:
+        raise ConfigError(f"--source_prefix {args.source_prefix!r} is prepended to the source of each pair "
+                          "(--text_column + --summary_column, or --prompt_column + --completion_column); this run "
+                          f"is {data}, which has no source to prefix. Drop --source_prefix.")
+    if args.prompt_suffix and (data or seq2seq):
+        this = (f"this run is {data}" if data else "this model is an encoder-decoder, whose decoder starts the target "
+                "on its own after reading the whole source (text before each source: --source_prefix)")
+        raise ConfigError(f"--prompt_suffix {args.prompt_suffix!r} is appended to the prompts of a causal LM's pairs "
+                          "(--prompt_column + --completion_column, or --text_column + --summary_column), just before "
+                          f"the completion it learns; {this}. Drop --prompt_suffix.")
 
 
 def load_raw_data(args: GenerationDataArguments, seed: int) -> datasets.DatasetDict:

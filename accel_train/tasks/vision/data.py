@@ -10,6 +10,10 @@ file that is not a readable image is skipped and reported with the count, graysc
 images are converted to RGB, and an empty class or a split whose classes differ from train's is a
 `DataError`. `find_images` is the scanning part alone, for layouts without class folders (an image-text
 folder with ``metadata.jsonl``, say): pair its paths with whatever each image's fields are.
+
+Every image is read upright: a photo that its camera stored sideways with an EXIF Orientation tag is turned as the
+tag says (`open_image`), as viewers, annotation tools and `datasets`' Image feature show it, so boxes and masks
+drawn on what the user saw fit its pixels.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 from ...errors import DataError
 from ..sampling import subsample
@@ -126,16 +130,23 @@ class ImageDataset(torch.utils.data.Dataset):
 
 
 def open_image(item: Any) -> Image.Image:
-    """A PIL image from a path, a PIL image, a uint8 array, or an undecoded `datasets` Image cell."""
-    if isinstance(item, Image.Image):
-        return item
+    """A PIL image, upright (`upright`), from a path, a PIL image, a uint8 array, or an undecoded `datasets` Image
+    cell."""
     if isinstance(item, np.ndarray):
         return Image.fromarray(item)
     if isinstance(item, dict) and ("bytes" in item or "path" in item):  # an undecoded `datasets` Image
         import io
 
-        return Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
-    return Image.open(item)
+        item = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
+    return upright(item if isinstance(item, Image.Image) else Image.open(item))
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image as it is shown: turned (or mirrored) as its EXIF Orientation tag says, the tag removed. Without a
+    tag, or with 1 (already upright), the image itself, not decoded: sizes are still read from the header alone."""
+    if image.getexif().get(ExifTags.Base.Orientation, 1) == 1:
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -204,13 +204,16 @@ def _export(argv: Sequence[str]) -> int:
     parser.add_argument("--factory", default=None, help="module:callable that builds the untrained model, for a "
                         "plain nn.Module whose run recorded no model_factory.json")
     parser.add_argument("--factory_kwargs", default=None, help="JSON keyword arguments for --factory")
+    parser.add_argument("--trust_factory", action="store_true", help="build the run's model_factory.json even when "
+                        "it names a builder other than accel_train's own models: that runs its code, so only for a "
+                        "run directory you made or trust")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="largest |artifact - model| accepted (default %(default)g)")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     args = parser.parse_args(argv)
     factory = ModelFactory.parse(args.factory, args.factory_kwargs) if args.factory else None
     export_run(args.source, args.format, args.output, factory=factory, inputs=args.inputs, tolerance=args.tolerance,
-               opset=args.opset)
+               opset=args.opset, trust_factory=args.trust_factory)
     return 0
 
 

@@ -16,7 +16,7 @@ Submodules: api, formats, targets, inputs, rebuild, factory, factories, verify, 
 """
 
 from .api import DEFAULT_TOLERANCE, ExportResult, export_formats_at_end, export_model_artifacts, export_run
-from .factory import FACTORY_FILE, ModelFactory, RecordModelFactory, describe_model
+from .factory import FACTORY_FILE, PACKAGE_FACTORIES, ModelFactory, RecordModelFactory, describe_model
 from .formats import FORMATS
 from .inputs import Sample, sample_from_batch, sample_from_file, sample_from_texts, synthetic_sample
 from .rebuild import TrainedModel, load_trained_model
@@ -36,6 +36,7 @@ __all__ = [
     "RecordModelFactory",
     "describe_model",
     "FACTORY_FILE",
+    "PACKAGE_FACTORIES",
     "Sample",
     "sample_from_batch",
     "sample_from_file",

@@ -105,16 +105,18 @@ def _write_metadata(output_dir: Path, fmt: str, source: str, sample: Sample, tol
 
 def export_run(path: str | Path, fmt: str, output: str | Path | None = None, *,
                factory: ModelFactory | None = None, inputs: str | Path | None = None,
-               tolerance: float = DEFAULT_TOLERANCE, opset: int | None = None) -> list[ExportResult]:
+               tolerance: float = DEFAULT_TOLERANCE, opset: int | None = None,
+               trust_factory: bool = False) -> list[ExportResult]:
     """`accel-train export`: rebuild the model a run saved (run directory or checkpoint, see `rebuild.py`), export
     it as `fmt` and verify it. Output: `output`, default ``RUN_DIR/export/FORMAT`` (a checkpoint's:
-    ``RUN_DIR/export/step-N/FORMAT``).
+    ``RUN_DIR/export/step-N/FORMAT``). `factory` builds the architecture as given; `trust_factory` lets the run's
+    model_factory.json name a builder other than the package's own (it runs that code: only for runs you trust).
 
     Example inputs, best first: `inputs` (.safetensors of named input tensors, or a text file with one text per
     line), the evaluation inputs the run kept (``RUN_DIR/export/example_inputs.safetensors``, written when it
     ended with --export_formats), else inputs made from the run's tokenizer / image processor.
     """
-    trained = load_trained_model(path, factory)
+    trained = load_trained_model(path, factory, trust_factory)
     default = trained.run_dir / EXPORT_DIR / (trained.checkpoint.name if trained.checkpoint else "") / fmt
     kept = trained.run_dir / EXPORT_DIR / SAMPLE_FILE
     if inputs:

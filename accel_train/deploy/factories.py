@@ -52,4 +52,5 @@ def _from_config(config: Mapping[str, Any]) -> nn.Module:
     model_type = values.pop("model_type", None)
     if not model_type:
         raise ExportError("dual_encoder: a recorded transformers config has no model_type.")
-    return AutoModel.from_config(AutoConfig.for_model(model_type, **values))
+    # transformers' own class for model_type, never code an `auto_map` in the recorded values names
+    return AutoModel.from_config(AutoConfig.for_model(model_type, **values), trust_remote_code=False)

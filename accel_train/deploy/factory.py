@@ -14,7 +14,12 @@ takes modules): SmallResNet, CenterNet, UNet, DualEncoder and FusionEncoder do. 
 attributes in its constructor, pass ``RecordModelFactory(model, output_dir, factory=ModelFactory(...))`` as a hook,
 or give ``--factory my_pkg.models:build --factory_kwargs '{...}'`` to `accel-train export`.
 
-Rebuilding goes through the string alone: a model describes itself, and no model class is named here (the one
+A model_factory.json read from a run directory is built only when it names one of `PACKAGE_FACTORIES` (the
+builders of the package's own models): the file may come from anyone, and a ``module:callable`` runs whatever it
+names (``os:system`` with ``{"command": ...}``). Your own builder in that file needs ``--trust_factory``
+(``trust=True``); one you pass yourself (``--factory``) is built as given.
+
+Rebuilding goes through the string alone: a model describes itself, and no model class is imported here (the one
 import from the task kits is SmallResNet's factory string, quoted as the example in an error message).
 """
 
@@ -31,6 +36,17 @@ from torch import nn
 from ..errors import ExportError
 from ..rundir.layout import MODEL_FACTORY as FACTORY_FILE
 from ..tasks.vision.models import SMALL_RESNET_FACTORY
+
+# The builders the package's own models record (`describe_model`: their `factory_target`, else module:class). Kept as
+# strings: checking a target must not import its module, since an import runs the module's code.
+# tests/deploy/test_crafted_run_dir.py pins this set to what the models describe.
+PACKAGE_FACTORIES = frozenset({
+    SMALL_RESNET_FACTORY,
+    "accel_train.tasks.vision.detection:CenterNet",
+    "accel_train.tasks.vision.segmentation:UNet",
+    "accel_train.deploy.factories:dual_encoder",
+    "accel_train.deploy.factories:fusion_encoder",
+})
 
 
 @dataclass(frozen=True)
@@ -86,16 +102,26 @@ class ModelFactory:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> ModelFactory | None:
+    def load(cls, directory: str | Path, trust: bool = False) -> ModelFactory | None:
+        """The factory `directory`'s model_factory.json records, None without one. Unless `trust`, only one of
+        `PACKAGE_FACTORIES`: any other target is refused (ExportError) before its module is imported."""
         path = Path(directory) / FACTORY_FILE
         if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())
-            return cls(data["factory"], data.get("kwargs", {}))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            factory = cls(data["factory"], data.get("kwargs", {}))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise ExportError(f"{path}: unreadable ({err}); expected {{\"factory\": \"module:callable\", "
                               "\"kwargs\": {...}}.") from None
+        if not trust and factory.target not in PACKAGE_FACTORIES:
+            raise ExportError(
+                f"{path} names {factory.target}, which is not one of accel_train's model builders "
+                f"({', '.join(sorted(PACKAGE_FACTORIES))}): building it would run that code, and a run directory "
+                f"may come from anyone. If the run directory is yours and you trust {factory.target}, pass "
+                "--trust_factory (Python: trust_factory=True), or name the builder yourself: "
+                f"--factory {factory.target} --factory_kwargs JSON.")
+        return factory
 
 
 def describe_model(model: nn.Module) -> ModelFactory | None:

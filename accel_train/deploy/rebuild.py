@@ -8,6 +8,10 @@
   two levels up (config.json exists once the run finished; model_factory.json from its start).
 
 The tokenizer and image processor saved in the run directory come along: they make the example inputs.
+
+A run directory may come from anyone, so rebuilding runs none of its code: a model_factory.json is built only when
+it names one of the package's builders (or with `trust_factory`, `factory.py`), config.json only as a class
+transformers itself provides, never its `auto_map` code (nor the tokenizer's).
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ class TrainedModel:
         return value if isinstance(value, int) else None
 
 
-def load_trained_model(path: str | Path, factory: ModelFactory | None = None) -> TrainedModel:
+def load_trained_model(path: str | Path, factory: ModelFactory | None = None,
+                       trust_factory: bool = False) -> TrainedModel:
     """Rebuild the model saved at `path` (a run directory or a checkpoint directory) with its weights loaded
-    strictly. `factory` overrides how the architecture is built. Raises ExportError saying what is missing."""
+    strictly. `factory` overrides how the architecture is built; `trust_factory` builds a model_factory.json that
+    names a builder other than the package's own (it runs that code). Raises ExportError saying what is missing."""
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"{path}: no such directory (give a run's --output_dir or one of its checkpoints).")
@@ -62,7 +68,8 @@ def load_trained_model(path: str | Path, factory: ModelFactory | None = None) ->
             verify_checkpoint(checkpoint)
         except CheckpointError as err:
             raise ExportError(f"{checkpoint}: {err}") from None
-    factory = factory or ModelFactory.load(run_dir)
+    if factory is None:
+        factory = ModelFactory.load(run_dir, trust=trust_factory)
     if factory is not None:
         model, built_by = factory.build(), factory.target
     else:
@@ -81,12 +88,28 @@ def _transformers_model(run_dir: Path, checkpoint: Path | None) -> tuple[nn.Modu
             "--factory package.module:callable [--factory_kwargs JSON] that builds the untrained model.")
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(run_dir)
+    try:
+        config = transformers.AutoConfig.from_pretrained(run_dir, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        code = _auto_map(config_file)
+        why = f"names code of its own (auto_map {code})" if code else f"does not load as a transformers config ({err})"
+        raise ExportError(
+            f"{config_file} {why}. accel-train export builds only the model classes transformers provides and runs no "
+            "code a run directory ships; for another model pass --factory package.module:callable [--factory_kwargs "
+            "JSON] that builds the untrained model.") from None
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
+    # a name from the file reaches only transformers' own model classes: no other callable there gets the config
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise ExportError(f"{config_file}: architectures {names} names no transformers model class; pass --factory.")
     return cls(config), f"{names[0]} (config.json)"
+
+
+def _auto_map(config_file: Path) -> Any:
+    try:
+        return json.loads(config_file.read_text()).get("auto_map")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _load_weights(model: nn.Module, directory: Path) -> None:
@@ -105,7 +128,7 @@ def _tokenizer(run_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(run_dir)
+        return AutoTokenizer.from_pretrained(run_dir, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ExportError(f"{run_dir}: the saved tokenizer does not load ({err}).") from None
 

@@ -1,0 +1,152 @@
+"""A run directory is data, not code: exporting or resuming from one that someone else crafted runs nothing.
+
+`accel-train export RUN_DIR` builds the model that model_factory.json names only when the package registers that
+builder (the recipes' models), or the class config.json names when it is a transformers model class; anything else
+needs the user's own `--factory` or `--trust_factory`. Every crafted file here would create a marker file if it ran;
+the tests assert the refusal and that the marker does not exist.
+"""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from accel_train.cli import main as cli
+from accel_train.deploy import PACKAGE_FACTORIES, ModelFactory, describe_model, export_run, load_trained_model
+from accel_train.errors import ExportError
+from accel_train.tasks.multimodal.dual_encoder import DualEncoder
+from accel_train.tasks.multimodal.fusion_model import FusionEncoder
+from accel_train.tasks.vision.detection import CenterNet
+from accel_train.tasks.vision.models import SmallResNet
+from accel_train.tasks.vision.segmentation import UNet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_resnet_run(run_dir, factory: dict) -> None:
+    """A run directory whose weights are a real SmallResNet's, and whose model_factory.json is `factory`."""
+    torch.manual_seed(0)
+    save_file(SmallResNet(3, widths=(4,), blocks_per_stage=1).state_dict(), run_dir / "model.safetensors")
+    (run_dir / "model_factory.json").write_text(json.dumps(factory))
+
+
+def own_module(tmp_path, monkeypatch, name: str, body: str) -> None:
+    """A user's module `name` on sys.path (dropped from sys.modules at the end of the test)."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+# ------------------------------------------------------------------------------------- model_factory.json
+
+
+@pytest.mark.parametrize("target,kwargs", [
+    ("os:system", lambda marker: {"command": f"touch {marker}"}),
+    ("subprocess:check_call", lambda marker: {"args": ["touch", str(marker)]}),
+    # a registered module, but another attribute reached through it
+    ("accel_train.deploy.factories:nn.functional.torch.save", lambda marker: {"obj": 1, "f": str(marker)}),
+])
+def test_a_model_factory_naming_other_code_is_refused_and_runs_nothing(tmp_path, capsys, target, kwargs):
+    marker = tmp_path / "ran"
+    run = tmp_path / "run"
+    run.mkdir()
+    small_resnet_run(run, {"factory": target, "kwargs": kwargs(marker)})
+    assert cli(["export", str(run), "--format", "torchscript"]) == 2
+    err = capsys.readouterr().err
+    assert f"model_factory.json names {target}" in err and "--trust_factory" in err
+    assert not marker.exists()
+    with pytest.raises(ExportError, match="trust_factory"):
+        load_trained_model(run)
+    assert not marker.exists()
+
+
+def test_an_unregistered_factory_module_is_not_even_imported(tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    own_module(tmp_path, monkeypatch, "crafted_models_import", f"""
+        import pathlib
+        pathlib.Path({str(marker)!r}).touch()
+        def build():
+            raise AssertionError("never called")
+    """)
+    run = tmp_path / "run"
+    run.mkdir()
+    small_resnet_run(run, {"factory": "crafted_models_import:build", "kwargs": {}})
+    with pytest.raises(ExportError, match="crafted_models_import:build"):
+        load_trained_model(run)
+    assert not marker.exists() and "crafted_models_import" not in sys.modules
+
+
+def test_the_users_own_factory_builds_when_trusted_or_given_explicitly(tmp_path, monkeypatch):
+    own_module(tmp_path, monkeypatch, "own_models_trusted", """
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.conv = nn.Conv2d(3, width, 3)
+
+            def forward(self, pixel_values):
+                return self.conv(pixel_values).mean((2, 3))
+
+        def build(width):
+            return Net(width)
+    """)
+    import own_models_trusted
+
+    torch.manual_seed(0)
+    model = own_models_trusted.build(4)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file(model.state_dict(), run / "model.safetensors")
+    ModelFactory("own_models_trusted:build", {"width": 4}).save(run)  # what RecordModelFactory(factory=...) writes
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"pixel_values": torch.randn(4, 3, 8, 8)}, inputs)
+
+    with pytest.raises(ExportError, match="own_models_trusted:build"):
+        export_run(run, "torchscript", tmp_path / "refused", inputs=inputs)
+    (trusted,) = export_run(run, "torchscript", tmp_path / "trusted", inputs=inputs, trust_factory=True)
+    assert trusted.verified and trusted.max_abs_diff <= 1e-6
+    assert cli(["export", str(run), "--format", "torchscript", "--output", str(tmp_path / "cli"), "--inputs",
+                str(inputs), "--trust_factory"]) == 0
+    (run / "model_factory.json").unlink()
+    assert cli(["export", str(run), "--format", "torchscript", "--output", str(tmp_path / "explicit"), "--inputs",
+                str(inputs), "--factory", "own_models_trusted:build", "--factory_kwargs", '{"width": 4}']) == 0
+    rebuilt = torch.jit.load(str(tmp_path / "explicit" / "model.pt"))
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(rebuilt(x)[0], model.eval()(x))
+
+
+def test_every_model_the_package_records_is_registered():
+    from transformers import BertConfig, BertModel
+
+    text = BertModel(BertConfig(vocab_size=12, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16, max_position_embeddings=16), add_pooling_layer=False)
+    vision = SmallResNet(0, widths=(4,), blocks_per_stage=1)
+    models = [SmallResNet(3, widths=(4,), blocks_per_stage=1), CenterNet(2, widths=(4, 8, 8), blocks_per_stage=1),
+              UNet(2, widths=(4, 8), blocks_per_stage=1), DualEncoder(text, vision, embed_dim=8),
+              FusionEncoder(text, vision, embed_dim=8, fusion_layers=1, fusion_dim=8, fusion_heads=2)]
+    assert sorted(describe_model(m).target for m in models) == sorted(PACKAGE_FACTORIES)
+
+
+# ------------------------------------------------------------------------------------------- config.json
+
+
+def test_a_config_naming_remote_code_or_a_non_model_builds_nothing(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.safetensors").write_bytes(b"")
+    (run / "crafted_config.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                           "from transformers import PretrainedConfig\n"
+                                           "class Crafted(PretrainedConfig):\n    model_type = 'crafted'\n")
+    (run / "config.json").write_text(json.dumps({"model_type": "crafted", "architectures": ["Crafted"],
+                                                 "auto_map": {"AutoConfig": "crafted_config.Crafted"}}))
+    assert cli(["export", str(run), "--format", "torchscript"]) == 2
+    assert "runs no code" in capsys.readouterr().err and not marker.exists()
+
+    (run / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["set_seed"]}))
+    with pytest.raises(ExportError, match=r"architectures \['set_seed'\] names no transformers model class"):
+        load_trained_model(run)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import token_train
 import torch
+from accelerate import Accelerator
 from conftest import SCRIPTS, launch, reset_accelerate
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from accel_train import ConfigError, default_loss
-from accel_train.core.chunked_loss import HeadInput, check_chunked_loss
+from accel_train.core.chunked_loss import HeadInput, check_chunked_loss, chunked_causal_loss
 from accel_train.core.loss import token_loss
 from accel_train.tasks.text.generation import GenerationModelArguments, loss_chunk
 
@@ -124,3 +126,97 @@ def test_the_default_chunks_large_vocabularies_and_never_under_sharded_engines()
         loss_chunk(GenerationModelArguments(loss_chunk_size=256), large, "FSDP")
     with pytest.raises(ConfigError, match="--loss_chunk_size -1"):
         GenerationModelArguments(loss_chunk_size=-1)
+
+
+# ------------------------------------------------------------------ mixed precision: the loss as the loop runs it
+# Accelerate autocasts the prepared model's forward only; the loop calls the loss function outside any autocast.
+
+
+def prepared(precision, seed=0, tied=False):
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         tie_word_embeddings=tied))
+    return accelerator, accelerator.prepare(model)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_chunked_loss_and_gradients_equal_the_full_logits_within_bf16(tied):
+    """As the loop calls the loss on a bf16-prepared model: the chunks compute the same bf16 logits as the full loss
+    (the losses agree to fp32 summation, 1e-6; with fp32 chunks they differed by up to 1e-5), and gradients within
+    4 x bf16's eps of each parameter's largest (bf16 products rounded per chunk instead of once; measured <= 2.2)."""
+    for seed in range(3):
+        _, model = prepared("bf16", seed, tied)
+        data = batch()
+        full, expected = gradients(model, token_loss, data)
+        chunked, got = gradients(model, default_loss(0.0, chunk_size=16), data)
+        assert float(chunked["loss_sum"].detach()) == pytest.approx(float(full["loss_sum"].sum().detach()), rel=1e-6)
+        for name in expected:
+            error, scale = (expected[name] - got[name]).abs().max(), expected[name].abs().max()
+            assert error <= 4 * torch.finfo(torch.bfloat16).eps * scale, name
+        with torch.no_grad():
+            per_sample = token_loss(model, data)["loss_sum"], chunked_causal_loss(model, data, 7)["loss_sum"]
+        assert torch.allclose(*per_sample, rtol=1e-6)
+
+
+def test_the_probe_accepts_a_bf16_llama_outside_and_inside_autocast():
+    """One check, one answer: where the pre-flight calls the loss (under accelerator.autocast()) and where the loop
+    does (outside it), for every seed."""
+    for seed in range(6):
+        accelerator, model = prepared("bf16", seed)
+        check_chunked_loss(model, batch())
+        with accelerator.autocast():
+            check_chunked_loss(model, batch())
+
+
+class Scaled(LlamaForCausalLM):
+    """Scales its logits after the output layer by `factor`, with no config field that says so."""
+
+    factor = 1.0
+
+    def forward(self, **kwargs):
+        out = super().forward(**kwargs)
+        out.logits = out.logits * self.factor
+        return out
+
+
+@pytest.mark.parametrize("precision, factor", [("no", 1.0005), ("bf16", 2.0)])
+def test_the_probe_tolerance_is_the_dtypes(precision, factor):
+    """A change of the logits above the dtype's resolution is refused: 5e-4 in fp32 (far above fp32's rounding),
+    a factor 2 under bf16."""
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    model = Scaled(llama().config)
+    model.factor = factor
+    model = accelerator.prepare(model)
+    with pytest.raises(ConfigError, match="differ from the model.s own"):
+        check_chunked_loss(model, batch())
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The operand dtypes of every matrix product with a dimension of `width` (the vocabulary), as it runs: after
+    autocast has cast its operands."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.width, self.seen = width, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            operands = [a for a in args if isinstance(a, torch.Tensor)]
+            if all(a.numel() for a in operands) and any(self.width in a.shape for a in operands):
+                self.seen.append({a.dtype for a in operands})
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("no", torch.float32)])
+def test_the_chunk_matmuls_run_in_the_forwards_precision(precision, dtype):
+    """Logits, and the gradients of hidden states and weight, of each chunk in the dtype the model's own output layer
+    computes in: bf16 in a bf16 run, as the loop calls the loss (outside autocast)."""
+    _, model = prepared(precision)
+    with MatmulDtypes(1000) as products:
+        chunked_causal_loss(model, batch(), 16)
+    assert len(products.seen) == 3 * 8  # 120 tokens in 8 chunks: logits, grad of hidden, grad of weight
+    assert all(seen == {dtype} for seen in products.seen), products.seen

@@ -202,7 +202,8 @@ def check_chunked_loss(model, batch: Mapping[str, torch.Tensor]) -> None:
     """Refuse chunking where the model changes its logits after the output layer: on a slice of `batch`, the output
     layer applied to its input as the chunks apply it (in the forward's dtype) must give the model's own logits,
     within that dtype's rounding (`probe_tolerance`). The same answer wherever it is called from (under
-    `accelerator.autocast()` or not)."""
+    `accelerator.autocast()` or not, in training mode or not): the model runs in evaluation mode (no dropout mask
+    drawn, no random number) and is put back as it was."""
     bare = extract_model_from_parallel(model)
     changes = logit_changes(bare)
     if changes:
@@ -212,11 +213,18 @@ def check_chunked_loss(model, batch: Mapping[str, torch.Tensor]) -> None:
     rows = {k: v[:1, :PROBE_TOKENS] if isinstance(v, torch.Tensor) and v.ndim >= 2 else v for k, v in batch.items()}
     inputs = {k: v for k, v in rows.items() if k != "labels"}
     head = output_layer(model)
-    with torch.no_grad():
-        own = model(**inputs).logits.float()
-        with HeadInput(head) as taken:
-            model(**inputs)
-        chunked = chunk_logits(taken.hidden, *compute_weights(head.weight, head.bias, taken.dtype))  # the chunks'
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = model(**inputs).logits.float()
+            with HeadInput(head) as taken:
+                model(**inputs)
+            # what the chunks compute
+            chunked = chunk_logits(taken.hidden, *compute_weights(head.weight, head.bias, taken.dtype))
+    finally:
+        for module, training in modes.items():
+            module.training = training
     dtype = taken.dtype or head.weight.dtype
     error, scale = float((own - chunked).abs().max()), float(own.abs().max())
     tolerance = probe_tolerance(dtype, head.in_features)

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from conftest import SCRIPTS, launch, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from accel_train import ConfigError, default_loss
 from accel_train.core.chunked_loss import HeadInput, check_chunked_loss, chunked_causal_loss
@@ -193,6 +193,18 @@ def test_the_probe_tolerance_is_the_dtypes(precision, factor):
     model = accelerator.prepare(model)
     with pytest.raises(ConfigError, match="differ from the model.s own"):
         check_chunked_loss(model, batch())
+
+
+def test_the_probe_runs_without_dropout_and_draws_no_random_number():
+    """In the loop the model is in training mode: the probe's two forwards must not draw two dropout masks (a GPT-2
+    with its default dropout was refused), nor move the run's random numbers."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).train()
+    assert model.config.resid_pdrop > 0
+    before = torch.random.get_rng_state()
+    check_chunked_loss(model, batch())
+    assert torch.equal(before, torch.random.get_rng_state()) and model.training
 
 
 class MatmulDtypes(TorchDispatchMode):

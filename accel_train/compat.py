@@ -40,6 +40,10 @@ RELIANCES: tuple[Reliance, ...] = (
              "torchrun's elastic agent keeps one TCPStore across restarts (TORCHELASTIC_RESTART_COUNT), so a "
              "restarted CPU group joins through keys of its own attempt",
              "elastic restarts on CPU (gloo)"),
+    Reliance("torch", ("2.13",), "core/meter.py",
+             "torch._C._current_graph_task_id (-1 outside a backward pass) and the FlopCounterMode custom_mapping "
+             "that takes raw formulas (`_get_raw`)", "MFU's model FLOPs under --gradient_checkpointing (the "
+             "recomputed forward left out)"),
     Reliance("transformers", ("5.24",), "config/parsing.py",
              "HfArgumentParser._add_dataclass_arguments / _parse_dataclass_field, overridden to group --help",
              "TrainConfig's flags grouped in --help"),

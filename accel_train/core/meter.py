@@ -194,7 +194,10 @@ class FlopCount:
     puts the longest first), else per sample (images). The model FLOP/s in the log is the FLOPs per position x the
     *real* (non-pad) tokens per second — padding is not model work — or per sample x samples/s; the MFU is that over
     the device's peak (`peak_flops`: a GPU's datasheet, or this machine's measured matmul peak in the precision in
-    effect, CPUs included). For a transformer the count is 6 x parameters per token plus attention."""
+    effect, CPUs included). For a transformer the count is 6 x parameters per token plus attention: 3 x the forward
+    when every weight trains. Model FLOPs, not hardware FLOPs (PaLM's MFU): the forward that activation checkpointing
+    recomputes during backward is not counted (`model_flop_formulas`), so --gradient_checkpointing does not raise the
+    MFU by the work it adds."""
 
     def __init__(self, accelerator: Accelerator):
         self.peak = peak_flops(accelerator)
@@ -213,7 +216,7 @@ class FlopCount:
         from torch.utils.flop_counter import FlopCounterMode
 
         self._pending, self._samples, self._tokens = False, batch_samples, batch_positions
-        self._mode = FlopCounterMode(display=False)
+        self._mode = FlopCounterMode(display=False, custom_mapping=model_flop_formulas())
         return self._mode
 
     def counts(self) -> dict[str, float | None]:
@@ -241,6 +244,27 @@ class FlopCount:
         if self.per_token and tokens_per_second:
             return self.per_token * tokens_per_second
         return self.per_sample * samples_per_second if self.per_sample else None
+
+
+def model_flop_formulas() -> dict[Any, Any]:
+    """torch's FLOP formulas, each counting nothing for an op that a checkpointed forward recomputes: an op run inside
+    a backward pass (an autograd graph task) with grad mode on. A backward op proper runs with grad mode off (the
+    loop's backward builds no graph); the recomputation, non-reentrant (what --gradient_checkpointing asks for) or
+    reentrant (a model's own checkpointing may be), runs with it on to rebuild the graph it differentiates. Without
+    this the count is the hardware FLOPs, +33% for a fully checkpointed model."""
+    from torch.utils.flop_counter import flop_registry
+
+    def model_only(formula):
+        def count(*args, out_val=None, **kwargs):
+            # torch._C._current_graph_task_id: -1 outside a backward pass (what torch.utils.checkpoint itself reads)
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                return 0
+            return formula(*args, out_val=out_val, **kwargs)
+
+        count._get_raw = True  # FlopCounterMode passes the tensors as they are, as to its own registry's formulas
+        return count
+
+    return {op: model_only(formula) for op, formula in flop_registry.items()}
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

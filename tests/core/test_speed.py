@@ -57,7 +57,13 @@ def test_gradient_checkpointing_changes_memory_not_results(tiny_bert, sst_like, 
                            "--load_best_model_at_end", "false", "--gradient_checkpointing", value])
         results[value] = json.loads((out / "all_results.json").read_text())
         assert f"gradient checkpointing {'on' if value == 'true' else 'off'}" in capsys.readouterr().out
+        # the MFU's input: model FLOPs per real token (model FLOP/s over tokens/s on one process)
+        logged = [r for r in read_jsonl(out / "metrics.jsonl") if "model_tflops" in r]
+        results[value]["flops_per_token"] = [r["model_tflops"] * 1e12 / r["tokens_per_second"] for r in logged]
     assert results["true"]["train_loss"] == pytest.approx(results["false"]["train_loss"], abs=1e-5)
+    # the forward that checkpointing recomputes is hardware work, not model work: the same FLOPs per token
+    assert results["true"]["flops_per_token"] == pytest.approx(results["false"]["flops_per_token"], rel=1e-9)
+    assert results["true"]["flops_per_token"]
 
 
 def test_gradient_checkpointing_needs_a_model_that_supports_it(tmp_path):
@@ -160,3 +166,45 @@ def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path):
 
     assert metrics["train_peak_tflops"] == pytest.approx(measured_peak(torch.device("cpu"), "fp32") / 1e12, rel=1e-3)
     assert metrics["train_mfu"] == pytest.approx(sum(r["mfu"] for r in records) / len(records), rel=1e-3)
+
+
+def tiny_bert_classifier():
+    """Every weight trainable: its backward is exactly twice its forward (each matmul's input and weight grads)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=32)).train()
+
+
+def test_mfu_counts_model_flops_whatever_gradient_checkpointing_recomputes():
+    """Model FLOPs (forward + backward = 3 x forward here), not hardware FLOPs: the forward that activation
+    checkpointing recomputes during backward (+33% on this model) is not model work. Both of torch's checkpoint
+    flavours: the non-reentrant one --gradient_checkpointing asks for, and the reentrant one."""
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from accel_train.core.meter import FlopCount
+
+    model = tiny_bert_classifier()
+    ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1])
+    with FlopCounterMode(display=False) as forward:
+        model(input_ids=ids, labels=labels)
+    counts = {}
+    for setting in ("off", "non-reentrant", "reentrant"):
+        if setting == "off":
+            model.gradient_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": setting == "reentrant"})
+        flops = FlopCount(Accelerator(cpu=True))
+        with flops.measure(batch_samples=2, batch_positions=32):
+            model(input_ids=ids, labels=labels).loss.backward()
+        counts[setting] = flops.counts()
+    assert counts["off"]["per_sample"] == 3 * forward.get_total_flops() / 2
+    assert counts["off"]["per_token"] == 3 * forward.get_total_flops() / 32
+    assert counts["non-reentrant"] == counts["off"]
+    assert counts["reentrant"] == counts["off"]

@@ -545,6 +545,31 @@ def test_a_causal_lm_needs_an_eos_token_and_its_saved_tokenizer_pads_on_the_left
     assert AutoTokenizer.from_pretrained(out).padding_side == "left"
 
 
+def test_a_seq2seq_tokenizer_without_eos_or_sep_is_refused_instead_of_ending_labels_with_none(tmp_path, dates):
+    tokenizer_dir = tmp_path / "no_end"
+    d = date_pairs(200, 0)
+    tokenizer = train_bpe_tokenizer(d["text"] + d["summary"], 300)
+    tokenizer.eos_token, tokenizer.bos_token = None, None  # no sep either: a BPE has none
+    tokenizer.save_pretrained(tokenizer_dir)
+    message = "seq2seq model's tokenizer has neither an end-of-sequence nor a separator token"
+    with pytest.raises(ModelError, match=message):
+        run(tmp_path, *data_flags(dates), "--model_type", "t5", "--tokenizer_name", str(tokenizer_dir),
+            "--config_overrides", T5[-1])
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    # the tokenization alone (a public function) refuses it too, rather than end every target with None
+    args = GenerationDataArguments(text_column="text", summary_column="summary")
+    raw = load_raw_data(GenerationDataArguments(train_file=dates["train"], validation_file=dates["validation"]), 0)
+    task = resolve_columns(args, True, raw["train"].column_names)
+    with pytest.raises(ModelError, match=message):
+        tokenize_splits(raw, tokenizer, args, task, model_facts_seq2seq())
+
+
+def model_facts_seq2seq():
+    from accel_train.tasks.text.generation import ModelFacts
+
+    return ModelFacts(seq2seq=True, decoder_start_token_id=0)
+
+
 # ------------------------------------------------------------------------------------------------ collapse
 
 

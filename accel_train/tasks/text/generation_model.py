@@ -26,7 +26,7 @@ from transformers import (
 from ...core.chunked_loss import logit_changes
 from ...errors import ConfigError, ModelError
 from ..model_config import apply_to_config, parse_overrides
-from .generation_tokens import ModelFacts
+from .generation_tokens import ModelFacts, end_token_id
 
 # Chunked cross-entropy by default from this vocabulary size, in chunks of this many tokens: at vocabulary 32k,
 # sequence 1024, batch 4 (benchmarks/lm_throughput.py) it cut the step's peak memory 9x and was not slower.
@@ -171,13 +171,9 @@ def build_generation_model(args: GenerationModelArguments, tokenizer) -> torch.n
     if len(tokenizer) > vocab:
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
                          "belong together (check --tokenizer_name, or vocab_size in --config_overrides).")
-    set_special_tokens(model, tokenizer)
     check_can_generate(model, tokenizer)
+    set_special_tokens(model, tokenizer)  # refuses a tokenizer without a token that ends the targets
     if not model.config.is_encoder_decoder:
-        if tokenizer.eos_token_id is None:
-            raise ModelError("this causal LM's tokenizer has no end-of-sequence token: a causal LM learns to stop "
-                             "by writing it after every completion (and between language-modelling texts). Give a "
-                             "tokenizer that has one (--tokenizer_name), or add it: tokenizer.eos_token = '...'.")
         # generation pads prompts on the left, and so does the saved tokenizer: save_pretrained writes init_kwargs,
         # not the attribute
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
@@ -291,9 +287,10 @@ def config_changes(path: str, overrides: str | None) -> dict:
 
 
 def set_special_tokens(model, tokenizer) -> None:
-    """pad / eos / decoder start in the model and generation configs, from the tokenizer."""
+    """pad / eos / decoder start in the model and generation configs, from the tokenizer; a ModelError when the
+    tokenizer has no token to end the targets with (`end_token_id`)."""
     config = model.config
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    eos = end_token_id(tokenizer, config.is_encoder_decoder)
     config.pad_token_id = tokenizer.pad_token_id
     if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
         start = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id

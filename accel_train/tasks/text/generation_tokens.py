@@ -27,7 +27,7 @@ import datasets
 import torch
 
 from ...core.loss import IGNORE_INDEX
-from ...errors import ConfigError, DataError
+from ...errors import ConfigError, DataError, ModelError
 from .generation_chat import ChatExample, chat_example
 from .generation_data import GenerationDataArguments, TaskColumns, check_texts
 
@@ -58,6 +58,7 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
     """{"train": ..., "validation": ...} as token ids, checked first (lengths against the model's positions, with
     `max_new_tokens` of generation; columns; empty targets)."""
     check_lengths(args, task, model, max_new_tokens)
+    end_token_id(tokenizer, model.seq2seq)
     out = {}
     for name, split in raw.items():
         check_texts(split, task, name)
@@ -120,6 +121,24 @@ def check_lengths(args: GenerationDataArguments, task: TaskColumns, model: Model
                               "or less (inputs are truncated to it).")
 
 
+def end_token_id(tokenizer, seq2seq: bool) -> int:
+    """The token every target ends with: eos; for a seq2seq model [SEP] where there is no eos (a BERT tokenizer, of
+    a warm-started encoder-decoder). A ModelError when there is none: the model learns to stop by writing it."""
+    end = tokenizer.eos_token_id
+    if end is None and seq2seq:
+        end = tokenizer.sep_token_id
+    if end is not None:
+        return end
+    if seq2seq:
+        raise ModelError("this seq2seq model's tokenizer has neither an end-of-sequence nor a separator token: every "
+                         "target ends with one, which is how the model learns to stop (without it each output would "
+                         "run to --generation_max_new_tokens). Give a tokenizer that has one (--tokenizer_name), or "
+                         "add it: tokenizer.eos_token = '...'.")
+    raise ModelError("this causal LM's tokenizer has no end-of-sequence token: a causal LM learns to stop by writing "
+                     "it after every completion (and between language-modelling texts). Give a tokenizer that has "
+                     "one (--tokenizer_name), or add it: tokenizer.eos_token = '...'.")
+
+
 def seq2seq_example(source: str, target: str, tokenizer, args: GenerationDataArguments,
                     decoder_start_token_id: int | None) -> dict:
     ids = tokenizer(args.source_prefix + source, max_length=args.max_source_length, truncation=True)["input_ids"]
@@ -131,7 +150,7 @@ def seq2seq_example(source: str, target: str, tokenizer, args: GenerationDataArg
         labels = labels[1:]
     # A tokenizer that does not close texts with eos (a BPE trained here, some others): without it in the
     # labels the model never learns to stop, and every output runs to --generation_max_new_tokens.
-    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    end = end_token_id(tokenizer, seq2seq=True)
     if labels and labels[-1] != end:
         labels = labels[:args.max_target_length - 1] + [end]
     return {"input_ids": ids, "labels": labels, "prompt_ids": ids, "cut": len(full) > args.max_target_length}

@@ -21,7 +21,7 @@ from ..compat import unchecked_notes
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
-from .meter import cpu_info
+from .meter import cpu_info, device_peak
 from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
@@ -297,6 +297,7 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         f", device {accelerator.device}",
         f"  precision        {precision_in_effect(accelerator)}{_auto_note(accelerator, config)}",
         f"  speed            {speed_settings(accelerator, config)}",
+        f"  mfu peak         {device_peak(accelerator)[1]}",
         f"  batch            {config.per_device_train_batch_size} per device x {accelerator.num_processes} processes"
         f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
         f"  train samples    {num_train_samples if num_train_samples is not None else 'unknown'}",

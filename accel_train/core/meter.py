@@ -95,17 +95,46 @@ class StepMeter:
         return record
 
 
-# Dense peak TFLOP/s by GPU and math precision (vendor datasheets, SXM parts). MFU = achieved / peak.
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    "T4": {"fp16": 65.0, "fp32": 8.1},
+# Dense (no 2:4 sparsity) peak TFLOP/s of the matmuls in each precision, keyed by the exact name
+# torch.cuda.get_device_name (and nvidia-smi) reports: a form factor has its own peak (an H100 PCIe or NVL has fewer
+# SMs or lower clocks than the SXM part), and a name that is not here (another GPU, a MIG slice, AWS's A10G, which has
+# no NVIDIA datasheet) has no peak rather than a neighbour's: the log then has no MFU. Sources: NVIDIA's datasheets,
+# whose tensor-core figures are quoted with sparsity (halved here), fp32 being the non-tensor figure: H100
+# (SXM 1,979 bf16 / 989 tf32 / 67 fp32 TFLOPS, i.e. the Hopper whitepaper's dense 989.4 / 494.7 / 66.9; PCIe 1,513 /
+# 756 / 51; NVL 1,671 / 835 / 60), H200 (SXM as H100 SXM; NVL 1,671 / 835 / 60), A100 (SXM4 and PCIe, 40 and 80 GB
+# alike: dense 312 / 156 / 19.5), HGX B200 (per GPU 4.5 PF / 2.2 PF / 75), L40S (dense 362.05 / 183 / 91.6), L40
+# (dense 181.05 / 90.5 / 90.5), L4 (242 / 120 / 30.3), A10 (dense 125 / 62.5 / 31.2), V100 (fp16 tensor: SXM2 125,
+# PCIe 112, V100S 130; fp32 15.7 / 14 / 16.4; no bf16 or tf32), T4 (fp16 65, fp32 8.1).
+_HOPPER_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}
+_HOPPER_NVL = {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _HOPPER_SXM,  # the SXM5 part
+    "NVIDIA H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0},
+    "NVIDIA H100 NVL": _HOPPER_NVL,
+    "NVIDIA H200": _HOPPER_SXM,  # the SXM part
+    "NVIDIA H200 NVL": _HOPPER_NVL,
+    "NVIDIA B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "NVIDIA L40": {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5},
+    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "Tesla V100-SXM2-16GB": {"fp16": 125.0, "fp32": 15.7},
+    "Tesla V100-SXM2-32GB": {"fp16": 125.0, "fp32": 15.7},
+    "Tesla V100-PCIE-16GB": {"fp16": 112.0, "fp32": 14.0},
+    "Tesla V100-PCIE-32GB": {"fp16": 112.0, "fp32": 14.0},
+    "Tesla V100S-PCIE-32GB": {"fp16": 130.0, "fp32": 16.4},
+    "Tesla T4": {"fp16": 65.0, "fp32": 8.1},
 }
+
+
+def datasheet_tflops(name: str, precision: str) -> float | None:
+    """The dense datasheet peak of the GPU called exactly `name` in `precision` (TFLOP/s), None when unknown."""
+    return PEAK_TFLOPS.get(name, {}).get(precision)
 
 
 MATMUL_SIDE = 2048  # the square matmul whose speed is this machine's measured peak
@@ -120,16 +149,26 @@ def precision_of_matmuls(accelerator: Accelerator) -> str:
     return "tf32" if tf32 else "fp32"
 
 
-def peak_flops(accelerator: Accelerator) -> float | None:
-    """The peak the MFU is measured against, in FLOP/s, for the precision the matmuls run in: a known GPU's dense
-    datasheet peak, else (CPUs, other GPUs) this machine's measured matmul peak (`measured_peak`)."""
+def device_peak(accelerator: Accelerator) -> tuple[float | None, str]:
+    """The peak the MFU is measured against, in FLOP/s, for the precision the matmuls run in, and what it is (the
+    start-up report's line): a GPU's dense datasheet peak (`PEAK_TFLOPS`, by its exact name), a CPU's measured
+    matmul peak (`measured_peak`), else None: "peak unknown", and no MFU is logged rather than a wrong one."""
     precision = precision_of_matmuls(accelerator)
-    if accelerator.device.type == "cuda":
-        name = torch.cuda.get_device_name(accelerator.device)
-        table = next((v for k, v in PEAK_TFLOPS.items() if k in name.replace("-", " ").split() or k in name), {})
-        if table.get(precision):
-            return table[precision] * 1e12
-    return measured_peak(accelerator.device, precision)
+    device = accelerator.device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = datasheet_tflops(name, precision)
+        if tflops is None:
+            return None, (f"peak unknown: {name} has no dense {precision} datasheet peak in "
+                          "accel_train.core.meter.PEAK_TFLOPS, so no MFU is logged")
+        return tflops * 1e12, f"{tflops:g} TFLOP/s, the dense {precision} datasheet peak of the {name}"
+    if device.type != "cpu":  # mps, xpu, ...: no datasheet here, and a timed matmul there is not a peak
+        return None, f"peak unknown: no {precision} peak for {device.type} devices, so no MFU is logged"
+    peak = measured_peak(device, precision)
+    if peak is None:
+        return None, f"peak unknown: this cpu has no {precision} matmul, so no MFU is logged"
+    return peak, (f"{peak / 1e12:.3g} TFLOP/s, the measured {precision} matmul peak of this cpu (a {MATMUL_SIDE}² "
+                  f"matmul at {torch.get_num_threads()} thread(s), cached in {PEAK_CACHE})")
 
 
 def device_name(device: torch.device) -> str:
@@ -193,14 +232,14 @@ class FlopCount:
     per token position when the batch has an attention mask (text: batches differ in length, and length grouping
     puts the longest first), else per sample (images). The model FLOP/s in the log is the FLOPs per position x the
     *real* (non-pad) tokens per second — padding is not model work — or per sample x samples/s; the MFU is that over
-    the device's peak (`peak_flops`: a GPU's datasheet, or this machine's measured matmul peak in the precision in
-    effect, CPUs included). For a transformer the count is 6 x parameters per token plus attention: 3 x the forward
-    when every weight trains. Model FLOPs, not hardware FLOPs (PaLM's MFU): the forward that activation checkpointing
-    recomputes during backward is not counted (`model_flop_formulas`), so --gradient_checkpointing does not raise the
-    MFU by the work it adds."""
+    the device's peak (`device_peak`: a GPU's datasheet, or this machine's measured matmul peak in the precision in
+    effect, CPUs included; none known, no MFU). For a transformer the count is 6 x parameters per token plus
+    attention: 3 x the forward when every weight trains. Model FLOPs, not hardware FLOPs (PaLM's MFU): the forward
+    that activation checkpointing recomputes during backward is not counted (`model_flop_formulas`), so
+    --gradient_checkpointing does not raise the MFU by the work it adds."""
 
     def __init__(self, accelerator: Accelerator):
-        self.peak = peak_flops(accelerator)
+        self.peak, self.peak_source = device_peak(accelerator)
         self.per_sample: float | None = None
         self.per_token: float | None = None
         self._pending = self.peak is not None

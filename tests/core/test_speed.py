@@ -151,7 +151,7 @@ def test_the_matmul_peak_is_measured_per_precision_once_and_cached(tmp_path, mon
     assert meter.measured_peak(torch.device("cpu"), "fp32", side=256) == 1.0
 
 
-def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path):
+def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path, capsys):
     import toy_train
 
     from accel_train.core.meter import measured_peak
@@ -159,11 +159,14 @@ def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path):
     reset_accelerate()
     toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--max_steps", "4", "--logging_steps", "2",
                              "--per_device_train_batch_size", "8"])
+    import torch
+
+    peak = measured_peak(torch.device("cpu"), "fp32")
+    assert f"  mfu peak         {peak / 1e12:.3g} TFLOP/s, the measured fp32 matmul peak of this cpu" \
+           in capsys.readouterr().out  # the start-up report
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     metrics = json.loads((tmp_path / "all_results.json").read_text())
     assert all(0 < r["mfu"] < 1 and r["model_tflops"] > 0 for r in records)
-    import torch
-
     assert metrics["train_peak_tflops"] == pytest.approx(measured_peak(torch.device("cpu"), "fp32") / 1e12, rel=1e-3)
     assert metrics["train_mfu"] == pytest.approx(sum(r["mfu"] for r in records) / len(records), rel=1e-3)
 
@@ -208,3 +211,65 @@ def test_mfu_counts_model_flops_whatever_gradient_checkpointing_recomputes():
     assert counts["off"]["per_token"] == 3 * forward.get_total_flops() / 32
     assert counts["non-reentrant"] == counts["off"]
     assert counts["reentrant"] == counts["off"]
+
+
+# Names as torch.cuda.get_device_name (and nvidia-smi) report them, the precision in effect, and the dense datasheet
+# peak in TFLOP/s; None: no peak known, so no MFU rather than a wrong one.
+DEVICE_PEAKS = [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),  # the SXM5 part
+    ("NVIDIA H100 PCIe", "bf16", 756.5),  # not the SXM peak: fewer SMs, lower clocks
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA H200 NVL", "bf16", 835.5),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "bf16", 312.0),
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L40", "bf16", 181.05),  # not the L4's (a substring of it) nor the L40S's
+    ("NVIDIA L40S", "bf16", 362.05),
+    ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+    ("Tesla T4", "fp16", 65.0),
+    ("NVIDIA A10G", "bf16", None),  # AWS's part: NVIDIA publishes no datasheet for it, and it is no A10
+    ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16", None),  # a slice of the GPU: the whole GPU's peak is wrong
+    ("Tesla V100-SXM2-16GB", "bf16", None),  # Volta has no bf16 tensor cores
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ("AMD Instinct MI300X", "bf16", None),
+]
+
+
+@pytest.mark.parametrize(("name", "precision", "tflops"), DEVICE_PEAKS)
+def test_the_gpu_peak_is_the_datasheet_figure_of_that_exact_device(monkeypatch, name, precision, tflops):
+    import types
+
+    import torch
+
+    from accel_train.core.meter import FlopCount
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0), mixed_precision=precision)  # what the meter reads
+    flops = FlopCount(gpu)
+    if tflops is None:
+        assert flops.peak is None
+        assert flops.peak_source.startswith(f"peak unknown: {name} has no dense {precision} datasheet peak")
+    else:
+        assert flops.peak == pytest.approx(tflops * 1e12)
+        assert flops.peak_source == f"{tflops:g} TFLOP/s, the dense {precision} datasheet peak of the {name}"
+
+
+def test_a_device_without_a_known_peak_logs_no_mfu(monkeypatch):
+    """No peak, no MFU figure (and no FLOP count: nothing would use it); the start-up report prints the
+    'peak unknown' line (`peak_source`) as it prints a known peak (test_a_cpu_run_reports_...)."""
+    import types
+
+    import torch
+
+    from accel_train.core.meter import StepMeter
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0), mixed_precision="bf16", num_processes=1)
+    meter = StepMeter(gpu)
+    with meter.flops.measure(batch_samples=4):
+        torch.nn.Linear(16, 8)(torch.randn(4, 16)).sum().backward()
+    assert meter.flops.mfu(samples_per_second=1000) is None and meter.flops.counts() == {}
+    assert meter.flops.peak_source == ("peak unknown: NVIDIA A10G has no dense bf16 datasheet peak in "
+                                       "accel_train.core.meter.PEAK_TFLOPS, so no MFU is logged")

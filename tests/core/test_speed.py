@@ -273,3 +273,39 @@ def test_a_device_without_a_known_peak_logs_no_mfu(monkeypatch):
     assert meter.flops.mfu(samples_per_second=1000) is None and meter.flops.counts() == {}
     assert meter.flops.peak_source == ("peak unknown: NVIDIA A10G has no dense bf16 datasheet peak in "
                                        "accel_train.core.meter.PEAK_TFLOPS, so no MFU is logged")
+
+
+def test_mfu_is_per_device_and_the_count_per_sample_under_accumulation_and_processes(tmp_path):
+    """The invariant "MFU counts model FLOPs": the FLOPs per sample do not depend on how a step's batch is split
+    into micro-batches, and with N processes the model FLOP/s is per device (the FLOPs per sample x the samples
+    every process trained per second / N). The toy MLP's count is known: Linear(6, 32) forward 2 x 6 x 32 and
+    its weight gradient as much (its input needs none), Linear(32, 2) forward 2 x 32 x 2 and backward twice that."""
+    import types
+
+    import torch
+    from accelerate import Accelerator
+
+    from accel_train.core.meter import StepMeter
+
+    per_sample = {}
+    for name, args in {"8": ["--per_device_train_batch_size", "8"],
+                       "2x4": ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]}.items():
+        run_toy(tmp_path / name, "--max_steps", "3", *args)
+        logged = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "model_tflops" in r]
+        per_sample[name] = [r["model_tflops"] * 1e12 / r["samples_per_second"] for r in logged]
+    assert len(per_sample["8"]) == 3 and per_sample["2x4"] == pytest.approx(per_sample["8"], rel=1e-9)
+    assert per_sample["8"] == pytest.approx([4 * 6 * 32 + 6 * 32 * 2] * 3, rel=1e-9)
+    # 2 processes, in-process: the other rank's interval equal to this one's, as the all-reduce would sum it
+    real = Accelerator(cpu=True)
+    two = types.SimpleNamespace(device=real.device, mixed_precision="no", num_processes=2,
+                                reduce=lambda tensor, reduction: tensor * 2)
+    meter = StepMeter(two)
+    model = torch.nn.Linear(16, 8, bias=False)
+    for _ in range(3):
+        with meter.flops.measure(batch_samples=4):
+            model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        meter.add_micro_batch({"loss": torch.tensor(1.0)}, samples=4, tokens=0, waited=0.0)
+    record = meter.record()
+    assert meter.flops.per_sample == 6 * 16 * 8
+    assert record["model_tflops"] * 1e12 == pytest.approx(6 * 16 * 8 * record["samples_per_second"] / 2, rel=1e-9)
+    assert record["mfu"] == pytest.approx(record["model_tflops"] * 1e12 / meter.flops.peak, rel=1e-9)

@@ -525,17 +525,17 @@ def chunk_rows(results: dict, row: str, columns, versus) -> list[str]:
 
 def mfu_lines(results: dict, plan: dict) -> list[str]:
     """On a GPU: each run's model FLOP utilisation, 6 x parameters x real tokens/s over the device's dense bf16 peak
-    (the datasheet's, accel_train.core.meter.PEAK_TFLOPS), the same formula for both tools."""
+    (the datasheet's, accel_train.core.meter.datasheet_tflops), the same formula for both tools."""
     import torch
 
     if not GPU:
         return []
     if not torch.cuda.is_available():
         return ["MFU: LM_THROUGHPUT_GPU=1 without a GPU (a smoke test of the code path): none.", ""]
-    from accel_train.core.meter import PEAK_TFLOPS
+    from accel_train.core.meter import datasheet_tflops
 
     name = torch.cuda.get_device_name()
-    peak = next((v["bf16"] for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = datasheet_tflops(name, "bf16")  # the exact device: an L40 is no L4, an H100 PCIe no SXM part
     if peak is None:
         return [f"MFU: no bf16 peak known for {name}.", ""]
     lines = [f"MFU on {name} (6 x {plan['parameters'] / 1e6:.0f}M parameters x real tokens/s / {peak} TFLOP/s):", ""]

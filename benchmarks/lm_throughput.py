@@ -248,37 +248,43 @@ def recipe_lm(assets: Path, plan: dict, quick: bool, extra: list[str], packed: b
 
 
 def loss_step(assets: Path, plan: dict, quick: bool, chunk: int, packed: bool) -> dict:
-    """One training step of the 32k-vocabulary model (forward, the loss, backward; bf16 autocast) on a batch of
-    CE_BATCH x CE_BLOCK tokens, in this fresh process: the peak resident memory above what the process held
-    before the step (VmHWM lowered to the current use first) and the median time of LOSS_REPEATS steps after one
-    warm-up. The loss is the recipe's: the default loss with `chunk` (0: the full logits)."""
+    """One training step of the 32k-vocabulary model (forward, the loss, backward) on a batch of CE_BATCH x CE_BLOCK
+    tokens, in this fresh process, as the recipe's loop runs it in bf16: the model prepared by Accelerate with
+    mixed_precision bf16 (which autocasts its forward only), the loss called outside any autocast, so the chunks
+    compute in the dtype the forward gives them (bf16), as in training. The peak resident memory above what the
+    process held before the step (VmHWM lowered to the current use first) and the median time of the steps after
+    one warm-up (LOSS_REPEATS; 1 with --quick). The loss is the recipe's: the default loss with `chunk` (0: the full
+    logits)."""
     import time
 
     import torch
+    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     from accel_train import default_loss
     from accel_train.core.meter import peak_memory, reset_cpu_peak_memory
 
-    model = AutoModelForCausalLM.from_pretrained(assets / "model_ce").train()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(assets / "model_ce").train())
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, CE_VOCAB, (CE_BATCH, CE_BLOCK), generator=generator)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     loss_fn = default_loss(0.0, chunk)
+    repeats = 1 if quick else LOSS_REPEATS
     times, peaks = [], []
-    for repeat in range(LOSS_REPEATS + 1):
+    for repeat in range(repeats + 1):
         model.zero_grad(set_to_none=False)  # the gradients exist before the step: not counted as the loss's
         reset_cpu_peak_memory()
         before = peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"]
         started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = loss_fn(model, batch)
-        (out["loss_sum"].sum() / out["num_items"].sum()).backward()
+        out = loss_fn(model, batch)  # no autocast here: the loop has none around the loss either
+        accelerator.backward(out["loss_sum"].sum() / out["num_items"].sum())
         if repeat:  # the first is the warm-up
             times.append(time.perf_counter() - started)
             peaks.append(peak_memory(torch.device("cpu"))["cpu_peak_rss_mb"] - before)
         loss = float(out["loss_sum"].sum().detach() / out["num_items"].sum())
-    return {"step_seconds": statistics.median(times), "step_peak_mb": statistics.median(peaks), "loss": loss}
+    return {"step_seconds": statistics.median(times), "step_peak_mb": statistics.median(peaks), "loss": loss,
+            "repeats": repeats}
 
 
 def ce_steps(quick: bool) -> int:
@@ -563,12 +569,15 @@ def ce_table(results: dict) -> list[str]:
 
 
 def loss_table(results: dict) -> list[str]:
-    if not any(n in results for n in ROWS["loss"][1]):
+    names = [n for n in ROWS["loss"][1] if n in results]
+    if not names:
         return []
+    repeats = next((r["repeats"] for r in map(results.get, names) if "repeats" in r), LOSS_REPEATS)
     return [f"The training step alone (forward, loss, backward) of the same model on {CE_BATCH} x {CE_BLOCK} tokens, "
-            f"bf16 autocast, each setting in a fresh process: the peak resident memory above the process's memory "
-            f"before the step (gradients already allocated) and the step time, medians of {LOSS_REPEATS} steps "
-            "after a warm-up.", "",
+            "in bf16 as the recipe's loop runs it (the model prepared by Accelerate, which autocasts its forward; the "
+            "loss called outside it, the chunks in the forward's bf16), each setting in a fresh process: the peak "
+            "resident memory above the process's memory before the step (gradients already allocated) and the step "
+            f"time, medians of {repeats} steps after a warm-up.", "",
             "| --loss_chunk_size | step s | step peak MB above its start | loss | vs full logits (time, memory) |",
             "|---|---|---|---|---|",
             *chunk_rows(results, "loss", lambda r: f"{r['step_seconds']:.2f} | {r['step_peak_mb']:.0f} | "

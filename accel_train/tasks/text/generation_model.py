@@ -28,8 +28,9 @@ from ...errors import ConfigError, ModelError
 from ..model_config import apply_to_config, parse_overrides
 from .generation_tokens import ModelFacts, end_token_id
 
-# Chunked cross-entropy by default from this vocabulary size, in chunks of this many tokens: at vocabulary 32k,
-# sequence 1024, batch 4 (benchmarks/lm_throughput.py) it cut the step's peak memory 9x and was not slower.
+# Chunked cross-entropy by default from this vocabulary size, in chunks of this many tokens, chosen from the step's
+# peak memory and time against the full logits at vocabulary 32k, sequence 1024, batch 4: benchmarks/LM_THROUGHPUT.md,
+# its chunked cross-entropy and loss-step tables (the chunks compute in the forward's dtype: bf16 in a bf16 run).
 CHUNK_FROM_VOCAB = 32000
 LOSS_CHUNK = 512
 

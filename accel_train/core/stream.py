@@ -23,6 +23,8 @@ all of it in every process) still resumes exactly, by re-reading, and the resume
 
 from __future__ import annotations
 
+import pickle
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,9 +96,23 @@ class StreamPosition:
                 f"{folder} holds the stream positions of {saved} process(es), this run has {num_processes}: each "
                 f"process reads its own shards of the stream, so the position cannot carry over. Resume on "
                 f"{saved} process(es), or from a checkpoint at an epoch's end.")
-        # our own file, verified against the manifest's SHA-256 before this: loader states hold plain Python objects
-        self.loader.load_state_dict(torch.load(path, weights_only=False))
+        self.loader.load_state_dict(_load_position(path))
         return True
+
+
+def _load_position(path: Path) -> dict:
+    """A saved loader position: plain Python data (dicts, lists, numbers, strings; tensors allowed), loaded with
+    `weights_only=True`. The manifest's SHA-256 proves only that the file is the one written with the checkpoint,
+    not who wrote it, and a full unpickle of a crafted file would run whatever call it holds."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = named.group(1) if named else str(err).splitlines()[0]
+        raise CheckpointError(
+            f"{path}: not a loader position accel_train wrote: it holds {what}, not plain data, and unpickling it "
+            f"could run code, so it is not loaded. Resume from another checkpoint (--resume_from_checkpoint "
+            f"{path.parent.parent}/step-N).") from None
 
 
 def rereading_notes(loader, batch_in_epoch: int, restored: bool) -> list[str]:

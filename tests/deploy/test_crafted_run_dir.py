@@ -2,8 +2,9 @@
 
 `accel-train export RUN_DIR` builds the model that model_factory.json names only when the package registers that
 builder (the recipes' models), or the class config.json names when it is a transformers model class; anything else
-needs the user's own `--factory` or `--trust_factory`. Every crafted file here would create a marker file if it ran;
-the tests assert the refusal and that the marker does not exist.
+needs the user's own `--factory` or `--trust_factory`. A checkpoint's stream position loads with
+`torch.load(weights_only=True)`: a pickle that would call a function is refused. Every crafted file here would
+create a marker file if it ran; the tests assert the refusal and that the marker does not exist.
 """
 
 import json
@@ -15,8 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from accel_train.cli import main as cli
+from accel_train.core.stream import StreamPosition
 from accel_train.deploy import PACKAGE_FACTORIES, ModelFactory, describe_model, export_run, load_trained_model
-from accel_train.errors import ExportError
+from accel_train.errors import CheckpointError, ExportError
+from accel_train.rundir.layout import stream_position_file
 from accel_train.tasks.multimodal.dual_encoder import DualEncoder
 from accel_train.tasks.multimodal.fusion_model import FusionEncoder
 from accel_train.tasks.vision.detection import CenterNet
@@ -150,3 +153,54 @@ def test_a_config_naming_remote_code_or_a_non_model_builds_nothing(tmp_path, cap
     (run / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["set_seed"]}))
     with pytest.raises(ExportError, match=r"architectures \['set_seed'\] names no transformers model class"):
         load_trained_model(run)
+
+
+# ---------------------------------------------------------------------------------------- stream position
+
+
+class Crafted:
+    """Pickles as a call that would create `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (torch.save, (1, str(self.marker)))
+
+
+class Loader:
+    def __init__(self):
+        self.loaded = []
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+
+def test_a_crafted_stream_position_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    folder = tmp_path / "checkpoints" / "step-00000002"
+    folder.mkdir(parents=True)
+    torch.save({"_num_yielded": 2, "dataset_state": Crafted(marker)}, folder / stream_position_file(0))
+    position = StreamPosition()
+    position.loader = Loader()
+    with pytest.raises(CheckpointError, match="stream_position_rank0.pt.*not a loader position"):
+        position.restore(folder, num_processes=1, batch_in_epoch=2)
+    assert not marker.exists() and position.loader.loaded == []
+
+
+def test_a_saved_stream_position_still_loads(tmp_path):
+    from datasets import Dataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stream = Dataset.from_dict({"x": list(range(32))}).to_iterable_dataset(num_shards=2)
+    loader = StatefulDataLoader(stream, batch_size=4)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    saved = StreamPosition()
+    saved.loader = loader
+    saved.save(tmp_path)
+    resumed = StreamPosition()
+    resumed.loader = StatefulDataLoader(stream, batch_size=4)
+    assert resumed.restore(tmp_path, num_processes=1, batch_in_epoch=3)
+    assert [b["x"].tolist() for b in resumed.loader] == [b["x"].tolist() for b in batches]

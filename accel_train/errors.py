@@ -68,12 +68,18 @@ class Preempted(Exception):
     """SIGTERM received: a checkpoint was saved at the step boundary and the run stopped on purpose."""
 
 
+class RunFinished(Exception):
+    """`--resume_from_checkpoint auto` found the run in output_dir finished, with nothing to continue: nothing was
+    trained or deleted. The message says where its results are; `run_cli` prints it and exits 0."""
+
+
 EXIT_USER_ERROR = 2
 
 
 def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> None:
     """Run a recipe's `main(argv)`; turn a `UserError` (or running out of memory) into a one-paragraph
-    message and exit code 2. A SIGTERM checkpoint (`Preempted`) exits 0.
+    message and exit code 2. A SIGTERM checkpoint (`Preempted`) and a run that had finished already (`RunFinished`)
+    exit 0.
 
     Set `ACCEL_TRAIN_TRACEBACK=1` to see the full stack trace as well. With `ACCEL_TRAIN_STATUS_FILE=PATH`, the
     main process writes how it ended there as JSON ({"exit": 0 | 2, "kind": ..., "message": ...}): a launcher
@@ -86,6 +92,10 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
     except Preempted as stop:
         _say(f"accel_train: {stop}")
         _status(0, "preempted", str(stop))
+        sys.exit(0)
+    except RunFinished as done:
+        _say(f"accel_train: {done}", sys.stdout)
+        _status(0, "already finished", str(done))
         sys.exit(0)
     except Exception as err:  # noqa: BLE001 - anything else keeps its traceback (re-raised below)
         if isinstance(err, UserError):
@@ -112,7 +122,7 @@ def _status(code: int, kind: str, message: str) -> None:
         Path(path).write_text(json.dumps({"exit": code, "kind": kind, "message": message}))
 
 
-def _say(message: str) -> None:
-    """Every rank usually hits the same error: say it once."""
+def _say(message: str, stream=None) -> None:
+    """Every rank usually hits the same error: say it once (on stderr unless `stream`)."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"\n{message}", file=sys.stderr, flush=True)
+        print(f"\n{message}", file=stream or sys.stderr, flush=True)

@@ -44,12 +44,14 @@ class TrainConfig:
     output_dir: str = field(default="outputs/run",
                             metadata={"help": "Run directory: config, checkpoints, logs, model."})
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Delete a previous run's files in output_dir instead of refusing to start."}
+        default=False, metadata={"help": "Delete what earlier runs wrote in output_dir (output_dir/run_files.json "
+                                         "records it) instead of refusing to start; files no run wrote are kept."}
     )
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "'latest' (newest complete checkpoint in output_dir), a checkpoint path, or "
-                                        "'auto': the newest complete checkpoint if there is one, else a fresh start "
-                                        "(the flag for restarted and requeued jobs)."}
+                                        "'auto': the newest complete checkpoint if there is one, else a fresh start, "
+                                        "or nothing (exit 0) when the run there finished (the flag for restarted and "
+                                        "requeued jobs)."}
     )
     run_name: str | None = field(default=None, metadata={"help": "Name shown by trackers."})
 

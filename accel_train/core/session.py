@@ -28,10 +28,11 @@ from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_lis
 from ..config import TrainConfig
 from ..errors import ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
-from ..rundir.final_model import save_final_model, write_pretrained_files
+from ..rundir.final_model import final_model_names, save_final_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
+from ..rundir.run_files import end_attempt
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
@@ -85,7 +86,8 @@ class Session:
         acc = spec.accelerator or build_accelerator(config)
         if spec.accelerator is not None:
             check_engine(acc)
-        self.existing = check_output_dir(config, acc.process_index)
+        # files no run wrote that the final model would write over are refused here (a base model's config.json)
+        check_output_dir(config, acc.process_index, lambda: final_model_names(spec.model, spec.processing_class))
         acc.wait_for_everyone()  # every rank has looked before the main process writes anything
         model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -155,7 +157,7 @@ class Session:
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
         state = (resume(self) if self.resume_path else
                  TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
-        start_run_dir(acc, self.config, self.existing, self.extra_configs, resumed=self.resume_path is not None)
+        self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
         state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
@@ -271,6 +273,8 @@ class Session:
         """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
         path = checkpoints_dir(self.config.output_dir) / checkpoint_name(state.step)
         self.save(state)
+        if self.accelerator.is_main_process:
+            end_attempt(self.config.output_dir)
         self.log.close()
         raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
                         "Resume with --resume_from_checkpoint latest (or auto).")
@@ -307,6 +311,8 @@ class Session:
         if acc.num_processes > 1:  # timings and peak memory differ by rank: every rank returns the main one's
             metrics = broadcast_object_list([metrics])[0]
         self.write_results(metrics)
+        if acc.is_main_process:  # `auto` leaves a finished run alone
+            end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps})
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 

@@ -4,12 +4,14 @@ checkpoint folder loadable with `from_pretrained`. Saving only: converting a run
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from .layout import WEIGHTS
+from .layout import FINAL_WEIGHTS, WEIGHTS
 
 
 def save_final_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
@@ -31,6 +33,23 @@ def save_final_model(accelerator: Accelerator, model: torch.nn.Module, output_di
     if processing_class is not None and accelerator.is_main_process:
         processing_class.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
+
+
+def final_model_names(model: torch.nn.Module, processing_class=None) -> list[str]:
+    """The names (globs: the weights may be sharded) that `save_final_model` writes at the top of output_dir for
+    `model` and `processing_class`, so that a directory holding files by those names that no run wrote is refused
+    before training instead of written over. The processing class's names are what its save_pretrained writes
+    (saved into a temporary folder to see them)."""
+    names = list(FINAL_WEIGHTS)
+    if hasattr(model, "save_pretrained") and hasattr(model, "config"):
+        names += ["config.json", "generation_config.json"]
+    if is_adapter_model(model):  # peft writes the adapter and a model card (and --merge_lora the merged model)
+        names += ["adapter_config.json", "adapter_model.safetensors", "README.md"]
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        with tempfile.TemporaryDirectory() as folder:
+            processing_class.save_pretrained(folder)
+            names += sorted(os.listdir(folder))
+    return names
 
 
 def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, folder: str | Path,

@@ -17,6 +17,8 @@
       model.safetensors, config.json, tokenizer ...   the exported final model
       model_factory.json   how to rebuild a plain nn.Module's architecture (a transformers model has config.json)
       crash_rank<R>.json   why a run stopped with an error (type, message, traceback, step), per rank
+      run_files.json       which entries here the runs wrote and which they found (rundir/run_files.py): what
+                           --overwrite_output_dir may delete
 """
 
 from __future__ import annotations
@@ -47,13 +49,21 @@ RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB, 
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...
-# Everything a run writes at the top of output_dir (globs), which --overwrite_output_dir removes before the new run
-# starts: none of the old run's model, exports or predictions may survive to be taken for the new run's.
-RUN_ARTIFACTS = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, TEST_PREDICTIONS, MODEL_FACTORY,
-                 CRASH_GLOB, "nonfinite_step*_rank*.json", CONFUSION_MATRIX_PLOT, "*.safetensors", WEIGHTS_INDEX,
-                 "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer*", "vocab.*",
-                 "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model", "chat_template.jinja",
-                 "adapter_config.json", "adapter", "README.md", "*.png")
+NONFINITE_GLOB = "nonfinite_step*_rank*.json"  # where a non-finite loss or gradient first appeared, per rank
+RUN_MANIFEST = "run_files.json"  # which top-level entries the runs wrote, and which were there before (foreign)
+# The names (globs) of this package's layout at the top of output_dir: an entry by one of these names that appears
+# after a run first started there is a run's, even when no run recorded it (`accel-train export` writes export/
+# after the run; a killed run records nothing).
+PACKAGE_NAMES = (*RUN_FILES, *OBSERVABILITY_FILES, EXPORT_DIR, PREDICTIONS, TEST_PREDICTIONS, MODEL_FACTORY,
+                 CRASH_GLOB, NONFINITE_GLOB, CONFUSION_MATRIX_PLOT, "adapter")
+# What a final model's save_pretrained may write (weights, configs, tokenizers, a LoRA's model card): generic names,
+# which a base model in the same directory has too. Taken for a run's only when an attempt was killed before it
+# recorded what it wrote; otherwise recorded (run_files.json) or the user's.
+MODEL_FILES = ("*.safetensors", WEIGHTS_INDEX, "config.json", "generation_config.json", "preprocessor_config.json",
+               "processor_config.json", "tokenizer*", "vocab.*", "merges.txt", "special_tokens_map.json",
+               "added_tokens.json", "spiece.model", "chat_template.jinja", "adapter_config.json", "README.md")
+WEIGHT_SHARDS = "model-*-of-*.safetensors"  # a sharded final model: WEIGHTS_INDEX names them
+FINAL_WEIGHTS = (WEIGHTS, WEIGHTS_INDEX, WEIGHT_SHARDS)  # what the final save of any model may write
 
 CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")  # step-00000120; step-00000120.bak and the like are not ones

@@ -1,14 +1,16 @@
-"""The output directory: refuse to mix two runs, refuse one that cannot be written, decide where a run resumes
-(`--resume_from_checkpoint auto`: the newest complete checkpoint, or a first start), clear a replaced run and
-write the resolved config."""
+"""The output directory: refuse to mix two runs, to write over files no run wrote, or a directory that cannot be
+written; decide where a run resumes (`--resume_from_checkpoint auto`: the newest complete checkpoint, a first start,
+or nothing to do when the run finished); clear a replaced run of what runs wrote there (run_files.py), and write the
+resolved config."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import shutil
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -16,40 +18,56 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ..config import TrainConfig, save_config
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, RunFinished, UserError
+from . import run_files
 from .checkpoint import resolve_checkpoint
-from .layout import CONFIG, CRASH_GLOB, RUN_ARTIFACTS, RUN_FILES, crash_file
+from .layout import CONFIG, CRASH_GLOB, FINAL_WEIGHTS, PACKAGE_NAMES, RESULTS, RUN_FILES, checkpoint_step, crash_file
 
 
-def refuse_mixed_runs(config: TrainConfig) -> list[str]:
-    """The files of an earlier run in output_dir; `ConfigError` when this run would mix with them (neither resumed
-    nor overwriting). Reads only: `build_accelerator` calls it, so a clash is refused before a recipe loads its model
-    and data. The message names flags or TrainConfig fields, the way the config was made."""
+def refuse_mixed_runs(config: TrainConfig, model_names: Callable[[], Sequence[str]] | None = None) -> None:
+    """`ConfigError` when output_dir holds an earlier run that this one would mix with (neither resumed nor
+    overwriting), or files no run of this package wrote there (a base model's config.json and weights, a Trainer's
+    all_results.json) that this run would write over: by this package's layout names, and by `model_names()` (what
+    the final model writes, once the model is known; else its weights' names). Reads only: `build_accelerator`
+    calls it, so a clash is refused before a recipe loads its model and data. The message names flags or
+    TrainConfig fields, the way the config was made."""
     out = Path(config.output_dir)
-    existing = [name for name in RUN_FILES if (out / name).exists()]
+    where = "--output_dir" if config.origin == "flags" else "output_dir"
+    files = run_files.survey(out)
+    existing = [name for name in RUN_FILES if name in files.written]
     if existing and not config.resume_from_checkpoint and not config.overwrite_output_dir:
-        where = "--output_dir" if config.origin == "flags" else "output_dir"
         raise ConfigError(
             f"{where} {out} already holds a run ({', '.join(existing)}). Continue it with "
             f"{config.setting('resume_from_checkpoint', 'latest')}, replace it with "
             f"{config.setting('overwrite_output_dir', True)}, or choose another {where}."
         )
-    return existing
+    if files.foreign:
+        names = (*PACKAGE_NAMES, *(model_names() if model_names is not None else FINAL_WEIGHTS))
+        clash = run_files.collisions(files, names)
+        if clash:
+            unrecorded = "" if files.recorded else (
+                " (if they are the files of a run made before accel_train kept run_files.json, delete them)")
+            raise ConfigError(
+                f"{where} {out} holds {', '.join(clash)}, which no run of accel_train wrote there, and this run "
+                f"would write over them: its results, logs and final model use those names. Move them out of "
+                f"{out}{unrecorded}, or choose another {where}. "
+                f"{config.setting('overwrite_output_dir', True)} deletes only what runs of accel_train wrote.")
 
 
-def check_output_dir(config: TrainConfig, rank: int) -> list[str]:
-    """Refuse to mix two runs in one directory, or a directory that cannot be written. Writes nothing
-    that could be mistaken for a run, so a refused start leaves the directory as it was. Every rank checks."""
+def check_output_dir(config: TrainConfig, rank: int,
+                     model_names: Callable[[], Sequence[str]] | None = None) -> None:
+    """Refuse to mix two runs in one directory, to write over files no run wrote (`refuse_mixed_runs`), or a
+    directory that cannot be written. Writes nothing that could be mistaken for a run, so a refused start leaves
+    the directory as it was. Every rank checks."""
     out = Path(config.output_dir)
-    existing = refuse_mixed_runs(config)
+    refuse_mixed_runs(config, model_names)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{rank}"
+        probe = out / f"{run_files.WRITE_PROBE}{rank}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
         raise ConfigError(f"--output_dir {out} is not writable ({err.strerror}). Choose another directory.") from None
-    return existing
 
 
 # What a restarted job may change without being another run: how it resumes, and the batch split the automatic
@@ -61,7 +79,8 @@ FITTED_FIELDS = {"per_device_train_batch_size", "gradient_accumulation_steps"}
 def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=()) -> Path | None:
     """The checkpoint this run resumes from, or None for a fresh start. `auto` is the flag for restarted and
     requeued jobs, the same command at the first start and at every restart: the newest complete checkpoint of
-    this run, or a fresh start when there is none — decided by the main process and sent to every rank, so the
+    this run, or a fresh start when there is none; when the run there finished and there is nothing to continue,
+    `RunFinished` (nothing is trained, nothing deleted). Decided by the main process and sent to every rank, so the
     ranks cannot disagree (node-local disks, a checkpoint appearing between two ranks' looks). A directory that
     holds a run with another config is refused, naming the fields (`latest` resumes with changes)."""
     spec = config.resume_from_checkpoint
@@ -73,8 +92,10 @@ def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=(
     if accelerator.is_main_process:
         try:
             changed = changed_fields(config, extra_configs)
-            path = resolve_checkpoint(config.output_dir, "auto")
-            decision = [("ok", None if path is None else str(path))] if not changed else [("changed", changed)]
+            path = None if changed else resolve_checkpoint(config.output_dir, "auto")
+            finished = None if changed else finished_run(config, path)
+            decision = [("changed", changed) if changed else ("finished", finished) if finished else
+                        ("ok", None if path is None else str(path))]
         except CheckpointError as err:
             decision = [("error", str(err))]
     if accelerator.num_processes > 1:
@@ -82,6 +103,8 @@ def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=(
     kind, value = decision[0]
     if kind == "error":
         raise CheckpointError(value)
+    if kind == "finished":
+        raise RunFinished(value)
     if kind == "changed":
         raise ConfigError(
             f"--resume_from_checkpoint auto: {config.output_dir} holds a run with another config ("
@@ -105,21 +128,47 @@ def changed_fields(config: TrainConfig, extra_configs=()) -> dict[str, tuple]:
     return {k: (saved[k], v) for k, v in current.items() if k in saved and k not in ignored and saved[k] != v}
 
 
-def start_run_dir(accelerator: Accelerator, config: TrainConfig, existing: list[str], extra_configs=(),
-                  resumed: bool = False) -> None:
-    """Clear a replaced run (--overwrite_output_dir, or `auto` starting afresh over an attempt that saved no
-    checkpoint: everything a run writes there, `RUN_ARTIFACTS`, so that no old model, export or prediction is later
-    taken for the new run's) and write the resolved config."""
+def finished_run(config: TrainConfig, checkpoint: Path | None) -> str | None:
+    """`auto` on a run that finished (run_files.json says so, all_results.json is there) with nothing to continue
+    (no checkpoint, or the last one is where it finished after all its steps): the message saying so, else None.
+    A run a hook stopped early continues from its checkpoint, as a clean interruption does."""
     out = Path(config.output_dir)
-    replace = config.overwrite_output_dir or config.resume_from_checkpoint == "auto"
+    record = run_files.read(out)
+    done = record.finished if record is not None else None
+    if not done or not (out / RESULTS).is_file():
+        return None
+    if checkpoint is not None and (checkpoint_step(checkpoint.name) != done["step"]
+                                   or done["step"] < done["total_steps"]):
+        return None
+    early = f" (stopped early by a hook; {done['total_steps']} planned)" if done["step"] < done["total_steps"] else ""
+    return (f"{out} holds a run that already finished at step {done['step']}{early}: there is nothing to resume, so "
+            f"nothing was trained or deleted. Its results are in {out / RESULTS}, its model in {out}. To train it "
+            f"again, add {config.setting('overwrite_output_dir', True)} (deletes that run's files) or choose "
+            f"another output_dir.")
+
+
+def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(), resumed: bool = False) -> list[str]:
+    """Record what output_dir holds and that an attempt is open (run_files.py), clear a replaced run
+    (--overwrite_output_dir, or `auto` starting afresh over an attempt that saved no checkpoint: everything runs
+    wrote there, so that no old model, export or prediction is later taken for the new run's, and nothing else),
+    and write the resolved config. Returns the notes for the start-up report (main process)."""
+    out = Path(config.output_dir)
+    replace = (config.overwrite_output_dir or config.resume_from_checkpoint == "auto") and not resumed
+    notes = []
     if accelerator.is_main_process:
-        if existing and replace and not resumed:
-            for target in {path for pattern in RUN_ARTIFACTS for path in out.glob(pattern)}:
-                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        deleted, kept = run_files.begin_attempt(out, replace)
+        if deleted:  # what replacing a run deleted, and what it left because no run wrote it
+            notes.append(f"replaced the earlier run: deleted what runs wrote in {out} ({_some(deleted)})"
+                         + (f"; kept {_some(kept)}: not written by a run, never deleted by one" if kept else ""))
         save_config([*extra_configs, config], out / CONFIG)
         for stale in out.glob(CRASH_GLOB):  # this attempt's errors, not an earlier one's
             stale.unlink()
     accelerator.wait_for_everyone()
+    return notes
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def record_crash(output_dir: str | Path, rank: int, step: int, error: BaseException) -> Path | None:
@@ -129,6 +178,9 @@ def record_crash(output_dir: str | Path, rank: int, step: int, error: BaseExcept
               "error": type(error).__name__, "message": str(error),
               "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]}
     path = crash_file(output_dir, rank)
+    if rank == 0:  # the attempt ended: what it wrote is the run's (run_files.json)
+        with contextlib.suppress(OSError, UserError):  # the original error matters more than this record
+            run_files.end_attempt(output_dir)
     try:
         path.write_text(json.dumps(record, indent=2))
     except OSError:  # the original error matters more than this record

@@ -11,6 +11,7 @@ import torch
 from conftest import SCRIPTS, launch, run_toy, subprocess_env
 from safetensors.torch import load_file
 
+from accel_train.core.session import Session
 from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
@@ -36,13 +37,20 @@ def test_auto_is_a_first_start_then_a_resume_and_refuses_another_runs_directory(
     assert "--resume_from_checkpoint latest" in changed.err
 
 
-def test_auto_starts_afresh_over_an_attempt_that_saved_no_checkpoint(tmp_path, capsys):
+def test_auto_starts_afresh_over_an_attempt_that_saved_no_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     argv = ["--output_dir", str(out), *QUIET, "--save_strategy", "no", "--resume_from_checkpoint", "auto"]
-    run_toy(capsys, argv)
+    with monkeypatch.context() as patch:  # the first attempt trains, then dies before it finishes (a lost node)
+        patch.setattr(Session, "finish", lost_node)
+        with pytest.raises(RuntimeError, match="lost node"):
+            run_toy(capsys, argv)
     history = (out / "metrics.jsonl").read_text()
     run_toy(capsys, argv)  # no checkpoint: the same job from the start, its old records replaced, not mixed
     assert (out / "metrics.jsonl").read_text().count('"step": 1,') == history.count('"step": 1,')
+
+
+def lost_node(*args, **kwargs):
+    raise RuntimeError("lost node")
 
 
 def test_auto_never_starts_afresh_over_checkpoints_that_fail_to_verify(tmp_path, capsys):

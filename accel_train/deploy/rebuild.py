@@ -27,9 +27,11 @@ from torch import nn
 
 from ..errors import CheckpointError, ExportError, ModelError
 from ..rundir.checkpoint import verify_checkpoint
-from ..rundir.layout import WEIGHTS
+from ..rundir.layout import EXPORT_DIR, WEIGHTS
 from ..rundir.weights import load_weights, weights_file
 from .factory import FACTORY_FILE, ModelFactory
+
+ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside a LoRA adapter
 
 
 @dataclass
@@ -69,6 +71,7 @@ def load_trained_model(path: str | Path, factory: ModelFactory | None = None,
         except CheckpointError as err:
             raise ExportError(f"{checkpoint}: {err}") from None
     if factory is None:
+        _refuse_adapter(run_dir, checkpoint)
         factory = ModelFactory.load(run_dir, trust=trust_factory)
     if factory is not None:
         model, built_by = factory.build(), factory.target
@@ -110,6 +113,26 @@ def _auto_map(config_file: Path) -> Any:
         return json.loads(config_file.read_text()).get("auto_map")
     except (ValueError, AttributeError):
         return None
+
+
+def _refuse_adapter(run_dir: Path, checkpoint: Path | None) -> None:
+    """A LoRA run without --merge_lora saved an adapter (adapter_config.json), not a model the exporter can take:
+    raise an ExportError with the two remedies, the second a command that merges it now."""
+    source = next((d for d in (checkpoint, run_dir) if d is not None and (d / ADAPTER_CONFIG).is_file()), None)
+    if source is None:
+        return
+    merged = run_dir / EXPORT_DIR / (checkpoint.name if checkpoint else "") / "merged"
+    code = (f"from peft import AutoPeftModelForCausalLM; AutoPeftModelForCausalLM.from_pretrained('{source}')"
+            f".merge_and_unload().save_pretrained('{merged}')")
+    tokenizer = next((d for d in (source, run_dir) if (d / "tokenizer_config.json").is_file()), None)
+    if tokenizer is not None:  # the export's example inputs come from the tokenizer beside the model
+        code += (f"; from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{tokenizer}')"
+                 f".save_pretrained('{merged}')")
+    raise ExportError(
+        f"{source} holds a LoRA adapter ({ADAPTER_CONFIG}), not a whole model: the exporter takes a plain model. "
+        "Train with --merge_lora (the run then ends with the adapter merged into its base model in output_dir, "
+        "which exports), or merge this adapter into its base model now (peft loads the base that "
+        f"{ADAPTER_CONFIG} names): python -c \"{code}\" and then run `accel-train export {merged} --format FORMAT`.")
 
 
 def _load_weights(model: nn.Module, directory: Path) -> None:

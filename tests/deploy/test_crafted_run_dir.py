@@ -5,9 +5,13 @@ builder (the recipes' models), or the class config.json names when it is a trans
 needs the user's own `--factory` or `--trust_factory`. A checkpoint's stream position loads with
 `torch.load(weights_only=True)`: a pickle that would call a function is refused. Every crafted file here would
 create a marker file if it ran; the tests assert the refusal and that the marker does not exist.
+
+An unmerged LoRA run is a third case of a run directory the exporter cannot take: its message names the real remedy
+(--merge_lora, or the merge command it prints), and that command is run here to show it works.
 """
 
 import json
+import re
 import sys
 import textwrap
 
@@ -204,3 +208,42 @@ def test_a_saved_stream_position_still_loads(tmp_path):
     resumed.loader = StatefulDataLoader(stream, batch_size=4)
     assert resumed.restore(tmp_path, num_processes=1, batch_in_epoch=3)
     assert [b["x"].tolist() for b in resumed.loader] == [b["x"].tolist() for b in batches]
+
+
+# -------------------------------------------------------------------------------------------- LoRA
+
+
+def test_an_unmerged_lora_run_says_how_to_merge_and_that_merge_exports(tmp_path):
+    import peft
+    from transformers import BertTokenizer, LlamaConfig, LlamaForCausalLM
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "film", "great", "dull"]
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(base)
+    tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(words)}, model_input_names=["input_ids",
+                                                                                             "attention_mask"])
+    model = peft.get_peft_model(LlamaForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", init_lora_weights=False))
+    run = tmp_path / "run"
+    model.save_pretrained(run)  # what a --lora_r run leaves in output_dir: the adapter, no config.json
+    tokenizer.save_pretrained(run)
+
+    with pytest.raises(ExportError) as refused:
+        export_run(run, "torchscript")
+    message = str(refused.value)
+    assert "LoRA adapter" in message and "--merge_lora" in message and "--factory" not in message
+    (code,) = re.findall(r'python -c "(.*?)"', message)
+    exec(code, {})  # the command the message gives, run as the user would
+    merged = run / "export" / "merged"
+    assert f"accel-train export {merged}" in message
+
+    (result,) = export_run(merged, "torchscript")
+    assert result.verified
+    ids = torch.tensor([[5, 7, 8, 6]])
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+        got = torch.jit.load(str(result.path))(ids, torch.ones_like(ids))[0]
+    assert (got - expected).abs().max().item() < 1e-5

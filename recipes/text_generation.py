@@ -55,6 +55,7 @@ from accel_train.tasks.text.generation import (
     loss_chunk,
     model_facts,
     packing_width,
+    refuse_deepspeed,
     resolve_columns,
     tokenize_splits,
     training_set,
@@ -129,6 +130,7 @@ def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, gen_args = parse(argv)
     check_best_metric(config, gen_args.predict_with_generate)
     accelerator = build_accelerator(config)
+    refuse_deepspeed(accelerator)  # the token loss's sums: before minutes of loading a model and tokenizing
     demo = not (data_args.train_file or data_args.dataset_name)
     raw, task = load_data(data_args, model_args, config.seed)
     model, tokenizer = build_model(model_args, raw, task)

@@ -42,6 +42,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from ..errors import ConfigError
 from .chunked_loss import check_chunked_loss, chunked_causal_loss
+from .sharded import refuse_sums_under_deepspeed
 
 IGNORE_INDEX = -100  # a per-token label no loss counts (transformers' losses skip it too)
 
@@ -190,12 +191,9 @@ class Window:
 
     def add(self, out: Mapping[str, Any]) -> None:
         self.micro_batches += 1
-        if "items" in out and self.accelerator.distributed_type.value == "DEEPSPEED":
-            raise ConfigError("a loss that returns sums ('loss_sum', 'num_items') needs its gradients scaled by the "
-                              "item count of the whole window before the optimizer step, and DeepSpeed steps inside "
-                              "backward: train per-token losses with DDP or FSDP (a preset without DeepSpeed), or "
-                              "return the micro-batch mean as 'loss'.")
         if "items" in out:
+            # refused before training where the first batch shows sums (sharded.refuse_sum_loss); here a stream's
+            refuse_sums_under_deepspeed(self.accelerator, "the loss function")
             self.items = out["items"] if self.items is None else self.items + out["items"]
         else:
             self.means += 1

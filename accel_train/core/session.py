@@ -54,7 +54,7 @@ from .optim import (
     steps_on_evaluation,
 )
 from .restore import load_saved_state, resume
-from .sharded import check_engine, engine_notes, prepare_engine
+from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, stateful_loaders
 
@@ -115,6 +115,7 @@ class Session:
         if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
+        refuse_sum_loss(acc, model, loss_fn, train_loader)  # DeepSpeed: it calls the prepared engine once
         self.accelerator, self.config, self.plan = acc, config, plan
         self.average = weight_average(acc, model, config)  # --ema_decay: None without it
         self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume

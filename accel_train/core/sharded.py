@@ -17,18 +17,24 @@ What `prepare_engine` adapts, and why:
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
   Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
   optimizer steps; Accelerate only fills what is still "auto".
+
+`refuse_sum_loss` refuses, under DeepSpeed, a loss that returns sums, before anything is written (see there); a
+recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soon as its accelerator is built.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 from ..config import TrainConfig
-from ..errors import LaunchError
+from ..errors import ConfigError, LaunchError
+from .data import take_real_tokens
 
 SHARDED_TYPES = ("FSDP", "DEEPSPEED")
 _NAMES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
@@ -157,3 +163,43 @@ def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
             node[leaf] = value
             filled[key] = value
     return filled
+
+
+def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:
+    """Under DeepSpeed, a ConfigError for a loss that returns sums; `what` names the loss and how that is known.
+
+    The loop makes a sum loss's step exact by scaling the window's gradients by its item count before the optimizer
+    step (core/loss.py); DeepSpeed steps inside `backward`, so that moment never comes."""
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        raise ConfigError(f"{what} returns sums ('loss_sum', 'num_items'), whose gradients the loop scales by the item "
+                          "count of the whole accumulation window before the optimizer step, and DeepSpeed steps "
+                          "inside backward: train per-token losses with DDP or FSDP (a preset without DeepSpeed), or "
+                          "return the micro-batch mean as 'loss'.")
+
+
+def refuse_sum_loss(accelerator: Accelerator, model: torch.nn.Module, loss_fn: Callable, train_loader) -> None:
+    """Under DeepSpeed, refuse a loss that returns sums (`refuse_sums_under_deepspeed`) before anything is written.
+
+    What a loss function returns is known only by calling it: here, once, on the training set's first micro-batch,
+    read by index (no sampler, no random number drawn), the prepared model in evaluation mode, without gradients,
+    the random generators put back afterwards. A stream is not read ahead (its first batch would be consumed): its
+    sum loss is refused by the loop at the first micro-batch, as is a loss that switches to sums later."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return
+    dataset = getattr(train_loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") or not len(dataset):
+        return
+    size = min(getattr(train_loader, "batch_size", None) or 1, len(dataset))
+    batch = train_loader.collate_fn([dataset[i] for i in range(size)])
+    take_real_tokens(batch)  # a packed batch's token count is no model input (as in the loop)
+    was_training = model.training
+    cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), accelerator.autocast():
+            out = loss_fn(model, send_to_device(batch, accelerator.device))
+    finally:
+        model.train(was_training)
+    if isinstance(out, Mapping) and "loss_sum" in out:
+        refuse_sums_under_deepspeed(accelerator, "the loss function (called on the first training batch, before "
+                                                 "anything was written)")

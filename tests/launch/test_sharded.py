@@ -186,6 +186,83 @@ def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
     assert ds["train_batch_size"] == "auto"  # Accelerate's to fill, from the prepared loader
 
 
+def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]
+
+
+def sum_loss(model, batch):
+    """A per-item sum and its count: the loop scales the step's gradients by the window's items (core/loss.py)."""
+    errors = (model(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+    return {"loss_sum": errors, "num_items": torch.ones_like(errors)}
+
+
+def mean_loss(model, batch):
+    return sum_loss(model, batch)["loss_sum"].mean()
+
+
+def test_deepspeed_refuses_a_sum_loss_before_anything_is_written(tmp_path, monkeypatch):
+    """DeepSpeed steps inside backward, so a sum loss's gradients cannot be scaled by the window's item count: it is
+    refused before the run directory is written, not at the first micro-batch after it. Accelerate runs DeepSpeed
+    only on GPU-like devices; here a CPU accelerator reports DEEPSPEED from the moment `prepare` has returned (so that
+    prepare itself stays plain), and the notes of a DeepSpeed JSON, which this run has none of, are left out."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError, train
+    from accel_train.core import session
+
+    prepare = Accelerator.prepare
+
+    def prepare_then_deepspeed(self, *args, **kwargs):
+        prepared = prepare(self, *args, **kwargs)
+        monkeypatch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
+        return prepared
+
+    monkeypatch.setattr(Accelerator, "prepare", prepare_then_deepspeed)
+    monkeypatch.setattr(session, "engine_notes", lambda accelerator: [])
+    out = tmp_path / "run"
+    config = TrainConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, report_to=["none"],
+                         disable_tqdm=True, run_report=False, preflight=False, eval_strategy="no", save_strategy="no")
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - which error, and when, is what is tested below
+        train(torch.nn.Linear(4, 1), torch.utils.data.DataLoader(points(), batch_size=4), config=config,
+              loss_fn=sum_loss)
+    written = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert written == []  # the run started (config.yaml, metrics.jsonl, ...) before the first micro-batch refused it
+    assert isinstance(refused.value, ConfigError) and "DeepSpeed steps inside backward" in str(refused.value)
+
+
+def test_the_sum_loss_check_reads_one_batch_and_changes_nothing():
+    import contextlib
+
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError
+    from accel_train.core.sharded import refuse_sum_loss
+
+    def engine(kind):
+        return SimpleNamespace(distributed_type=kind, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+    loader = torch.utils.data.DataLoader(points(), batch_size=4, shuffle=True)
+    calls = []
+
+    def counted(loss_fn):
+        def call(model, batch):
+            calls.append((model.training, len(batch["x"])))
+            return loss_fn(model, batch)
+        return call
+
+    with pytest.raises(ConfigError, match="returns sums"):
+        refuse_sum_loss(engine(DistributedType.DEEPSPEED), model, counted(sum_loss), loader)
+    rng = torch.get_rng_state()
+    refuse_sum_loss(engine(DistributedType.DEEPSPEED), model, counted(mean_loss), loader)  # a mean trains
+    assert calls == [(False, 4), (False, 4)]  # one batch, in evaluation mode
+    assert model.training and torch.equal(torch.get_rng_state(), rng)  # the run's random numbers are untouched
+    refuse_sum_loss(engine(DistributedType.MULTI_GPU), model, counted(sum_loss), loader)  # sums are exact with DDP
+    assert len(calls) == 2
+
+
 def test_preflight_simulates_a_deepspeed_json_schedule_as_the_engine_steps_it():
     """DeepSpeed's WarmupDecayLR trains its first two steps at warmup_min_lr and stops short of 0; the pre-flight
     shows that, not the config's schedule (a 2-process ZeRO-2 run logged exactly these rates)."""

@@ -570,6 +570,19 @@ def model_facts_seq2seq():
     return ModelFacts(seq2seq=True, decoder_start_token_id=0)
 
 
+def test_deepspeed_is_refused_as_soon_as_the_accelerator_exists(tmp_path, dates, monkeypatch):
+    """The token loss returns sums, which DeepSpeed cannot train (core/sharded.py): refused before a model is loaded
+    or a file written. Accelerate runs DeepSpeed only on GPU-like devices, so the CPU accelerator reports it here."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
+    monkeypatch.setattr(text_generation, "build_generation_model", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="text generation's loss .* returns sums .* DeepSpeed steps inside backward"):
+        run(tmp_path, *data_flags(dates), *T5)
+    assert not (tmp_path / "bad").exists()
+
+
 # ------------------------------------------------------------------------------------------------ collapse
 
 

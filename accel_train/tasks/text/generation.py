@@ -17,6 +17,7 @@ from .generation_checks import (
     check_best_metric,
     collapse_warning,
     output_diversity,
+    refuse_deepspeed,
     rolled_rows,
     source_reliance,
 )
@@ -76,8 +77,8 @@ from .packing import (
 
 __all__ = [
     "ChatExample", "chat_example",
-    "GENERATION_SCORES", "check_best_metric", "collapse_warning", "output_diversity", "rolled_rows",
-    "source_reliance",
+    "GENERATION_SCORES", "check_best_metric", "collapse_warning", "output_diversity", "refuse_deepspeed",
+    "rolled_rows", "source_reliance",
     "GenerationFinish", "MergeLora", "merge_lora",
     "GenerationDataArguments", "TaskColumns", "check_texts", "load_raw_data", "resolve_columns", "training_texts",
     "load_date_demo",

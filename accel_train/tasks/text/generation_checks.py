@@ -4,6 +4,8 @@ one string whatever its input (collapse) and whether it reads its source at all.
 * `check_best_metric`: a --metric_for_best_model that names a generation score is refused before training unless
   --predict_with_generate scores generations at every evaluation (without it the first evaluation, an epoch in,
   would fail).
+* `refuse_deepspeed`: the token loss returns sums, which DeepSpeed cannot train; refused as soon as the accelerator
+  exists, before a model is loaded.
 * `output_diversity`: over the generated items, the share of distinct outputs and of the most common output.
 * `source_reliance`: how much the teacher-forced token loss rises when every item is given another item's source
   (rolled by one): near 0 nats per token, the model predicts its targets without reading the source — a
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader
 from ...config import TrainConfig
 from ...core.evaluation import evaluate_model
 from ...core.loss import IGNORE_INDEX
+from ...core.sharded import refuse_sums_under_deepspeed
 from ...errors import ConfigError
 
 GENERATION_SCORES = ("rouge1", "rouge2", "rougeL", "rougeLsum", "bleu", "sacrebleu", "exact_match",
@@ -40,6 +43,12 @@ def check_best_metric(config: TrainConfig, predict_with_generate: bool) -> None:
                           "evaluations during training compute only the teacher-forced token loss (eval_loss, "
                           "eval_perplexity): add --predict_with_generate to generate and score at every "
                           "evaluation, or choose by eval_loss.")
+
+
+def refuse_deepspeed(accelerator) -> None:
+    """Under DeepSpeed, a ConfigError: every text-generation run trains the token loss, per-token sums."""
+    refuse_sums_under_deepspeed(accelerator, "text generation's loss (the token cross-entropy, normalised by the "
+                                             "tokens of each whole optimizer step)")
 
 
 def output_diversity(outputs: Sequence[str]) -> dict[str, float]:

@@ -48,8 +48,8 @@ def write(root: Path, files: dict[str, str]) -> None:
 ])
 def test_each_contract_breaks_on_a_violation(tmp_path, case, files, broken):
     layout = ("__init__.py", "train.py", "cli.py", "sweep.py",
-              "deploy/__init__.py", "config.py", "errors.py", "compat.py", "testing/__init__.py", "core/__init__.py", "core/loop.py",
-              "core/meter.py",
+              "deploy/__init__.py", "config.py", "errors.py", "compat.py", "testing/__init__.py", "core/__init__.py",
+              "core/loop.py", "core/meter.py",
               "observe/__init__.py", "observe/observer.py", "tasks/__init__.py", "rundir/__init__.py")
     base = {f"fake/{name}": "" for name in layout}
     base["fake/__init__.py"] = "VERSION = 1\n"

@@ -152,6 +152,8 @@ def evaluate_with_average(accelerator, model, loader, loss_fn, metrics_fn, avera
     """`evaluate_model` of the live weights and, with an average, of the average (`<prefix>_ema_*`) beside them."""
     metrics = evaluate_model(accelerator, model, loader, loss_fn, metrics_fn, prefix=prefix)
     if average is not None:
+        # a metrics function that keeps what it saw (the observer's confusion matrices) keeps the average's apart
+        average_fn = metrics_fn.for_average() if hasattr(metrics_fn, "for_average") else metrics_fn
         with average.swapped():
-            metrics.update(evaluate_model(accelerator, model, loader, loss_fn, metrics_fn, prefix=f"{prefix}_ema"))
+            metrics.update(evaluate_model(accelerator, model, loader, loss_fn, average_fn, prefix=f"{prefix}_ema"))
     return metrics

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from ..config import TrainConfig
 from ..errors import ConfigError, DataError
-from .data import take_real_tokens
+from .data import take_examples, take_real_tokens
 from .loss import as_loss_output, batch_size_of
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
@@ -32,7 +32,9 @@ def check_monitored_metric(config: TrainConfig, metrics_fn: MetricsFn | None, ha
     name = config.best_metric_name
     if name is None or not has_eval_loader or (metrics_fn is not None and not hasattr(metrics_fn, "metric_names")):
         return
-    known = [*LOSS_METRICS, *getattr(metrics_fn, "metric_names", ())]
+    known = [*LOSS_METRICS, *(metric_name(n, "eval") for n in getattr(metrics_fn, "metric_names", ()))]
+    if config.ema_decay:  # the average is evaluated beside the live weights: eval_ema_*
+        known += [metric_name(n, "eval_ema") for n in known]
     if name not in known:
         raise ConfigError(f"--metric_for_best_model {config.metric_for_best_model}: the evaluations of this run "
                           f"report only {', '.join(known)}; choose one of them.")
@@ -92,6 +94,7 @@ def evaluate_model(
 
     def step(model, batch):
         take_real_tokens(batch)  # a packed batch's token count is no model input
+        take_examples(batch, 0)  # nor its count of examples
         out = as_loss_output(loss_fn(model, batch), loss_fn)
         n = batch_size_of(batch)
         if "items" in out:  # sums: per sample where given, else the batch's shared equally by its samples
@@ -124,9 +127,15 @@ def evaluate_model(
     metrics[f"{prefix}_samples"] = float(samples)
     if metrics_fn is not None:
         for key, value in metrics_fn(outputs).items():
-            name = key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"
-            metrics[name] = float(value)
+            metrics[metric_name(key, prefix)] = float(value)
     return metrics
+
+
+def metric_name(key: str, prefix: str) -> str:
+    """A metric's name in an evaluation under `prefix`: "accuracy", "eval_accuracy" -> "<prefix>_accuracy" (a metrics
+    function that names its results for the evaluation split keeps their names under another prefix: eval_ema_rouge1,
+    test_rouge1, not eval_ema_eval_rouge1)."""
+    return f"{prefix}_{key.removeprefix(f'{prefix}_').removeprefix('eval_')}"
 
 
 def confusion_matrix(labels, predictions, num_classes: int) -> np.ndarray:

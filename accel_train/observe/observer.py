@@ -48,6 +48,13 @@ class ConfusionRecorder:
         self.metrics_fn = metrics_fn
         self.confusion: np.ndarray | None = None
         self.classes: tuple[int, int] | None = None  # (classes present, classes of the model), last evaluation
+        self.average: ConfusionRecorder | None = None  # the weight average's evaluations (--ema_decay), kept apart
+
+    def for_average(self) -> ConfusionRecorder:
+        """The recorder of the weight average's evaluations (core/ema.py asks for it)."""
+        if self.average is None:
+            self.average = ConfusionRecorder(self.metrics_fn)
+        return self.average
 
     def __call__(self, outputs: dict[str, torch.Tensor]):
         logits, labels = outputs.get("logits"), outputs.get("labels")
@@ -146,11 +153,14 @@ class Observer:
         info.update(finished_at=_now(), wall_seconds=round(time.time() - self.started, 3), final_step=state.step)
         report.mkdir(parents=True, exist_ok=True)
         info_path.write_text(json.dumps(info, indent=2))
-        if self.recorder.confusion is not None:
-            names = _class_names(self.accelerator.unwrap_model(self.model), self.recorder.metrics_fn,
-                                 len(self.recorder.confusion))
+        # the confusion matrix of the weights saved as the final model: the average's with --save_ema_as_final
+        recorder = self.recorder.average if self.config.save_ema_as_final and self.recorder.average else self.recorder
+        if recorder.confusion is not None:
+            names = _class_names(self.accelerator.unwrap_model(self.model), recorder.metrics_fn,
+                                 len(recorder.confusion))
             (report / "confusion_matrix.json").write_text(
-                json.dumps({"labels": names, "matrix": self.recorder.confusion.tolist()}))
+                json.dumps({"labels": names, "matrix": recorder.confusion.tolist(),
+                            "weights": "weight average" if recorder is not self.recorder else "live"}))
         if self.config.run_report:
             try:
                 path = write_report(self.out, results=metrics)

@@ -3,6 +3,7 @@ weights (eval_ema_*), becomes the final model with --save_ema_as_final, and resu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train import ConfigError, TrainConfig, run_cli
 from accel_train.core.ema import WeightAverage
+from accel_train.core.evaluation import check_monitored_metric, metric_name
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false"]
 
@@ -65,6 +67,37 @@ def test_a_run_evaluates_the_average_beside_the_live_weights_and_saves_it_as_the
     assert abs(loss - records[-1]["eval_loss"]) > 1e-4, "the saved model would be the live weights"
     results = json.loads((out / "all_results.json").read_text())
     assert (results["eval_ema_loss"], results["eval_loss"]) == (records[-1]["eval_ema_loss"], records[-1]["eval_loss"])
+
+
+def test_the_averages_metrics_can_choose_the_best_model_and_keep_their_names(tmp_path):
+    class Metrics:  # a metrics function that names what it returns, as the recipes' do
+        metric_names = ("accuracy", "eval_rouge1")
+
+        def __call__(self, outputs):
+            return {"accuracy": 1.0, "eval_rouge1": 0.5}
+
+    config = TrainConfig(output_dir=str(tmp_path), metric_for_best_model="ema_accuracy", ema_decay=0.9)
+    check_monitored_metric(config, Metrics(), True)  # eval_ema_accuracy: evaluated beside the live weights
+    check_monitored_metric(dataclasses.replace(config, metric_for_best_model="ema_rouge1"), Metrics(), True)
+    with pytest.raises(ConfigError, match="report only eval_loss"):
+        check_monitored_metric(dataclasses.replace(config, ema_decay=0.0), Metrics(), True)
+    assert [metric_name(k, p) for k, p in (("eval_rouge1", "eval_ema"), ("rouge1", "test"), ("eval_rouge1", "test"),
+                                             ("eval_ema_loss", "eval_ema"))] == \
+        ["eval_ema_rouge1", "test_rouge1", "test_rouge1", "eval_ema_loss"]
+
+
+@pytest.mark.parametrize("final", ["live", "weight average"])
+def test_the_confusion_matrix_is_of_the_weights_saved_as_the_final_model(tmp_path, final):
+    out = tmp_path / "run"
+    run(["--output_dir", str(out), *QUIET, "--num_train_epochs", "1", "--learning_rate", "0.5", "--ema_decay", "0.99",
+         "--eval_strategy", "epoch", *(["--save_ema_as_final"] if final == "weight average" else [])])
+    results = json.loads((out / "all_results.json").read_text())
+    saved = json.loads((out / "report" / "confusion_matrix.json").read_text())
+    matrix = torch.tensor(saved["matrix"])
+    accuracy = (matrix.diag().sum() / matrix.sum()).item()
+    assert results["eval_accuracy"] != results["eval_ema_accuracy"], "pick a run where the two differ"
+    expected = results["eval_ema_accuracy" if final == "weight average" else "eval_accuracy"]
+    assert saved["weights"] == final and accuracy == pytest.approx(expected, abs=1e-6)
 
 
 def toy(out, *extra, fault=None, processes=1):

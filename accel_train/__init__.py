@@ -15,7 +15,15 @@ and `errors.py` at the bottom. Nothing inside the package imports this module.
 
 from .config import TrainConfig, parse_config, parse_with_defaults, save_config
 from .core.accelerator import build_accelerator, precision_in_effect
-from .core.data import LengthGroupedSampler, SplitLoaders, make_loader, pad_multiple, seed_worker, split_loaders
+from .core.data import (
+    LengthGroupedSampler,
+    SeededItems,
+    SplitLoaders,
+    make_loader,
+    pad_multiple,
+    seed_worker,
+    split_loaders,
+)
 from .core.evaluation import evaluate_model, gather_outputs
 from .core.hooks import EarlyStopping, Hook
 from .core.loss import default_loss, evaluation_loss
@@ -80,6 +88,7 @@ __all__ = [
     "SplitLoaders",
     "pad_multiple",
     "LengthGroupedSampler",
+    "SeededItems",
     "seed_worker",
     "Hook",
     "EarlyStopping",

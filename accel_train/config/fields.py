@@ -348,6 +348,13 @@ def _validate(cfg: TrainConfig) -> None:
         raise bad("spike_window" if cfg.spike_window < 0 else "spike_threshold",
                   cfg.spike_window if cfg.spike_window < 0 else cfg.spike_threshold,
                   "the window is >= 0 steps (0: off) and the threshold a multiple > 1 of the window's mean loss.")
+    unguarded = [f"--{name} {getattr(cfg, name)}" for name, default in (("on_spike", "stop"), ("spike_threshold", 3.0),
+                                                                        ("max_spike_skips", 10))
+                 if getattr(cfg, name) != default]
+    if unguarded and not cfg.spike_window:
+        raise ConfigError(f"{', '.join(unguarded)}: the loss-spike guard is off (--spike_window 0), so this would do "
+                          "nothing. Turn it on with --spike_window N (the steps whose mean loss a step is compared "
+                          "with, e.g. 100), or drop the flag.")
     if cfg.on_spike == "rollback" and cfg.spike_window and cfg.save_strategy == "no":
         raise ConfigError("--on_spike rollback returns to the last checkpoint, and --save_strategy no saves none: "
                           "set --save_strategy steps with --save_steps N (a rollback replays up to N steps), or use "

@@ -35,6 +35,18 @@ def take_real_tokens(batch):
     return mask.sum() if isinstance(mask, torch.Tensor) else 0
 
 
+# A batch whose rows are not its examples (padding-free: one row of all of them) carries their count under this key,
+# for samples/s; the data position counts micro-batches, so it never depends on what a batch's rows hold.
+EXAMPLES = "num_examples"
+
+
+def take_examples(batch, rows: int) -> int:
+    """The examples a micro-batch holds: the count it carried as `EXAMPLES` (removed: no model input), else `rows`."""
+    if isinstance(batch, Mapping) and EXAMPLES in batch:
+        return int(batch.pop(EXAMPLES))
+    return rows
+
+
 def seeded_generator(seed: int, counter: int) -> torch.Generator:
     """A CPU generator that is a function of (seed, counter) alone: the epoch's data order, a step's draws. The
     one derivation the package uses, so that every process and a resumed run draw the same numbers; the large
@@ -53,6 +65,85 @@ def seed_worker(worker_id: int, rank: int = 0) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+class SeededItems(Dataset):
+    """A map-style dataset whose items draw their randomness from (seed, epoch, index) alone.
+
+    A dataset that augments in `__getitem__` with torch's, numpy's or Python's global random generators draws
+    numbers that depend on what was drawn before: in another loader worker, after a resume (the workers restart, the
+    loader prefetches), on another number of processes, each item gets other numbers, so a resumed run is not
+    bitwise the uninterrupted one. Wrapped, each item is fetched with the three generators seeded from (seed, epoch,
+    index) and put back afterwards: the same item of the same epoch is the same tensor in any worker, process or
+    resumed run, and the step's own draws (dropout) are left where they were. The loop sets the epoch.
+
+        train_set = SeededItems(MyAugmentedImages(...), seed=config.seed)
+    """
+
+    def __init__(self, dataset: Dataset, seed: int = 0):
+        self.dataset, self.seed = dataset, seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers too
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        seed = int(np.random.SeedSequence([self.seed, int(self.epoch), int(index)]).generate_state(1, np.uint64)[0])
+        numpy_state, python_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                np.random.set_state(numpy_state)
+                random.setstate(python_state)
+
+
+def global_rng_draws(dataset) -> list[str]:
+    """The global generators (torch, numpy, random) that fetching item 0 of a map-style dataset draws from: a
+    dataset that augments with them cannot resume bitwise (SeededItems). Their states are put back afterwards."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return []
+    try:
+        if len(dataset) == 0:
+            return []
+    except TypeError:
+        return []
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch_state = torch.get_rng_state()
+        try:
+            dataset[0]
+        except Exception:  # noqa: BLE001 - a broken item is the pre-flight's and the loop's to report, not this probe's
+            return []
+        finally:
+            drawn = [name for name, changed in (
+                ("torch", not torch.equal(torch_state, torch.get_rng_state())),
+                ("numpy", not _same_numpy_state(numpy_state, np.random.get_state())),
+                ("random", python_state != random.getstate())) if changed]
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
+    return drawn
+
+
+def random_item_notes(loader) -> list[str]:
+    """What the start-up report says of a training set whose items draw from the global generators."""
+    drawn = global_rng_draws(getattr(loader, "dataset", None))
+    if not drawn:
+        return []
+    return [f"the training set's items draw from the global random generator(s) of {', '.join(drawn)} (checked on "
+            "item 0): their random augmentation depends on the loader's workers and on what was drawn before, so a "
+            "resumed run, a rollback or another number of processes is not bitwise the uninterrupted run. Wrap the "
+            "dataset in accel_train.SeededItems(dataset, seed) to draw each item's numbers from (seed, epoch, index)"]
+
+
+def _same_numpy_state(a, b) -> bool:
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
 
 
 class LengthGroupedSampler(Sampler[int]):

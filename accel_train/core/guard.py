@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import send_to_device
+from accelerate.utils import broadcast_object_list, send_to_device
 
 from ..errors import TrainingDiverged
 from ..rundir.checkpoint import list_checkpoints
@@ -235,9 +235,17 @@ def window_batches(state, config) -> list[int]:
     return list(range(last - (last % gas), last + 1))
 
 
-def on_spike(session, state, verdict: Verdict) -> Path | None:
-    """--on_spike skip: count and log the step (its update is dropped). --on_spike rollback: log it and return the
-    checkpoint to go back to (the loop calls roll_back once the step is dropped). Either stops after
+@dataclass(frozen=True)
+class Rollback:
+    """Where an --on_spike rollback goes back to, and the record that marks it in the run's history."""
+
+    checkpoint: Path
+    record: dict[str, Any]
+
+
+def on_spike(session, state, verdict: Verdict) -> Rollback | None:
+    """--on_spike skip: count and log the step (its update is dropped). --on_spike rollback: return the checkpoint to
+    go back to and the record that marks it (the loop calls roll_back once the step is dropped). Either stops after
     --max_spike_skips. --on_spike stop, the limit reached, or no checkpoint to return to: raise TrainingDiverged with
     the step, its loss, the window's mean and the sample indices of the step's micro-batches on this process; the
     last checkpoint is as it was."""
@@ -252,12 +260,13 @@ def on_spike(session, state, verdict: Verdict) -> Path | None:
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
         return None
     latest = list_checkpoints(cfg.output_dir)
+    if cfg.on_spike == "rollback":  # every rank goes back to the checkpoint the main process sees (as `auto` does)
+        latest = [Path(p) for p in broadcast_object_list([[str(p) for p in latest]])[0]]
     if cfg.on_spike == "rollback" and latest and state.spike_rollbacks < cfg.max_spike_skips:
-        log.log({"spike_rollback_step": step, **record, "rolled_back_to": latest[-1].name,
-                 "spike_rollbacks": state.spike_rollbacks + 1}, step)
         log.write(f"{what}: back to {latest[-1].name}, to replay without the step's micro-batches "
                   f"({state.spike_rollbacks + 1}/{cfg.max_spike_skips})")
-        return latest[-1]
+        return Rollback(latest[-1], {"spike_rollback_step": step, **record, "rolled_back_to": latest[-1].name,
+                                     "spike_rollbacks": state.spike_rollbacks + 1})
     indices = [micro_batch_indices(session.train_loader, b) for b in window_batches(state, cfg)]
     why = ""  # why skip or rollback did not apply here
     if cfg.on_spike == "skip":

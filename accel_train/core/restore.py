@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoints_dir
-from .guard import window_batches
+from .guard import Rollback, window_batches
 from .hooks import hook_keys, saved_hook_state
 from .optim import apply_hyperparameters, run_hyperparameters
 from .state import TrainState
@@ -34,16 +34,14 @@ def resume(session) -> TrainState:
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
             f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
             "position would not line up: keep the same global batch when resuming.")
-    per_batch = config.per_device_train_batch_size * acc.num_processes
-    if state.samples_in_epoch % per_batch:
-        raise CheckpointError(
-            f"{path}: {state.samples_in_epoch} samples of the epoch were consumed, which is not a whole number "
-            f"of batches of {per_batch} for this world size; resume with the original world size.")
+    unit = config.per_device_train_batch_size * acc.num_processes  # dataset items per micro-batch, all processes
+    state.batch_in_epoch = position_in_epoch(state, unit, path)
+    state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)
+    state.per_device_batch = config.per_device_train_batch_size
     load_saved_state(session, path)
     session.notes += apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
                                            run_hyperparameters(config, plan, session.group_peaks),
                                            engine_owned=acc.distributed_type.value == "DEEPSPEED")
-    state.batch_in_epoch = state.samples_in_epoch // per_batch
     if session.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
         session.position_restored = session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
     session.notes += rereading_notes(session.train_loader, state.batch_in_epoch, session.position_restored)
@@ -65,6 +63,40 @@ def resume(session) -> TrainState:
     return state
 
 
+def saved_unit(state: TrainState) -> int:
+    """Dataset items per micro-batch (all processes) of the run that saved `state`; 0 when it did not record it."""
+    return state.per_device_batch * state.world_size
+
+
+def position_in_epoch(state: TrainState, unit: int, path: Path) -> int:
+    """The micro-batch of the epoch this process resumes at, for micro-batches of `unit` items over all processes.
+    The checkpoint's own position when the layout is the same; else re-derived from the items the epoch consumed
+    (another world size, or an automatic batch size that chose another micro-batch at the same global batch)."""
+    if state.per_device_batch and saved_unit(state) == unit:
+        return state.batch_in_epoch
+    # counted in micro-batches since it was recorded: a padding-free row (one per micro-batch) is not one item
+    consumed = state.batch_in_epoch * saved_unit(state) if state.per_device_batch else state.samples_in_epoch
+    if consumed % unit:
+        raise CheckpointError(
+            f"{path}: {consumed} samples of the epoch were consumed, which is not a whole number of micro-batches "
+            f"of {unit} (per-device batch x processes) in this run; resume with the world size and per-device "
+            "batch of the run that saved it, or from a checkpoint at an epoch's end.")
+    return consumed // unit
+
+
+def remap_exclusions(excluded: list[list[int]], unit_then: int, unit_now: int) -> list[list[int]]:
+    """Rollback exclusions ([epoch, micro-batch]) of micro-batches of `unit_then` items, as micro-batches of
+    `unit_now`: those that start inside an excluded span of items. Exclusions are whole optimizer steps and the global
+    batch cannot change on resume, so the spans stay whole steps of the new layout."""
+    if not excluded or not unit_then or unit_then == unit_now:
+        return excluded
+    out = set()
+    for epoch, batch in excluded:
+        start, end = batch * unit_then, (batch + 1) * unit_then
+        out.update((epoch, b) for b in range(-(-start // unit_now), -(-end // unit_now)))
+    return [list(item) for item in sorted(out)]
+
+
 def load_saved_state(session, path: Path) -> None:
     """What checkpoint `path` holds beside the loop's JSON: Accelerate's state, and the weight average if any."""
     session.accelerator.load_state(str(path))
@@ -74,14 +106,12 @@ def load_saved_state(session, path: Path) -> None:
 
 def restore_in_place(session, state: TrainState, path: Path) -> None:
     """Put the run back at checkpoint `path` of this run, in `state` itself: weights, optimizer, schedule, random
-    states, the weight average and the hooks as saved, and the data position the loop re-derives from it."""
-    acc = session.accelerator
+    states, the weight average and the hooks as saved, and the checkpoint's data position."""
     if path.name not in session.verified:
         ckpt.verify_checkpoint(path)
         session.verified.add(path.name)
     load_saved_state(session, path)
-    saved = TrainState(**ckpt.load_train_state(path))
-    saved.batch_in_epoch = saved.samples_in_epoch // (session.config.per_device_train_batch_size * acc.num_processes)
+    saved = TrainState(**ckpt.load_train_state(path))  # this run's own: the same micro-batch and world size
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
     restore_hooks(session, state)
@@ -115,11 +145,13 @@ def check_best(session, state: TrainState, resumed_from: Path) -> None:
         state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
 
 
-def roll_back(session, state: TrainState, checkpoint: Path) -> None:
-    """--on_spike rollback: return to `checkpoint` (in `state` itself) and take the spiked step's micro-batches out of
-    the data: their [epoch, position], the same positions on every process. The exclusions so far and the count
-    outlive the restore: a checkpoint older than an earlier rollback does not hold them."""
+def roll_back(session, state: TrainState, rollback: Rollback) -> None:
+    """--on_spike rollback: return to its checkpoint (in `state` itself) and take the spiked step's micro-batches out
+    of the data: their [epoch, position], the same positions on every process. The exclusions so far and the count
+    outlive the restore: a checkpoint older than an earlier rollback does not hold them. The run's history goes on
+    from the checkpoint's step, the rollback marked there (RunLog.rewind)."""
     excluded = state.excluded_batches + [[state.epoch, b] for b in window_batches(state, session.config)]
     rollbacks = state.spike_rollbacks + 1
-    restore_in_place(session, state, checkpoint)
+    restore_in_place(session, state, rollback.checkpoint)
     state.excluded_batches, state.spike_rollbacks = sorted(excluded), rollbacks
+    session.log.rewind(state.step, rollback.record)

@@ -36,7 +36,7 @@ from ..rundir.run_files import end_attempt
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
-from .data import dataset_size
+from .data import dataset_size, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
 from .finish import failure_message, final_evaluation, short, training_figures
@@ -56,7 +56,7 @@ from .optim import (
 from .restore import load_saved_state, resume
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
-from .stream import StreamPosition, stateful_loaders
+from .stream import StreamPosition, idle_worker_notes, stateful_loaders
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ class Session:
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
+        self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
         self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
         self.throughput: list[tuple[float, float]] = []  # (model FLOP/s, MFU) of each logged interval
 
@@ -157,7 +158,8 @@ class Session:
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
         state = (resume(self) if self.resume_path else
-                 TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size))
+                 TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
+                            per_device_batch=self.config.per_device_train_batch_size))
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
@@ -173,6 +175,7 @@ class Session:
         """Log, evaluate, save and call the hooks at their intervals; True when the run should stop (agreed by
         every rank)."""
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
+        faults.signal_point(state.step)
         faults.peer_fault_point(state.step, self.accelerator.process_index)
         state.flop_count = meter.flops.counts()  # saved with the checkpoints: a resumed run does not count again
         if self.average is not None:

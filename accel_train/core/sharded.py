@@ -34,7 +34,7 @@ from accelerate.utils import send_to_device
 
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
-from .data import take_real_tokens
+from .data import take_examples, take_real_tokens
 
 SHARDED_TYPES = ("FSDP", "DEEPSPEED")
 _NAMES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
@@ -191,7 +191,8 @@ def refuse_sum_loss(accelerator: Accelerator, model: torch.nn.Module, loss_fn: C
         return
     size = min(getattr(train_loader, "batch_size", None) or 1, len(dataset))
     batch = train_loader.collate_fn([dataset[i] for i in range(size)])
-    take_real_tokens(batch)  # a packed batch's token count is no model input (as in the loop)
+    take_real_tokens(batch)  # a packed batch's counts of tokens and examples are no model input (as in the loop)
+    take_examples(batch, 0)
     was_training = model.training
     cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
     try:

@@ -16,9 +16,10 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epoch in progress (0-based)
-    batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per process
-    samples_seen: int = 0  # samples consumed, all processes
-    samples_in_epoch: int = 0  # samples consumed in this epoch, all processes
+    batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per process: the data position
+    per_device_batch: int = 0  # the micro-batch size batch_in_epoch counts in (0: a checkpoint from before it was kept)
+    samples_seen: int = 0  # examples consumed, all processes
+    samples_in_epoch: int = 0  # examples consumed in this epoch, all processes (what samples/s counts)
     loss_sum: float = 0.0  # sum over logged intervals of (mean loss x weight), for the run's train_loss
     loss_steps: float = 0  # the weights: an interval's steps (mean losses) or its items (sum losses)
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler

@@ -14,11 +14,12 @@ the checkpoint, and a resumed run's loader starts there.
     position.save(checkpoint_folder)            # every process, with each checkpoint
     position.restore(checkpoint_folder, ...)    # on resume: True when the loader now starts at the saved position
 
-What cannot resume exactly is refused, with the reason: a shuffle buffer (datasets does not save its content, so a
-resumed run would lose up to `buffer_size` examples) when checkpoints are taken inside an epoch, and a resume on a
-different number of processes (each process reads its own shards). A stream that cannot say where it is (a plain
-torch IterableDataset, or a `datasets` stream with fewer shards than processes, which Accelerate splits by reading
-all of it in every process) still resumes exactly, by re-reading, and the resume says so.
+A resume on a different number of processes is refused, with the reason (each process reads its own shards). A
+stream whose position would not bring it back exactly resumes by re-reading instead, exactly, and the resume says so:
+a shuffle buffer (datasets does not save its content: a loaded position would lose up to `buffer_size` examples and
+repeat others; re-read, the buffer refills as it did, seeded by (seed, epoch)), a plain torch IterableDataset (no
+position), and a `datasets` stream with fewer shards than processes (Accelerate splits it by reading all of it in
+every process).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
-from ..compat import installed_version
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..rundir.layout import stream_position_file
 
 
@@ -44,26 +44,15 @@ class StreamPosition:
 
     @classmethod
     def of(cls, loader, config, num_processes: int) -> StreamPosition | None:
-        """A StreamPosition for a training loader over a stream that can save its position, else None. Refuses a
-        shuffle buffer when the run checkpoints inside epochs (ConfigError)."""
+        """A StreamPosition for a training loader over a stream that can save its position, else None (a resume
+        inside an epoch re-reads): a shuffle buffer's content is in no position datasets saves (a resume that loaded
+        the position would lose up to a buffer of examples and repeat others), so a shuffled stream re-reads."""
         dataset = getattr(loader, "dataset", None)
         if not isinstance(dataset, IterableDataset):
             return None
         buffer = shuffle_buffer(dataset)
-        if buffer is None and config.save_strategy == "steps":
-            raise ConfigError(
-                "the training stream is a datasets.IterableDataset whose shuffle buffer cannot be read (datasets "
-                f"{installed_version('datasets')} changed the internals accel_train reads, accel_train/compat.py): a "
-                "shuffled stream resumed inside an epoch would lose its buffer's examples, so checkpoints inside "
-                "epochs are refused. Checkpoint at epoch ends (--save_strategy epoch), or install a datasets version "
-                "accel_train was checked with.")
-        if buffer and buffer > 1 and config.save_strategy == "steps":
-            raise ConfigError(
-                f"the training stream is shuffled through a buffer of {buffer} examples, and datasets does not save "
-                "the buffer's content: a run resumed from a checkpoint inside an epoch would lose up to that many "
-                "examples and see the rest in another order. Pre-shuffle the rows across the files and drop the "
-                "buffer (datasets reorders the shards at every epoch by itself), or checkpoint at epoch ends "
-                "(--save_strategy epoch), or not at all (--save_strategy no).")
+        if buffer is None or buffer > 1:  # unreadable, or a buffer: its content is in no saved position
+            return None  # re-read: the buffer refills as it did, seeded by (seed, epoch), and the order replays
         if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
             return None
         if num_processes > 1 and getattr(dataset, "n_shards", 0) < num_processes:
@@ -119,8 +108,21 @@ def rereading_notes(loader, batch_in_epoch: int, restored: bool) -> list[str]:
     """What a resume says when a stream resumes inside an epoch by re-reading what it had consumed."""
     if restored or not batch_in_epoch or not isinstance(getattr(loader, "dataset", None), IterableDataset):
         return []
-    return [f"the training stream cannot save its position (no state_dict(), or fewer shards than processes): it "
-            f"re-reads the {batch_in_epoch} batches of this epoch it had consumed, which takes time in proportion"]
+    return [f"the training stream resumes by re-reading, not from a saved position (a shuffle buffer, whose content no "
+            f"position holds; no state_dict(); or fewer shards than processes): it re-reads the {batch_in_epoch} "
+            "batches of this epoch it had consumed, which takes time in proportion"]
+
+
+def idle_worker_notes(loader) -> list[str]:
+    """A `datasets` stream gives each loader worker whole shards: workers beyond its shards read nothing (a shuffled
+    stream of few files may report one shard, huggingface/datasets#8669)."""
+    shards = getattr(getattr(loader, "dataset", None), "n_shards", None)
+    workers = getattr(loader, "num_workers", 0)
+    if not isinstance(shards, int) or workers <= shards:
+        return []
+    return [f"the training stream has {shards} shard(s) for {workers} loader workers: {workers - shards} of them get "
+            "no shard and read nothing (datasets gives each worker whole shards). Use at most "
+            f"{shards} worker(s), or write the data as more files"]
 
 
 @contextmanager

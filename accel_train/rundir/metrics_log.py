@@ -32,6 +32,7 @@ class RunLog:
         self.total_steps, self.project_name, self.disable_bar = total_steps, project_name, disable_bar
         self.bar: tqdm | None = None
         self.initial_step = self.last_step = 0
+        self.replayed = 0  # steps an --on_spike rollback abandoned: the trackers' steps count on past them
 
     def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
         if self.main:
@@ -53,10 +54,24 @@ class RunLog:
                 fh.write(json.dumps(json_safe({"step": step, **record, **({"final": True} if final else {})})) + "\n")
             if any(k.startswith(("eval_", "test_")) for k in record):
                 self.write(evaluation_line(record, step, final))
-        self.accelerator.log(record, step=step)
+        self.accelerator.log(record, step=step + self.replayed)
         if "loss" in record and self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
                                  samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
+
+    def rewind(self, step: int, record: dict[str, Any]) -> None:
+        """--on_spike rollback: the run goes on from `step`, with `record` marking where and why. metrics.jsonl keeps
+        one timeline: the abandoned steps' records are dropped and the mark stands at `step`. Trackers refuse a step
+        that goes back (W&B drops it), so they get the replay at steps counted on past the abandoned ones: a
+        tracker's step is the run's step plus the steps replayed so far (the mark carries both)."""
+        abandoned = max(self.last_step - step, 0)
+        if self.main:
+            truncate_history(self.path, step)
+        self.replayed += abandoned
+        self.log({**record, "rollback_replays_steps": abandoned}, step)
+        if self.bar is not None:  # the bar counts steps of the run, not steps taken
+            self.bar.n = step
+            self.bar.refresh()
 
     def warn(self, message: str) -> None:
         """A warning: printed on the main process and kept in metrics.jsonl as {"step", "warning"} at the step last

@@ -4,6 +4,8 @@ Named points (the value of ``ACCEL_TRAIN_FAULT``):
 
 * ``kill_after_step:<step>`` — SIGKILL the main process once optimizer step <step> is done, before anything of the
   step is logged or saved;
+* ``sigterm_after_step:<step>`` — send SIGTERM to this process (every rank) once optimizer step <step> is done, as
+  a scheduler's preemption does: the loop saves at the next step boundary and stops;
 * ``kill_during_save:<step>`` — SIGKILL the main process while checkpoint <step> is written: Accelerate's files are
   on disk, the manifest that completes the checkpoint is not;
 * ``oom_above:<n>[@<rank>]`` — a micro-batch larger than n runs out of memory (on every rank, or only <rank>) in
@@ -32,6 +34,12 @@ def kill_point(name: str, step: int, main_process: bool) -> None:
     """SIGKILL this (main) process if ``ACCEL_TRAIN_FAULT`` is ``<name>:<step>``."""
     if main_process and os.environ.get(VARIABLE) == f"{name}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_point(step: int) -> None:
+    """SIGTERM this process if ``ACCEL_TRAIN_FAULT`` is ``sigterm_after_step:<step>``."""
+    if os.environ.get(VARIABLE) == f"sigterm_after_step:{step}":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def oom_point(batch_size: int, rank: int) -> None:

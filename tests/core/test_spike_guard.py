@@ -161,7 +161,9 @@ def test_bad_guard_settings_are_refused(tmp_path, capsys):
     for flags, fragment in ((["--spike_threshold", "1"], "--spike_threshold=1.0"),
                             (["--spike_window", "-2"], "--spike_window=-2"),
                             ([*GUARD, "--on_spike", "rollback", "--save_strategy", "no"], "saves none"),
-                            (["--on_spike", "undo"], "--on_spike")):
+                            (["--on_spike", "undo"], "--on_spike"),
+                            (["--on_spike", "skip"], "--on_spike skip: the loss-spike guard is off"),
+                            (["--max_spike_skips", "3"], "--max_spike_skips 3: the loss-spike guard is off")):
         reset_accelerate()
         with pytest.raises(SystemExit) as exit_info:
             run_cli(toy_train.main, ["--output_dir", str(tmp_path / "r"), *QUIET, *flags])

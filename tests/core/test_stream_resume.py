@@ -1,15 +1,14 @@
 """A stream (a `datasets` IterableDataset read from parquet files, with loader workers) resumes at the position its
 checkpoint saved: the same batches as an uninterrupted run, bitwise the same final weights, on 1 and 2 processes,
-without re-reading what it had consumed. What cannot resume exactly is refused with the reason."""
+without re-reading what it had consumed. A shuffled stream (a buffer whose content no position holds) resumes by
+re-reading, bitwise: tests/core/test_matrix.py ("shuffled stream", cut by SIGTERM, 2 loader workers)."""
 
 from __future__ import annotations
 
 import pytest
 import toy_train
-from conftest import kill_then_resume, reset_accelerate, toy_process, toy_records
+from conftest import kill_then_resume, toy_process, toy_records
 from safetensors.torch import load_file
-
-from accel_train import run_cli
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no"]
 
@@ -72,20 +71,3 @@ def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_
                                   "--resume_from_checkpoint", str(checkpoint)])  # the same global batch
     assert resumed_on_one.returncode == 2
     assert "stream positions of 2 process(es), this run has 1" in resumed_on_one.stderr
-
-
-def test_a_shuffle_buffer_that_a_checkpoint_cannot_hold_is_refused_with_the_reason(tmp_path, capsys):
-    data = tmp_path / "data"
-    toy_train.write_stream_shards(data, 24, 2)
-    reset_accelerate()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(toy_train.main, ["--output_dir", str(tmp_path / "a"), *stream_flags(data, "--stream_shuffle", "8")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "shuffled through a buffer of 8 examples" in err and "--save_strategy epoch" in err
-    assert not (tmp_path / "a" / "checkpoints").exists()
-    # checkpoints at epoch ends only: a new epoch starts from the beginning, and the run goes ahead
-    reset_accelerate()
-    run_cli(toy_train.main, ["--output_dir", str(tmp_path / "b"),
-                             *stream_flags(data, "--stream_shuffle", "8", "--save_strategy", "epoch")])
-    assert (tmp_path / "b" / "model.safetensors").is_file()

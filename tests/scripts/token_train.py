@@ -7,7 +7,9 @@ parameter by exactly minus its gradient, which the tests compare with the one-bi
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,11 +33,20 @@ class TokenArgs:
     pack_width: int = 0  # > 0: the sequences packed into rows of this many tokens (accel_train's --packing)
     padding_free: bool = False  # each micro-batch one row of its sequences (accel_train's --padding_free)
     loss_chunk_size: int = 0  # > 0: the default loss in chunks of this many tokens (chunked cross-entropy)
+    spike_batch: int = -1  # the micro-batch of the sequences at this position (in order) has its loss x spike_scale
+    spike_scale: float = 1e4
+    without_batch: int = -1  # leave the sequences of this micro-batch position out (a run that never held them)
 
 
 class StopAt:
-    def __init__(self, step: int):
-        self.step = step
+    """Asks the loop to stop at `step` (once it saved); at the start of training, forgets what the loss saw before
+    (a probe's batches): `fed` holds what training fed."""
+
+    def __init__(self, step: int, fed: list | None = None):
+        self.step, self.fed = step, fed if fed is not None else []
+
+    def on_train_start(self, state):
+        self.fed.clear()
 
     def on_save(self, state, path):
         return state.step == self.step
@@ -126,17 +137,36 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.clone() for k, v in model.state_dict().items()}, str(out / "initial.safetensors"))
     rows = sequences(args.num_sequences, 0, args.sort_by_length)
+    size = config.per_device_train_batch_size * accelerator.num_processes
+    spiked = sum(map(sum, rows[args.spike_batch * size:(args.spike_batch + 1) * size])) if args.spike_batch >= 0 else -1
+    if args.without_batch >= 0:
+        rows = rows[:args.without_batch * size] + rows[(args.without_batch + 1) * size:]
     train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
                               collate_fn=collate(args.mask_all))
     if args.pack_width or args.padding_free:
         train_loader = packed_loader(rows, args, config.per_device_train_batch_size)
     eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),
                              batch_size=config.per_device_eval_batch_size, collate_fn=collate())
-    loss_fn = default_loss(0.0, args.loss_chunk_size) if args.loss_chunk_size else None
+    base = default_loss(0.0, args.loss_chunk_size)
+    fed: list[list[int]] = []  # each training micro-batch: [sum of its token ids, its real tokens] (what was fed)
+
+    @functools.wraps(base)  # keeps the default loss's attributes
+    def loss_fn(model, batch):
+        if not model.training:
+            return base(model, batch)
+        real = batch["labels"].ne(-100) | batch["input_ids"].ne(0)
+        fed.append([int(batch["input_ids"].sum()), int(real.sum())])
+        out = base(model, batch)
+        if fed[-1][0] == spiked:  # the spiked micro-batch (identified by its content: padding adds 0)
+            out = {**out, "loss_sum": out["loss_sum"] * args.spike_scale}
+        return out
+
     result = train(model, train_loader, config=config, eval_loader=eval_loader, accelerator=accelerator,
-                   loss_fn=loss_fn, hooks=[StopAt(args.stop_at_step)], extra_configs=[args])
+                   loss_fn=loss_fn, hooks=[StopAt(args.stop_at_step, fed)], extra_configs=[args])
     if accelerator.is_main_process:
         (out / "token_results.json").write_text(json.dumps(result.metrics))
+    record = {"fed": fed, "metrics": result.metrics, "step": result.state.step}
+    Path(config.output_dir, f"token_rank{accelerator.process_index}_{os.getpid()}.json").write_text(json.dumps(record))
     return result
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, train
+from accel_train import SeededItems, TrainConfig, build_accelerator, parse_config, run_cli, train
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,17 @@ class ToyArgs:
     stream_shuffle: int = -1  # >= 0: the stream's .shuffle(seed, buffer_size=this): 1 shuffles the shard order only
     shuffle: bool = True  # False: the points in index order, every epoch
     without: str = ""  # "A-B": leave the training points A..B (inclusive) out of the data (a run that never held them)
+    augment: float = 0.0  # > 0: noise of this scale on each training point, drawn in __getitem__ from torch's global
+    # generator (a user's random augmentation)
+    seeded_items: bool = False  # wrap the training set in accel_train.SeededItems (its draws from (seed, epoch, index))
 
 
 class Points(Dataset):
-    def __init__(self, n: int, seed: int, poison: int = -1):
+    def __init__(self, n: int, seed: int, poison: int = -1, noise: float = 0.0):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 6, generator=g)
         self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
+        self.noise = noise
         if poison >= 0:
             self.x[poison] = float("nan")
 
@@ -45,12 +49,19 @@ class Points(Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i], "index": i}
+        x = self.x[i] + self.noise * torch.randn(6) if self.noise else self.x[i]
+        return {"x": x, "labels": self.y[i], "index": i}
 
 
 class StopAt:
-    def __init__(self, step: int):
-        self.step = step
+    """Asks the loop to stop at `step`; at the start of training, forgets the batches the loss saw before it (the
+    automatic batch size's probe): `seen` holds what training fed."""
+
+    def __init__(self, step: int, seen: list):
+        self.step, self.seen = step, seen
+
+    def on_train_start(self, state):
+        self.seen.clear()
 
     def on_log(self, state, logs):
         return state.step == self.step
@@ -73,7 +84,9 @@ def write_stream_shards(folder: Path, num_samples: int, shards: int) -> None:
 
 def train_loader(toy: ToyArgs, config: TrainConfig) -> DataLoader:
     if not toy.stream_dir:
-        points: Dataset = Points(toy.num_samples, 0, toy.poison_index)
+        points: Dataset = Points(toy.num_samples, 0, toy.poison_index, toy.augment)
+        if toy.seeded_items:
+            points = SeededItems(points, config.seed)
         if toy.without:
             first, last = (int(i) for i in toy.without.split("-"))
             points = Subset(points, [i for i in range(toy.num_samples) if not first <= i <= last])
@@ -117,7 +130,7 @@ def main(argv=None):
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,
         config=config,
-        hooks=[StopAt(toy.stop_at_step)],
+        hooks=[StopAt(toy.stop_at_step, seen)],
         accelerator=accelerator,
         extra_configs=[toy],
     )

@@ -32,7 +32,7 @@ from typing import Any
 import datasets
 import torch
 
-from ...core.data import REAL_TOKENS
+from ...core.data import EXAMPLES, REAL_TOKENS
 from ...core.loss import IGNORE_INDEX
 from ...errors import ConfigError, DataError
 from .generation_tokens import TrainCollator, pad
@@ -104,10 +104,10 @@ def first_unscored(labels: Sequence[int]) -> list[int]:
 
 class PackedCollator:
     """Rows of packed examples (with ``position_ids``) or single examples (without) into a batch with no attention
-    mask: ``input_ids``, ``labels``, ``position_ids`` and the count of non-padding tokens. `flatten`: the batch is
-    one row of all its examples (padding-free); else the rows are right-padded to the longest, the padding tokens
-    each a one-token document of their own (position 0, label -100): causal attention never lets a real token see
-    them."""
+    mask: ``input_ids``, ``labels``, ``position_ids``, the counts of non-padding tokens and of rows. `flatten`: the
+    batch is one row of all its examples (padding-free); else the rows are right-padded to the longest, the padding
+    tokens each a one-token document of their own (position 0, label -100): causal attention never lets a real token
+    see them."""
 
     def __init__(self, pad_token_id: int, flatten: bool = False, pad_to_multiple_of: int | None = None):
         self.pad_token_id, self.flatten, self.multiple = pad_token_id, flatten, pad_to_multiple_of
@@ -124,7 +124,8 @@ class PackedCollator:
                 "labels": pad(labels, IGNORE_INDEX, "right", multiple),
                 "position_ids": pad(positions, 0, "right", multiple),
                 "use_cache": False,  # transformers reads the restarts only without a cache, and models make one
-                REAL_TOKENS: torch.tensor(sum(len(r) for r in ids))}
+                REAL_TOKENS: torch.tensor(sum(len(r) for r in ids)),
+                EXAMPLES: len(rows)}  # padding-free: one row, many examples (samples/s counts examples)
 
 
 def isolation_error(model, vocab_size: int) -> float:
@@ -133,7 +134,7 @@ def isolation_error(model, vocab_size: int) -> float:
     second = torch.arange(9, 13).clamp_max(vocab_size - 1)
     batch = PackedCollator(0)([{"input_ids": torch.cat([first, second]).tolist(), "labels": [0] * 9,
                                 "position_ids": [*range(5), *range(4)]}])
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", REAL_TOKENS)}  # what the loss gives the model
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", REAL_TOKENS, EXAMPLES)}  # what the model gets
     was_training = model.training
     model.eval()
     with torch.no_grad():

@@ -10,28 +10,41 @@ The search space is a YAML mapping of the recipe's flags to ranges or choices:
     lr_scheduler_type: {choices: [linear, cosine]}          # one of these values
 
 Each trial is one run of the recipe, launched with `accel-train launch [--launch_args]`, in its own run directory
-(`study_dir/trial-0003/`), with the sampled flags after the recipe's own. The study lives in a SQLite file
-(`study_dir/study.db`), so a sweep that stops resumes where it was when run again with the same command; several
-sweeps started against one study (separate launches, one after another or at once) share its trials. A trial whose
-process died with its sweep is failed by Optuna's heartbeat and its flags tried again.
+(`study_dir/trial-0003/`), with the sampled flags after the recipe's own. `--launch_args` takes the next word whatever
+it starts with, so quote several flags as one: `--launch_args '--cpu --num_processes 2'` (or `--launch_args=--cpu`;
+repeated, they add up). The study lives in a SQLite file (`study_dir/study.db`), so a sweep that stops resumes where
+it was when run again with the same command; several sweeps started against one study (separate launches, one after
+another or at once) share its trials. A trial whose process died with its sweep is failed by Optuna's heartbeat and
+its flags tried again.
 
-Pruning reads each evaluation as the run logs it (metrics.jsonl); a trial the pruner stops gets SIGTERM, which the
-loop turns into a checkpoint and a clean exit. A completed trial's value is its final evaluation
-(all_results.json). At the end the sweep writes `best_trial.json` (value, flags, the full command, run directory),
-`trials.csv` and `study.png` (the optimization history). A trial refused for bad input (exit code 2: an unknown flag,
-a value out of range) stops the sweep with its message: every other trial would be refused the same way.
+Pruning reads each evaluation as the run logs it (metrics.jsonl) and reports it at the percent of the run's own
+schedule it was made at (its --max_steps, else its --num_train_epochs): trials whose schedules differ in length (batch
+size, accumulation, epochs, processes) are compared after the same share of their schedules, as their final values
+are compared at the end of theirs; compared at the same optimizer step, a short schedule would be judged at its end
+against a long one in mid-schedule. A trial the pruner stops gets SIGTERM, which the loop turns into a checkpoint and
+a clean exit (killed after --stop_timeout seconds). An evaluation that is not finite (NaN or inf: null in
+metrics.jsonl, or in all_results.json at the end) prunes its trial with the reason, whatever --pruner says: it is the
+worst value there is (Optuna's pruners and TPE take a NaN so), not a crash. A completed trial's value is its final
+evaluation (all_results.json). At the end the sweep writes `best_trial.json` (value, flags, the full command, run
+directory), `trials.csv` and `study.png` (the optimization history). A trial refused for bad input (exit code 2: an
+unknown flag, a value out of range) stops the sweep with its message: every other trial would be refused the same way.
+
+SIGINT (Ctrl-C) or SIGTERM to the sweep ends the trial it runs, whose processes are in a session of their own: SIGTERM
+to them (a checkpoint), every process of the trial killed after --stop_timeout seconds (at once on a second signal);
+the trial is marked failed ("interrupted") and the sweep exits with 128 + the signal's number. Run the same command
+again to go on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,9 +53,10 @@ from typing import Any
 
 import yaml
 
-from .config import greater_is_better_for
-from .errors import ConfigError, UserError
-from .rundir.layout import HISTORY, RESULTS
+from ..config import greater_is_better_for
+from ..errors import ConfigError, UserError
+from ..rundir.layout import RESULTS
+from .trial import GRID, Interrupts, SweepInterrupted, TrialFailed, TrialWatch, end_process_tree, watch_run
 
 STUDY_DB = "study.db"
 STUDY_NAME = "accel_train"
@@ -114,16 +128,13 @@ class Sweep:
     pruner: str = "median"
     seed: int = 0
     max_failures: int = 3  # trials that fail (not pruned, not refused) before the sweep gives up
+    stop_timeout: float = 120.0  # seconds a trial's run has to checkpoint and exit after SIGTERM before it is killed
     poll_seconds: float = 0.5
 
     def command(self, flags: dict[str, Any], output_dir: Path) -> list[str]:
         values = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
         return [sys.executable, "-m", "accel_train.cli", "launch", *self.launch_args, self.script,
                 *self.script_args, *values, "--output_dir", str(output_dir)]
-
-
-class TrialFailed(Exception):
-    """A trial's run failed (not for bad input): the study records it as failed and goes on."""
 
 
 def run_sweep(sweep: Sweep):
@@ -147,21 +158,26 @@ def run_sweep(sweep: Sweep):
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
     left = sweep.trials - len(study.get_trials(deepcopy=False, states=finished))
     failures: list[str] = []
+    if sweep.pruner != "none" and {"num_train_epochs", "max_steps"} & {p.name for p in sweep.space}:
+        print("accel-train sweep: the space sets the schedule's length; the pruner compares trials at the same "
+              "fraction of their own schedules, where a longer one has trained longer (--pruner none: no pruning).",
+              file=sys.stderr, flush=True)
 
-    def objective(trial) -> float:
-        try:
-            return _objective(sweep, trial)
-        except TrialFailed as failed:
-            failures.append(str(failed))
-            raise
+    with Interrupts() as interrupts:
+        def objective(trial) -> float:
+            try:
+                return _objective(sweep, trial, interrupts)
+            except TrialFailed as failed:
+                failures.append(str(failed))
+                raise
 
-    def stop_on_failures(study, trial) -> None:
-        if len(failures) >= sweep.max_failures:
-            study.stop()
+        def stop_on_failures(study, trial) -> None:
+            if len(failures) >= sweep.max_failures:
+                study.stop()
 
-    if left > 0:
-        study.optimize(objective, catch=(TrialFailed,),
-                       callbacks=[MaxTrialsCallback(sweep.trials, states=finished), stop_on_failures])
+        if left > 0:
+            study.optimize(objective, catch=(TrialFailed,),
+                           callbacks=[MaxTrialsCallback(sweep.trials, states=finished), stop_on_failures])
     if len(failures) >= sweep.max_failures:
         raise UserError(f"{len(failures)} trials failed in this sweep (--max_failures {sweep.max_failures}); the "
                         f"last: {failures[-1]}. The study keeps its trials: run the sweep again once fixed.")
@@ -169,9 +185,7 @@ def run_sweep(sweep: Sweep):
     return study
 
 
-def _objective(sweep: Sweep, trial) -> float:
-    import optuna
-
+def _objective(sweep: Sweep, trial, interrupts: Interrupts) -> float:
     flags = {p.name: p.suggest(trial) for p in sweep.space}
     out = sweep.study_dir / f"trial-{trial.number:04d}"
     command = sweep.command(flags, out)
@@ -180,53 +194,59 @@ def _objective(sweep: Sweep, trial) -> float:
     print(f"accel-train sweep: trial {trial.number}: {' '.join(f'--{k} {v}' for k, v in flags.items())}",
           file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    status_file = out / TRIAL_STATUS  # how the run ended: `accelerate launch` reports every failure as exit 1
-    env = {**os.environ, "ACCEL_TRAIN_STATUS_FILE": str(status_file)}
-    with open(out / TRIAL_LOG, "w") as log:
-        # a session of its own: SIGTERM to the group reaches the launcher and, through it, every worker
+    # how the run ended: `accelerate launch` reports every failure as exit code 1
+    env = {**os.environ, "ACCEL_TRAIN_STATUS_FILE": str(out / TRIAL_STATUS)}
+    watch = TrialWatch(trial, out, sweep.metric)
+    with open(out / TRIAL_LOG, "w") as log, interrupts.deferred():  # a signal here would orphan the process
+        # a session of its own: a Ctrl-C at the terminal does not cut it mid-step; the sweep ends it on purpose
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        pruned_at = _watch(sweep, trial, proc, out / HISTORY)
-    if pruned_at is not None:
-        trial.set_user_attr("pruned_at_step", pruned_at)
+    try:
+        stop = watch_run(watch, proc, interrupts, sweep.poll_seconds)
+        if stop is not None:
+            end_process_tree(proc, sweep.stop_timeout, interrupts)
+    except BaseException as err:  # the sweep is stopping (a signal, an error of its own): its trial must not go on
+        ended = end_process_tree(proc, sweep.stop_timeout, interrupts)
+        if not isinstance(err, SweepInterrupted):
+            raise
+        name = signal.Signals(err.signum).name
+        how = "ended on SIGTERM (a checkpoint)" if ended else f"killed after --stop_timeout {sweep.stop_timeout:g} s"
+        trial.set_user_attr("interrupted", f"{name} to the sweep: the trial's run was {how}")
+        raise SweepInterrupted(err.signum, f"{name}: trial {trial.number}'s run was {how} and the trial is marked "
+                                           f"failed (its run directory: {out}).") from None
+    if stop is not None:
+        trial.set_user_attr("pruned_at_step", stop.step)
+        trial.set_user_attr("pruned_at_percent", stop.percent)
         trial.set_user_attr("stopped_early", not (out / RESULTS).is_file())  # False: it had ended by itself
-        raise optuna.TrialPruned(f"{sweep.metric} at step {pruned_at} is worse than the pruner's median")
-    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
+        _pruned(trial, stop.why)
+    return _value(sweep, trial, proc.returncode, watch)
+
+
+def _value(sweep: Sweep, trial, returncode: int, watch: TrialWatch) -> float:
+    """The value of a trial whose run ended by itself: its final --metric; a refusal, a failure or a non-finite
+    value otherwise."""
+    out = watch.out
+    status = json.loads((out / TRIAL_STATUS).read_text()) if (out / TRIAL_STATUS).is_file() else {}
     if status.get("exit") == 2 and status.get("kind") == ConfigError.kind:  # a diverged run is a failed trial
         raise ConfigError(f"trial {trial.number} was refused, and every trial would be: fix the sweep's flags or "
                           f"space. The run said: {status.get('message', '').strip()}")
-    if proc.returncode != 0:
-        raise TrialFailed(f"trial {trial.number} failed with exit code {proc.returncode}: see {out / TRIAL_LOG}")
+    if returncode != 0:
+        raise TrialFailed(f"trial {trial.number} failed with exit code {returncode}: see {out / TRIAL_LOG}")
     results = json.loads((out / RESULTS).read_text())
     if sweep.metric not in results:
         raise ConfigError(f"--metric {sweep.metric}: trial {trial.number}'s final metrics have only "
                           f"{sorted(results)}.")
-    return float(results[sweep.metric])
+    value = results[sweep.metric]
+    if value is None or not math.isfinite(value):
+        watch.report(math.nan, GRID)  # the worst value there is, for the sampler too
+        _pruned(trial, f"the final {sweep.metric} is not finite (null in {RESULTS})")
+    return float(value)
 
 
-def _watch(sweep: Sweep, trial, proc: subprocess.Popen, history: Path) -> int | None:
-    """Report each evaluation of the metric to the pruner as the run logs it; on a prune, SIGTERM the run (a
-    checkpoint and a clean exit) and return the step. None: the run ended by itself."""
-    offset = 0  # what of metrics.jsonl was read: each poll reads only the complete lines appended since
-    while True:
-        ended = proc.poll() is not None
-        if history.is_file():
-            with open(history, "rb") as fh:
-                fh.seek(offset)
-                appended = fh.read()
-            complete = appended if ended else appended[:appended.rfind(b"\n") + 1]  # a last line may be half written
-            offset += len(complete)
-            for line in complete.decode().splitlines():
-                record = json.loads(line) if line.strip() else {}
-                if sweep.metric in record and not record.get("final"):
-                    trial.report(float(record[sweep.metric]), int(record["step"]))
-                    if trial.should_prune():
-                        if not ended:
-                            os.killpg(proc.pid, signal.SIGTERM)
-                        proc.wait()
-                        return int(record["step"])
-        if ended:
-            return None
-        time.sleep(sweep.poll_seconds)
+def _pruned(trial, why: str):
+    import optuna
+
+    trial.set_user_attr("pruned_because", why)
+    raise optuna.TrialPruned(why)
 
 
 def write_results(study, sweep: Sweep) -> None:
@@ -270,7 +290,19 @@ def _optuna():
 
 
 def main(argv: Sequence[str]) -> int:
-    """`accel-train sweep ... -- SCRIPT [script flags]`."""
+    """`accel-train sweep ... -- SCRIPT [script flags]`; 128 + the signal's number when SIGINT / SIGTERM stopped it."""
+    sweep = parse_args(argv)
+    try:
+        run_sweep(sweep)
+    except SweepInterrupted as stop:
+        print(f"accel-train sweep: {stop} The study in {sweep.study_dir} keeps its trials: run the same command to "
+              "go on.", file=sys.stderr)
+        return 128 + stop.signum
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> Sweep:
+    """The sweep of an `accel-train sweep` argv: its own flags, then `--`, the recipe and the recipe's flags."""
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     own, recipe = argv[:split], argv[split + 1:]
@@ -283,14 +315,16 @@ def main(argv: Sequence[str]) -> int:
                         help="default: from the metric's name (lower is better for loss, error, perplexity ...)")
     parser.add_argument("--study_dir", default="sweep", help="the study (study.db) and one directory per trial")
     parser.add_argument("--pruner", choices=("median", "none"), default="median",
-                        help="median: stop a trial whose evaluation is worse than the median of earlier trials' "
-                             "at the same step")
-    parser.add_argument("--launch_args", default="", help="flags for accel-train launch, e.g. '--cpu "
-                        "--num_processes 2'")
+                        help="median: stop a trial whose evaluation is worse than the median of the completed "
+                             "trials' at the same percent of their own schedules")
+    parser.add_argument("--launch_args", action="append", default=[], help="flags for accel-train launch, as one "
+                        "word: --launch_args '--cpu --num_processes 2' (or --launch_args=--cpu; repeated, they add up)")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--max_failures", type=int, default=3, help="failed trials (crashes, not pruned ones) "
                         "after which the sweep stops")
-    args = parser.parse_args(own)
+    parser.add_argument("--stop_timeout", type=float, default=120.0, help="seconds a trial's run has to save a "
+                        "checkpoint and exit after SIGTERM (pruned, or the sweep interrupted) before it is killed")
+    args = parser.parse_args(_launch_args_joined(own))
     if not recipe:
         raise ConfigError("accel-train sweep: put the recipe and its flags after `--`, e.g. accel-train sweep "
                           "--space space.yaml -- recipes/nlp_finetune.py")
@@ -299,10 +333,21 @@ def main(argv: Sequence[str]) -> int:
                           "(STUDY_DIR/trial-NNNN). Give --study_dir instead.")
     if args.trials < 1:
         raise ConfigError(f"--trials {args.trials}: at least one trial.")
+    if args.stop_timeout < 0:
+        raise ConfigError(f"--stop_timeout {args.stop_timeout:g}: seconds, 0 or more (0: kill at once).")
     greater = args.direction == "maximize" if args.direction else greater_is_better_for(args.metric)
-    sweep = Sweep(script=recipe[0], script_args=recipe[1:], space=load_space(args.space), metric=args.metric,
-                  study_dir=Path(args.study_dir), trials=args.trials, greater=greater,
-                  launch_args=shlex.split(args.launch_args), pruner=args.pruner, seed=args.seed,
-                  max_failures=args.max_failures)
-    run_sweep(sweep)
-    return 0
+    return Sweep(script=recipe[0], script_args=recipe[1:], space=load_space(args.space), metric=args.metric,
+                 study_dir=Path(args.study_dir), trials=args.trials, greater=greater,
+                 launch_args=[a for given in args.launch_args for a in shlex.split(given)], pruner=args.pruner,
+                 seed=args.seed, max_failures=args.max_failures, stop_timeout=args.stop_timeout)
+
+
+def _launch_args_joined(own: list[str]) -> list[str]:
+    """`--launch_args VALUE` as `--launch_args=VALUE`: argparse takes a value starting with '-' (`--cpu`) for a flag
+    of its own and refuses the option ("expected one argument")."""
+    out = []
+    words = iter(own)
+    for word in words:
+        value = next(words, None) if word == "--launch_args" else None
+        out.append(word if value is None else f"--launch_args={value}")
+    return out

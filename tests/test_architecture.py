@@ -79,3 +79,20 @@ def test_no_module_of_the_package_is_over_400_lines():
              for path in (ROOT / "accel_train").rglob("*.py")}
     over = {name: lines for name, lines in sizes.items() if lines > MAX_MODULE_LINES}
     assert not over, f"split these modules (at most {MAX_MODULE_LINES} lines each): {over}"
+
+
+MAX_FUNCTION_LINES = 60  # STYLE.md: functions under about 60 lines (the body, without its docstring)
+
+
+def test_no_function_of_the_package_is_over_60_lines():
+    import ast
+
+    over = {}
+    for path in (ROOT / "accel_train").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+                lines = node.end_lineno - body[0].lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = lines
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them): {over}"

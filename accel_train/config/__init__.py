@@ -1,6 +1,7 @@
 """TrainConfig and config parsing: dataclass defaults < recipe defaults < a YAML file < CLI flags.
 
-    fields.py    TrainConfig (its fields in 12 groups, help text, validation) and the metric-direction rule
+    fields.py      TrainConfig (its fields in 12 groups, help text) and the metric-direction rule
+    validation.py  its checks, run by TrainConfig.__post_init__
     parsing.py   parse_config / parse_with_defaults (HfArgumentParser + YAML), save_config, --help by group
 """
 

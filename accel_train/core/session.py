@@ -103,11 +103,7 @@ class Session:
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
         scheduler = run_schedule(optimizer, config, plan, spec.scheduler, acc)
-        if config.on_spike == "rollback" and config.spike_window and isinstance(
-                getattr(train_loader, "dataset", None), torch.utils.data.IterableDataset):
-            raise ConfigError("--on_spike rollback takes the spiked step's batches out by their position in the "
-                              "epoch, which needs a dataset with a length; this training set is a stream. Use "
-                              "--on_spike skip (drop the update) or stop.")
+        _refuse_rollback_on_a_stream(config, train_loader)
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         with stateful_loaders(acc, self.stream is not None):
@@ -124,16 +120,7 @@ class Session:
             self.stream.attach(train_loader, acc.process_index)
         self.position_restored = False  # resume() sets it when the stream's loader starts at its saved position
         self.scheduler_built_here = spec.scheduler is None  # the pre-flight's advice depends on it
-        self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
-        if steps_on_evaluation(scheduler) and (self.eval_loader is None or config.eval_strategy == "no"):
-            raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
-                              "this run has none: the rate would never change. Give an evaluation loader and "
-                              "--eval_strategy steps or epoch, or choose another schedule.")
-        self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
-        self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
-        # the metrics object the recipe passed (train() wraps it to keep confusion matrices): its declared hooks
-        self.declared_metrics = getattr(spec.metrics_fn, "metrics_fn", spec.metrics_fn)
-        self.eval_loss_fn = evaluation_loss(loss_fn)  # without training-only terms (label smoothing, mixup)
+        self._prepare_evaluation(spec, loss_fn)
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
         self.hooks: list[Any] = []  # attached by start(), once the run has been checked
         self.resume_path: Path | None = None  # the checkpoint start() resumed from
@@ -147,6 +134,20 @@ class Session:
         self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
         self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
         self.throughput: list[tuple[float, float]] = []  # (model FLOP/s, MFU) of each logged interval
+
+    def _prepare_evaluation(self, spec: RunSpec, loss_fn: Callable) -> None:
+        """The evaluation loaders (prepared) and the functions an evaluation calls."""
+        acc = self.accelerator
+        self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
+        if steps_on_evaluation(self.scheduler) and (self.eval_loader is None or self.config.eval_strategy == "no"):
+            raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
+                              "this run has none: the rate would never change. Give an evaluation loader and "
+                              "--eval_strategy steps or epoch, or choose another schedule.")
+        self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
+        self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
+        # the metrics object the recipe passed (train() wraps it to keep confusion matrices): its declared hooks
+        self.declared_metrics = getattr(spec.metrics_fn, "metrics_fn", spec.metrics_fn)
+        self.eval_loss_fn = evaluation_loss(loss_fn)  # without training-only terms (label smoothing, mixup)
 
     # --------------------------------------------------------------------------------------------- start
     def start(self, hooks: Sequence[Any]) -> TrainState:
@@ -345,6 +346,14 @@ class Session:
         if self.accelerator.is_main_process:
             (Path(self.config.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
             self.log.write("final metrics: " + ", ".join(f"{k}={short(v)}" for k, v in metrics.items()))
+
+
+def _refuse_rollback_on_a_stream(config: TrainConfig, train_loader) -> None:
+    if config.on_spike == "rollback" and config.spike_window and isinstance(
+            getattr(train_loader, "dataset", None), torch.utils.data.IterableDataset):
+        raise ConfigError("--on_spike rollback takes the spiked step's batches out by their position in the "
+                          "epoch, which needs a dataset with a length; this training set is a stream. Use "
+                          "--on_spike skip (drop the update) or stop.")
 
 
 def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -27,6 +28,56 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------------------------------ where the suite's time goes
+# Every run writes test-durations.txt (the slowest tests, and per module: tests, seconds, the Python processes it
+# started and the processes it forked), and pytest prints its head at the end: .ci/run keeps it in the CI log. A new
+# process imports torch, transformers and accelerate again (seconds each); a fork does not.
+DURATIONS = ROOT / "test-durations.txt"
+_STARTS: dict[str, list[int]] = {}  # module -> [python processes started, forks]
+_TIMES: dict[str, float] = {}  # test id -> seconds (setup + call + teardown)
+_current = {"module": None}
+
+
+def _counting(method, index: int):
+    def wrapper(self, *args, **kwargs):
+        if _current["module"] is not None:
+            _STARTS.setdefault(_current["module"], [0, 0])[index] += 1
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
+subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__, 0)
+multiprocessing.process.BaseProcess.start = _counting(multiprocessing.process.BaseProcess.start, 1)
+
+
+def pytest_runtest_setup(item):
+    _current["module"] = item.nodeid.split("::")[0]
+
+
+def pytest_runtest_logreport(report):
+    _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TIMES:
+        return
+    modules: dict[str, list[float]] = {}
+    for nodeid, seconds in _TIMES.items():
+        entry = modules.setdefault(nodeid.split("::")[0], [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    lines = [f"{len(_TIMES)} tests, {sum(_TIMES.values()) / 60:.1f} min in tests", "", "slowest tests:"]
+    lines += [f"{s:8.1f} s  {n}" for n, s in sorted(_TIMES.items(), key=lambda kv: -kv[1])[:20]]
+    lines += ["", "by module: seconds, tests, python processes started, processes forked"]
+    for module, (count, seconds) in sorted(modules.items(), key=lambda kv: -kv[1][1]):
+        started, forked = _STARTS.get(module, [0, 0])
+        lines.append(f"{seconds:8.1f} s  {count:4d}  {started:4d}  {forked:4d}  {module}")
+    DURATIONS.write_text("\n".join(lines) + "\n")
+    terminalreporter.write_sep("-", f"where the time went (all of it in {DURATIONS.name})")
+    for line in lines[:25]:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -187,7 +187,7 @@ def recipe_pairs(assets: Path, plan: dict, quick: bool, extra: list[str], packed
     import text_generation
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accel_train.tasks.text.packing import pack_examples
+    from accel_train.tasks.text.generation.packing import pack_examples
 
     out = assets / "runs" / "_".join(["recipe", *(a.strip("-") for a in extra)])
     width = int(extra[extra.index("--max_seq_length") + 1]) if "--max_seq_length" in extra else SEQ

@@ -103,13 +103,13 @@ def packed_rows(rows: list[list[int]], width: int):
     """The sequences as an input_ids / labels dataset, packed into rows of `width` tokens."""
     import datasets
 
-    from accel_train.tasks.text.packing import pack_examples
+    from accel_train.tasks.text.generation.packing import pack_examples
 
     return pack_examples(datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}), width)
 
 
 def packed_loader(rows: list[list[int]], args: TokenArgs, batch_size: int) -> DataLoader:
-    from accel_train.tasks.text.packing import PackedCollator
+    from accel_train.tasks.text.generation.packing import PackedCollator
 
     data = packed_rows(rows, args.pack_width).rows if args.pack_width else \
         [{"input_ids": r, "labels": r} for r in rows]

@@ -11,7 +11,7 @@ import pytest
 import text_generation
 from conftest import read_jsonl, reset_accelerate
 
-from accel_train.tasks.text.generation_demo import date_pairs
+from accel_train.tasks.text.generation.demo import date_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--config_overrides",

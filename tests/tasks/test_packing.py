@@ -1,6 +1,6 @@
-"""Packed and padding-free batches (accel_train.tasks.text.packing, the text-generation recipe's --packing and
---padding_free): the same logits, the same step gradient and the same labels as padded batches of the same
-examples, every example isolated from the others, and exact resume."""
+"""Packed and padding-free batches (accel_train.tasks.text.generation.packing, the text-generation recipe's
+--packing and --padding_free): the same logits, the same step gradient and the same labels as padded batches of the
+same examples, every example isolated from the others, and exact resume."""
 
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def recipe(out, data, *extra, fault=None):
 
 @pytest.mark.slow
 def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_path):
-    from accel_train.tasks.text.generation_demo import date_pairs
+    from accel_train.tasks.text.generation.demo import date_pairs
 
     d = date_pairs(72, 1)
     data = tmp_path / "dates.jsonl"

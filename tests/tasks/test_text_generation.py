@@ -34,7 +34,7 @@ from accel_train.tasks.text.generation import (
     train_bpe_tokenizer,
     warm_start_encoder_decoder,
 )
-from accel_train.tasks.text.generation_demo import date_pairs
+from accel_train.tasks.text.generation.demo import date_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RECIPE = RECIPES / "text_generation.py"
@@ -452,7 +452,7 @@ def test_subsets_are_seeded_samples_not_the_first_rows(tmp_path):
 
 
 def test_a_failed_generation_at_the_end_keeps_the_trained_model_and_says_so(tmp_path, dates, monkeypatch):
-    import accel_train.tasks.text.generation_finish as finish
+    import accel_train.tasks.text.generation.finish as finish
 
     def broken(*args, **kwargs):
         raise IndexError("index out of range in self")

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from ..text_units import normalise_text
-from .generation_tokens import GenerationCollator, TokenizedSplit
+from ...text_units import normalise_text
+from .tokens import GenerationCollator, TokenizedSplit
 
 WORD = re.compile(r"\w+|[^\w\s]")
 SHARDED = ("FSDP", "DEEPSPEED")  # engines whose processes hold a shard of the weights each

@@ -1,5 +1,5 @@
 """The text-generation recipe's finish seam, as hooks: generation at the end of the run, scored and written to
-predictions.jsonl, with the checks of generation_checks.py; and the LoRA merge.
+predictions.jsonl, with the checks of checks.py; and the LoRA merge.
 
 Both run after the final model is written (core/session.py), so an error here loses nothing trained.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from ...config import TrainConfig
-from ...rundir.layout import PREDICTIONS
-from .generation_checks import collapse_warning, output_diversity, source_reliance
-from .generation_eval import GenerationArguments, Generator, evaluate_generation, write_predictions
-from .generation_model import GenerationModelArguments
-from .generation_tokens import TokenizedSplit, TrainCollator
+from ....config import TrainConfig
+from ....rundir.layout import PREDICTIONS
+from .checks import collapse_warning, output_diversity, source_reliance
+from .eval import GenerationArguments, Generator, evaluate_generation, write_predictions
+from .model import GenerationModelArguments
+from .tokens import TokenizedSplit, TrainCollator
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
 

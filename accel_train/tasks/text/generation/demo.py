@@ -8,7 +8,7 @@ match (no input format is the target's), so exact match shows plainly whether th
 
 Why not ISO dates ("1987-03-21"): the demo's model speaks MiniLM's uncased WordPiece vocabulary, whose
 pre-tokenizer splits at every punctuation mark, so the best it can write is "1987 - 03 - 21" — and the metrics
-score text against the raw reference (generation_eval.py). "21 march 1987" is a string that tokenizer writes
+score text against the raw reference (eval.py). "21 march 1987" is a string that tokenizer writes
 exactly; the basic ISO form "19870321" would be too, but as pieces that cut across the fields ("1987", "##0",
 "##32", "##1").
 """

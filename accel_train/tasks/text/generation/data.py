@@ -12,7 +12,7 @@ Three kinds of task, chosen by the column flags:
   (causal LMs).
 
 Bad input stops the run with a `DataError` or `ConfigError` naming the column, row or flag at fault.
-Tokenization is in `generation_tokens.py`.
+Tokenization is in `tokens.py`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 import datasets
 import pandas as pd
 
-from ...errors import ConfigError, DataError
-from ..sampling import subsample
-from .generation_demo import load_date_demo
+from ....errors import ConfigError, DataError
+from ...sampling import subsample
+from .demo import load_date_demo
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -32,10 +32,10 @@ from typing import Any
 import datasets
 import torch
 
-from ...core.data import EXAMPLES, REAL_TOKENS
-from ...core.loss import IGNORE_INDEX
-from ...errors import ConfigError, DataError
-from .generation_tokens import TrainCollator, pad
+from ....core.data import EXAMPLES, REAL_TOKENS
+from ....core.loss import IGNORE_INDEX
+from ....errors import ConfigError, DataError
+from .tokens import TrainCollator, pad
 
 ISOLATION_TOLERANCE = 1e-4  # fp32 logits of one example, packed beside another vs alone (measured: ~1e-6)
 

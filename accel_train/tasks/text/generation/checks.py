@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import datasets
 from torch.utils.data import DataLoader
 
-from ...config import TrainConfig
-from ...core.evaluation import evaluate_model
-from ...core.loss import IGNORE_INDEX
-from ...core.sharded import refuse_sums_under_deepspeed
-from ...errors import ConfigError
+from ....config import TrainConfig
+from ....core.evaluation import evaluate_model
+from ....core.loss import IGNORE_INDEX
+from ....core.sharded import refuse_sums_under_deepspeed
+from ....errors import ConfigError
 
 GENERATION_SCORES = ("rouge1", "rouge2", "rougeL", "rougeLsum", "bleu", "sacrebleu", "exact_match",
                      "repeated_trigram_pct", "gen_len", "generated_items")

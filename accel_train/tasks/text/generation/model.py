@@ -23,10 +23,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ...core.chunked_loss import logit_changes
-from ...errors import ConfigError, ModelError
-from ..model_config import apply_to_config, parse_overrides
-from .generation_tokens import ModelFacts, end_token_id
+from ....core.chunked_loss import logit_changes
+from ....errors import ConfigError, ModelError
+from ...model_config import apply_to_config, parse_overrides
+from .tokens import ModelFacts, end_token_id
 
 # Chunked cross-entropy by default from this vocabulary size, in chunks of this many tokens, chosen from the step's
 # peak memory and time against the full logits at vocabulary 32k, sequence 1024, batch 4: benchmarks/LM_THROUGHPUT.md,

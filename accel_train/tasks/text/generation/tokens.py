@@ -5,7 +5,7 @@ Every split becomes a `datasets.Dataset` with
 * ``input_ids`` and ``labels`` — what the model trains on. Seq2seq: the source, and the target ids (the decoder
   start token dropped when the tokenizer put it there: the model prepends it when it shifts the labels right).
   Causal: prompt + completion + eos, the labels -100 on the prompt unless `train_on_prompt`. Chats
-  (`generation_chat.py`): every assistant turn with its end-of-turn tokens learned. Language modelling: blocks of
+  (`chat.py`): every assistant turn with its end-of-turn tokens learned. Language modelling: blocks of
   `block_size` tokens, labels = input ids (the model shifts them). The validation split's labels are on the
   completion only, whatever `train_on_prompt` says;
 * ``prompt_ids`` (pairs and chat only) — what generation starts from: the source of a seq2seq model, the
@@ -26,10 +26,10 @@ from typing import Any
 import datasets
 import torch
 
-from ...core.loss import IGNORE_INDEX
-from ...errors import ConfigError, DataError, ModelError
-from .generation_chat import ChatExample, chat_example
-from .generation_data import GenerationDataArguments, TaskColumns, check_texts
+from ....core.loss import IGNORE_INDEX
+from ....errors import ConfigError, DataError, ModelError
+from .chat import ChatExample, chat_example
+from .data import GenerationDataArguments, TaskColumns, check_texts
 
 
 @dataclass(frozen=True)

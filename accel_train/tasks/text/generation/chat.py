@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.loss import IGNORE_INDEX
-from ...errors import DataError
+from ....core.loss import IGNORE_INDEX
+from ....errors import DataError
 
 
 @dataclass

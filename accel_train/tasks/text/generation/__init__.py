@@ -3,16 +3,15 @@
     from accel_train.tasks.text.generation import (GenerationDataArguments, load_raw_data, resolve_columns,
                                                    tokenize_splits, build_generation_model, Generator, ...)
 
-The pieces live beside this module: `generation_data` (arguments, raw splits, column checks),
-`generation_tokens` (token ids, collators), `generation_chat` (conversations: every reply learned),
-`generation_model` (models, tokenizers, LoRA and its merge), `generation_eval` (generate on N processes, score
-text), `generation_checks` (what is refused before training, collapse and source reliance after it),
-`generation_finish` (the finish-seam hooks), `packing` (packed and padding-free batches),
-`generation_demo` (the rule-generated demo task).
+The pieces are this package's modules: `data` (arguments, raw splits, column checks), `tokens` (token ids,
+collators), `chat` (conversations: every reply learned), `model` (models, tokenizers, LoRA and its merge), `eval`
+(generate on N processes, score text), `checks` (what is refused before training, collapse and source reliance
+after it), `finish` (the finish-seam hooks), `packing` (packed and padding-free batches), `demo` (the
+rule-generated demo task).
 """
 
-from .generation_chat import ChatExample, chat_example
-from .generation_checks import (
+from .chat import ChatExample, chat_example
+from .checks import (
     GENERATION_SCORES,
     check_best_metric,
     collapse_warning,
@@ -21,7 +20,7 @@ from .generation_checks import (
     rolled_rows,
     source_reliance,
 )
-from .generation_data import (
+from .data import (
     GenerationDataArguments,
     TaskColumns,
     check_texts,
@@ -29,8 +28,8 @@ from .generation_data import (
     resolve_columns,
     training_texts,
 )
-from .generation_demo import load_date_demo
-from .generation_eval import (
+from .demo import load_date_demo
+from .eval import (
     GeneratedItems,
     GenerationArguments,
     Generator,
@@ -40,8 +39,8 @@ from .generation_eval import (
     score_generations,
     write_predictions,
 )
-from .generation_finish import GenerationFinish, MergeLora, merge_lora
-from .generation_model import (
+from .finish import GenerationFinish, MergeLora, merge_lora
+from .model import (
     GenerationModelArguments,
     add_lora,
     build_generation_model,
@@ -53,16 +52,6 @@ from .generation_model import (
     vocabulary_digest,
     warm_start_encoder_decoder,
 )
-from .generation_tokens import (
-    IGNORE_INDEX,
-    GenerationCollator,
-    ModelFacts,
-    TokenizedSplit,
-    TrainCollator,
-    lm_documents,
-    packing_width,
-    tokenize_splits,
-)
 from .packing import (
     Packed,
     PackedCollator,
@@ -73,6 +62,16 @@ from .packing import (
     isolation_error,
     pack_examples,
     training_set,
+)
+from .tokens import (
+    IGNORE_INDEX,
+    GenerationCollator,
+    ModelFacts,
+    TokenizedSplit,
+    TrainCollator,
+    lm_documents,
+    packing_width,
+    tokenize_splits,
 )
 
 __all__ = [

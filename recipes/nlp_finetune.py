@@ -32,7 +32,11 @@ from accel_train import (
 from accel_train.tasks.model_config import apply_to_config, parse_overrides
 from accel_train.tasks.sampling import subsample
 from accel_train.tasks.text.classification import (
+    ClassificationDataArguments,
+    ClassificationModelArguments,
     Labels,
+    PredictionFinish,
+    classification_metrics,
     data_summary,
     encode_labels,
     load_embedded_tweets,
@@ -42,10 +46,9 @@ from accel_train.tasks.text.classification import (
     pick_columns,
     split_off_validation,
     tokenize,
+    train_padding,
     truncated_counts,
 )
-from accel_train.tasks.text.classification_args import ClassificationDataArguments, ClassificationModelArguments
-from accel_train.tasks.text.classification_eval import PredictionFinish, classification_metrics, train_padding
 
 # Loader workers are the library's default: 4 beside a GPU (padding batches in the main process starved it, 43% of
 # step time on an H200 at batch 256), none on a CPU, where they compete with training for the cores.

@@ -14,7 +14,7 @@ from conftest import ACCELERATE_CONFIGS, RECIPES, ROOT, SHARED_DATA, subprocess_
 from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config
 from accel_train.cli import main as cli_main
 from accel_train.cli import plan_launch
-from accel_train.tasks.text.classification_args import ClassificationDataArguments
+from accel_train.tasks.text.classification import ClassificationDataArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,7 +23,7 @@ from conftest import (
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
 from accel_train.observe.report import write_report
-from accel_train.tasks.text.classification_args import ClassificationDataArguments
+from accel_train.tasks.text.classification import ClassificationDataArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--learning_rate", "3e-3",

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...config import TrainConfig
-from ...core.data import make_loader
-from ...core.evaluation import gather_outputs
-from ...rundir.layout import TEST_PREDICTIONS
-from ..metrics import load_metric
-from .classification import Labels, padding_ratio
+from ....config import TrainConfig
+from ....core.data import make_loader
+from ....core.evaluation import gather_outputs
+from ....rundir.layout import TEST_PREDICTIONS
+from ...metrics import load_metric
+from .data import Labels, padding_ratio
 
 
 def classification_metrics(labels: Labels):

@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 import pandas as pd
 
-from ...errors import DataError, ModelError
+from ....errors import DataError, ModelError
 
 DEFAULT_TEXT_COLUMNS = ("sentence", "text", "sentence1", "review", "content", "document")
 DEFAULT_LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target")

@@ -23,11 +23,11 @@ from accelerate.utils import set_seed
 from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config, run_cli, split_loaders, train
 from accel_train.rundir.layout import REPORT_DIR
 from accel_train.tasks.model_config import check_constructor, parse_overrides
-from accel_train.tasks.vision.annotated import load_coco_detection
-from accel_train.tasks.vision.augment import DenseAugmentationArguments
-from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
-from accel_train.tasks.vision.detection import CenterNet, DetectionLoss, DetectionMetrics
-from accel_train.tasks.vision.prediction_plots import PredictionPlot, draw_detection_batch
+from accel_train.tasks.vision.dense.annotated import load_coco_detection
+from accel_train.tasks.vision.dense.augment import DenseAugmentationArguments
+from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
+from accel_train.tasks.vision.dense.detection import CenterNet, DetectionLoss, DetectionMetrics
+from accel_train.tasks.vision.dense.prediction_plots import PredictionPlot, draw_detection_batch
 from accel_train.tasks.vision.transforms import EvalTransform, image_processor
 
 # A ResNet whose first stage already runs at stride 2 (2x2 patches): a quarter of the full-resolution cost,

@@ -24,11 +24,11 @@ from accelerate.utils import set_seed
 from accel_train import TrainConfig, build_accelerator, parse_config, run_cli, split_loaders, train
 from accel_train.rundir.layout import REPORT_DIR
 from accel_train.tasks.model_config import check_constructor, parse_overrides
-from accel_train.tasks.vision.annotated import load_mask_pairs
-from accel_train.tasks.vision.augment import DenseAugmentationArguments
-from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
-from accel_train.tasks.vision.prediction_plots import PredictionPlot, draw_segmentation_batch
-from accel_train.tasks.vision.segmentation import SegmentationLoss, SegmentationMetrics, UNet
+from accel_train.tasks.vision.dense.annotated import load_mask_pairs
+from accel_train.tasks.vision.dense.augment import DenseAugmentationArguments
+from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases, pixel_mean_std
+from accel_train.tasks.vision.dense.prediction_plots import PredictionPlot, draw_segmentation_batch
+from accel_train.tasks.vision.dense.segmentation import SegmentationLoss, SegmentationMetrics, UNet
 from accel_train.tasks.vision.transforms import EvalTransform, image_processor
 
 # The encoder's first stage runs at stride 2 (2x2 patches), a quarter of the full-resolution cost; the

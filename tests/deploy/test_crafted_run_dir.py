@@ -26,9 +26,9 @@ from accel_train.errors import CheckpointError, ExportError
 from accel_train.rundir.layout import stream_position_file
 from accel_train.tasks.multimodal.dual_encoder import DualEncoder
 from accel_train.tasks.multimodal.fusion_model import FusionEncoder
-from accel_train.tasks.vision.detection import CenterNet
+from accel_train.tasks.vision.dense.detection import CenterNet
+from accel_train.tasks.vision.dense.segmentation import UNet
 from accel_train.tasks.vision.models import SmallResNet
-from accel_train.tasks.vision.segmentation import UNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,6 +137,28 @@ def test_every_model_the_package_records_is_registered():
               FusionEncoder(text, vision, embed_dim=8, fusion_layers=1, fusion_dim=8, fusion_heads=2)]
     assert sorted(describe_model(m).target for m in models) == sorted(PACKAGE_FACTORIES)
 
+
+
+@pytest.mark.parametrize("recorded, build", [
+    ("accel_train.tasks.vision.detection:CenterNet", lambda: CenterNet(2, widths=(4, 8, 8), blocks_per_stage=1)),
+    ("accel_train.tasks.vision.segmentation:UNet", lambda: UNet(2, widths=(4, 8), blocks_per_stage=1)),
+])
+def test_a_run_recorded_before_the_dense_kit_moved_still_rebuilds(tmp_path, recorded, build):
+    """CenterNet and UNet moved from tasks/vision/ to tasks/vision/dense/ (issue 39): the model_factory.json of a run
+    trained before names the old module, and that run still exports, as the model it trained."""
+    torch.manual_seed(0)
+    trained = build().eval()
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file(trained.state_dict(), run / "model.safetensors")
+    (run / "model_factory.json").write_text(json.dumps({"factory": recorded, "kwargs": trained.factory_kwargs}))
+    rebuilt = load_trained_model(run)
+    assert rebuilt.built_by == describe_model(trained).target
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected, got = trained(x), rebuilt.model(x)
+    expected, got = (expected, got) if isinstance(expected, dict) else ({"out": expected}, {"out": got})
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 # ------------------------------------------------------------------------------------------- config.json
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import object_detection  # noqa: E402
 import semantic_segmentation  # noqa: E402
 
-from accel_train.tasks.vision.canvases import DenseCollator  # noqa: E402
+from accel_train.tasks.vision.dense.canvases import DenseCollator  # noqa: E402
 
 
 @dataclass(frozen=True)

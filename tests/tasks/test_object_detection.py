@@ -16,12 +16,12 @@ from conftest import RECIPES, SCRIPTS, launch
 from PIL import Image
 
 from accel_train import ConfigError, DataError
-from accel_train.tasks.vision import canvases
-from accel_train.tasks.vision.annotated import load_coco_detection
-from accel_train.tasks.vision.augment import BoxMaskAugmentation
-from accel_train.tasks.vision.canvases import STROKE_THRESHOLD, DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.data import ImageSplit, load_digits
-from accel_train.tasks.vision.detection import (
+from accel_train.tasks.vision.dense import canvases
+from accel_train.tasks.vision.dense.annotated import load_coco_detection
+from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
+from accel_train.tasks.vision.dense.canvases import STROKE_THRESHOLD, DenseCollator, DenseDataArguments, load_canvases
+from accel_train.tasks.vision.dense.detection import (
     CenterNet,
     DetectionLoss,
     DetectionMetrics,

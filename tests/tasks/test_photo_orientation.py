@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from accel_train.tasks.vision.annotated import load_coco_detection, load_mask_pairs
 from accel_train.tasks.vision.data import ImageDataset, ImageSplit, fit_square, load_image_folder
+from accel_train.tasks.vision.dense.annotated import load_coco_detection, load_mask_pairs
 
 ORIENTATION = 0x0112  # the EXIF tag
 BLOCK = (12, 0, 24, 16)  # x0, y0, x1, y1 on the upright photo

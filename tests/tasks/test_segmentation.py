@@ -14,10 +14,15 @@ from conftest import RECIPES, SCRIPTS, launch
 from PIL import Image
 
 from accel_train import DataError
-from accel_train.tasks.vision.annotated import load_mask_pairs
-from accel_train.tasks.vision.augment import BoxMaskAugmentation
-from accel_train.tasks.vision.canvases import DenseCollator, DenseDataArguments, load_canvases
-from accel_train.tasks.vision.segmentation import SegmentationMetrics, UNet, confusion_per_image, segmentation_losses
+from accel_train.tasks.vision.dense.annotated import load_mask_pairs
+from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
+from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases
+from accel_train.tasks.vision.dense.segmentation import (
+    SegmentationMetrics,
+    UNet,
+    confusion_per_image,
+    segmentation_losses,
+)
 
 RECIPE = RECIPES / "semantic_segmentation.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]

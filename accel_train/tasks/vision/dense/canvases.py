@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import ConfigError, DataError
-from .data import load_digits
+from ....errors import ConfigError, DataError
+from ..data import load_digits
 
 DIGIT_NAMES = [str(d) for d in range(10)]
 STROKE_THRESHOLD = 128  # a pixel of a resized digit at or above this is stroke (mask, box); below: background

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 from .backbone import ResNetStages, conv_bn_relu
 
 GAUSSIAN_ALPHA = 0.54  # TTFNet's ratio of the Gaussian's extent to the box's side

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import DataError
+from ....errors import DataError
+from ..data import SPLIT_FOLDERS, find_images, open_image, to_rgb
 from .canvases import DenseData
-from .data import SPLIT_FOLDERS, find_images, open_image, to_rgb
 
 # Mask pixels with this value count in no loss and no metric. A separate name from core.loss.IGNORE_INDEX (-100, a
 # per-token label): a mask is a uint8 PNG, which cannot hold -100.

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import ConfigError
-from .transforms import normalize
+from ....errors import ConfigError
+from ..transforms import normalize
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .models import SmallResNet
+from ..models import SmallResNet
 
 
 def conv_bn_relu(cin: int, cout: int) -> nn.Sequential:

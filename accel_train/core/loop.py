@@ -22,7 +22,6 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .optim import steps_on_evaluation
-from .restore import roll_back
 from .session import Session
 from .state import TrainState
 
@@ -57,7 +56,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         continue
                     grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
                     if back_to is not None:  # --on_spike rollback: re-enter the epoch at the checkpoint's position
-                        roll_back(session, state, back_to)
+                        session.roll_back(state, back_to)
                         meter.reset()
                         if spike is not None:
                             spike.losses = state.spike_losses  # the checkpoint's window

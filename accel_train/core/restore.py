@@ -8,22 +8,33 @@ core.session.Session.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoints_dir
-from .guard import Rollback, window_batches
+from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .optim import apply_hyperparameters, run_hyperparameters
 from .state import TrainState
 from .stream import rereading_notes
 
 
-def resume(session) -> TrainState:
-    """--resume_from_checkpoint: load session.resume_path, re-derive the data position from the samples consumed in
-    the current epoch, and start a new timeline there: newer checkpoints are moved aside, changed hyperparameters are
-    applied."""
+@dataclass
+class Resumed:
+    """What a resume gives the session: the state it starts at, what the start-up report must add, and whether a
+    stream's loader starts at its saved position (then nothing is skipped)."""
+
+    state: TrainState
+    notes: list[str]
+    position_restored: bool
+
+
+def resume(session) -> Resumed:
+    """--resume_from_checkpoint: load session.resume_path (the session's objects are loaded, its bookkeeping is the
+    session's to set), take the data position, and start a new timeline there: newer checkpoints are moved aside,
+    changed hyperparameters are applied."""
     acc, config, plan = session.accelerator, session.config, session.plan
     path = session.resume_path
     manifest = ckpt.verify_checkpoint(path)
@@ -39,28 +50,27 @@ def resume(session) -> TrainState:
     state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)
     state.per_device_batch = config.per_device_train_batch_size
     load_saved_state(session, path)
-    session.notes += apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
-                                           run_hyperparameters(config, plan, session.group_peaks),
-                                           engine_owned=acc.distributed_type.value == "DEEPSPEED")
-    if session.stream is not None:  # a stream that saves its position: the loader starts there, nothing re-read
-        session.position_restored = session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
-    session.notes += rereading_notes(session.train_loader, state.batch_in_epoch, session.position_restored)
+    notes = apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
+                                  run_hyperparameters(config, plan, session.group_peaks),
+                                  engine_owned=acc.distributed_type.value == "DEEPSPEED")
+    # a stream that saves its position: the loader starts there, nothing re-read
+    restored = session.stream is not None and session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
+    notes += rereading_notes(session.train_loader, state.batch_in_epoch, restored)
     state.world_size = acc.num_processes
     restore_hooks(session, state)
-    check_best(session, state, path)
-    session.verified.add(path.name)
+    notes += check_best(session, state, path)
     if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
         moved = ckpt.supersede_newer(config.output_dir, state.step)
         if moved:
-            session.notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
-                                 f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")
+            notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
+                         f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")
     acc.wait_for_everyone()
     if manifest.get("world_size") != acc.num_processes:
         acc.print(f"note: {path} was written by {manifest.get('world_size')} process(es), resuming on "
                   f"{acc.num_processes}; the data position is re-derived from the samples consumed. Random "
                   "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
     acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
-    return state
+    return Resumed(state, notes, restored)
 
 
 def saved_unit(state: TrainState) -> int:
@@ -105,19 +115,14 @@ def load_saved_state(session, path: Path) -> None:
 
 
 def restore_in_place(session, state: TrainState, path: Path) -> None:
-    """Put the run back at checkpoint `path` of this run, in `state` itself: weights, optimizer, schedule, random
-    states, the weight average and the hooks as saved, and the checkpoint's data position."""
-    if path.name not in session.verified:
-        ckpt.verify_checkpoint(path)
-        session.verified.add(path.name)
+    """Put the run's objects back at checkpoint `path` of this run (verified), and `state` itself: weights,
+    optimizer, schedule, random states, the weight average and the hooks as saved, and the checkpoint's data
+    position. The session's own bookkeeping is the session's to reset (Session.roll_back)."""
     load_saved_state(session, path)
     saved = TrainState(**ckpt.load_train_state(path))  # this run's own: the same micro-batch and world size
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
     restore_hooks(session, state)
-    session.last_save = session.last_log_step = state.step  # the next interval and checkpoint count from here
-    if session.last_eval[0] > state.step:
-        session.last_eval = (-1, {})
 
 
 def restore_hooks(session, state: TrainState) -> None:
@@ -128,30 +133,26 @@ def restore_hooks(session, state: TrainState) -> None:
             hook.load_state_dict(saved)
 
 
-def check_best(session, state: TrainState, resumed_from: Path) -> None:
+def check_best(session, state: TrainState, resumed_from: Path) -> list[str]:
     """A best value is compared only with values of the same metric in the same direction, and names a
-    checkpoint of this run's directory (resuming from another run's checkpoint, its best is not here)."""
+    checkpoint of this run's directory (resuming from another run's checkpoint, its best is not here). What the
+    start-up report must say when the best is tracked afresh."""
     name, greater = session.config.best_metric_name, session.config.best_is_greater
     here = checkpoints_dir(session.config.output_dir)
+    note = None
     if state.best_checkpoint and resumed_from.resolve().parent != here.resolve():
-        session.notes.append(f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, "
-                             f"not in this run's {here}: the best is tracked afresh")
+        note = (f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, not in this run's "
+                f"{here}: the best is tracked afresh")
+    elif state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
+        note = (f"the checkpoint's best model was chosen by {state.best_metric_name} "
+                f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by {name}: the best is "
+                "tracked afresh")
+    if note:
         state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
-        return
-    if state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
-        session.notes.append(f"the checkpoint's best model was chosen by {state.best_metric_name} "
-                             f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by "
-                             f"{name}: the best is tracked afresh")
-        state.best_metric = state.best_metric_name = state.best_greater = state.best_checkpoint = None
+    return [note] if note else []
 
 
-def roll_back(session, state: TrainState, rollback: Rollback) -> None:
-    """--on_spike rollback: return to its checkpoint (in `state` itself) and take the spiked step's micro-batches out
-    of the data: their [epoch, position], the same positions on every process. The exclusions so far and the count
-    outlive the restore: a checkpoint older than an earlier rollback does not hold them. The run's history goes on
-    from the checkpoint's step, the rollback marked there (RunLog.rewind)."""
-    excluded = state.excluded_batches + [[state.epoch, b] for b in window_batches(state, session.config)]
-    rollbacks = state.spike_rollbacks + 1
-    restore_in_place(session, state, rollback.checkpoint)
-    state.excluded_batches, state.spike_rollbacks = sorted(excluded), rollbacks
-    session.log.rewind(state.step, rollback.record)
+def exclusions_after(state: TrainState, config) -> list[list[int]]:
+    """--on_spike rollback: the exclusions so far plus the spiked step's micro-batches ([epoch, position], the same
+    on every process). They outlive the restore: a checkpoint older than an earlier rollback does not hold them."""
+    return sorted(state.excluded_batches + [[state.epoch, b] for b in window_batches(state, config)])

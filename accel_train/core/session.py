@@ -40,6 +40,7 @@ from .data import dataset_size, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
 from .finish import failure_message, final_evaluation, short, training_figures
+from .guard import Rollback
 from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
@@ -53,7 +54,7 @@ from .optim import (
     run_schedule,
     steps_on_evaluation,
 )
-from .restore import load_saved_state, resume
+from .restore import exclusions_after, load_saved_state, restore_in_place, resume
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, idle_worker_notes, stateful_loaders
@@ -158,9 +159,14 @@ class Session:
         declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
-        state = (resume(self) if self.resume_path else
-                 TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
-                            per_device_batch=self.config.per_device_train_batch_size))
+        if self.resume_path:
+            resumed = resume(self)
+            state, self.position_restored = resumed.state, resumed.position_restored
+            self.notes += resumed.notes
+            self.verified.add(self.resume_path.name)
+        else:
+            state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
+                               per_device_batch=self.config.per_device_train_batch_size)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
@@ -273,6 +279,21 @@ class Session:
     def model_files(self, folder: Path) -> None:
         """A transformers model's config.json and tokenizer in each checkpoint: from_pretrained(checkpoint) works."""
         write_pretrained_files(self.accelerator, self.model, folder, self.processing_class)
+
+    def roll_back(self, state: TrainState, rollback: Rollback) -> None:
+        """--on_spike rollback: back to its checkpoint (in `state` itself), the spiked step's micro-batches taken out
+        of the data; the intervals and the next checkpoint count from there, and the history goes on from its step
+        with the rollback marked (RunLog.rewind)."""
+        excluded, rollbacks = exclusions_after(state, self.config), state.spike_rollbacks + 1
+        if rollback.checkpoint.name not in self.verified:
+            ckpt.verify_checkpoint(rollback.checkpoint)
+            self.verified.add(rollback.checkpoint.name)
+        restore_in_place(self, state, rollback.checkpoint)
+        state.excluded_batches, state.spike_rollbacks = excluded, rollbacks
+        self.last_save = self.last_log_step = state.step
+        if self.last_eval[0] > state.step:
+            self.last_eval = (-1, {})
+        self.log.rewind(state.step, rollback.record)
 
     def preempt(self, state: TrainState) -> None:
         """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""

@@ -157,6 +157,93 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+# ------------------------------------------------------------------ N gloo ranks that stay up for the session
+class Ranks:
+    """`world` spawned processes, started once per session, that run a function on `world` gloo ranks: for tests of
+    what happens on several processes where the launcher is not what they test (tests/launch/ launches for real).
+    Each process imports torch once; a task costs what its function costs. Spawned, not forked: a fork of a process
+    whose math libraries already ran on several threads can hang in its first matmul.
+
+        ranks.run(module_function, arg1, env={"ACCEL_TRAIN_FAULT": ...})   # on every rank, raises if one fails
+    """
+
+    def __init__(self, world: int = 2):
+        import multiprocessing
+
+        self.context, self.world, self.workers = multiprocessing.get_context("spawn"), world, []
+
+    def start(self) -> None:
+        self.results = self.context.Queue()
+        self.inboxes = [self.context.Queue() for _ in range(self.world)]
+        self.workers = [self.context.Process(target=_rank_worker, args=(rank, self.world, self.inboxes[rank],
+                                                                        self.results), daemon=True)
+                        for rank in range(self.world)]
+        for worker in self.workers:
+            worker.start()
+
+    def run(self, function, *args, env: dict[str, str] | None = None, timeout: float = 600) -> None:
+        import queue
+
+        if not self.workers or not all(w.is_alive() for w in self.workers):
+            self.stop()
+            self.start()
+        task = (function.__module__, function.__qualname__, args, dict(env or {}), free_port())
+        for inbox in self.inboxes:
+            inbox.put(task)
+        errors = []
+        try:
+            for _ in range(self.world):
+                rank, error = self.results.get(timeout=timeout)
+                if error:
+                    errors.append(f"rank {rank}:\n{error}")
+        except queue.Empty:
+            self.stop()  # a hung rank: the next task starts new processes
+            raise AssertionError(f"{function.__qualname__}: not done on {self.world} ranks in {timeout} s") from None
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+            worker.join()
+        self.workers = []
+
+
+def _rank_worker(rank: int, world: int, inbox, results) -> None:
+    import importlib
+    import traceback
+
+    torch.set_num_threads(1)
+    base = dict(os.environ)
+    while True:
+        task = inbox.get()
+        module, name, args, env, port = task
+        os.environ.clear()
+        os.environ.update(base)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_CPU="1", **env)
+        try:
+            reset_accelerate()
+            function = importlib.import_module(module)
+            for part in name.split("."):
+                function = getattr(function, part)
+            function(*args)
+            error = None
+        except BaseException:  # noqa: BLE001 - the parent reports it with the rank
+            error = traceback.format_exc()
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        results.put((rank, error))
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    pool = Ranks(2)
+    yield pool
+    pool.stop()
+
+
 def run_toy(capsys, argv, code=None):
     """tests/scripts/toy_train.py in this process through run_cli: its captured output, after checking the exit code
     `code` (None: it must not exit)."""

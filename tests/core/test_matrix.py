@@ -8,14 +8,13 @@ table, which docs/matrix.md holds (a test keeps the two equal).
 
 The runs are tiny and in-process (`main(argv)`); each feature's three runs — uninterrupted, cut (stopped by a hook or
 by SIGTERM, which checkpoints), resumed with `latest` — are made once and shared by that feature's cells. The
-2-process cells fork two gloo ranks from this process (Accelerate's debug_launcher): the launcher is not what they
+2-process cells run on the session's two gloo ranks (conftest's `ranks`, spawned once): the launcher is not what they
 test, `tests/launch/` launches for real.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import pytest
 import token_train
 import toy_train
-from accelerate import debug_launcher
 from conftest import ROOT, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 
@@ -187,8 +185,8 @@ def _run(feature: Feature, argv: list[str], monkeypatch, fault: str = "") -> Non
 
 
 class RunCache:
-    def __init__(self, root: Path, monkeypatch):
-        self.root, self.monkeypatch, self.runs = root, monkeypatch, {}
+    def __init__(self, root: Path, monkeypatch, ranks):
+        self.root, self.monkeypatch, self.runs, self.ranks = root, monkeypatch, {}, ranks
         self.data = root / "stream"
         toy_train.write_stream_shards(self.data, 48, 8)
 
@@ -226,14 +224,13 @@ class RunCache:
             argv = [*_argv(feature, runs.two, self.data), "--per_device_train_batch_size", "2", *steps]
             if "--gradient_accumulation_steps" not in feature.flags:
                 argv += ["--gradient_accumulation_steps", "1"]
-            debug_launcher(_forked_run, args=(feature.script, argv, feature.fault), num_processes=2)
+            fault = {"ACCEL_TRAIN_FAULT": feature.fault} if feature.fault else None
+            self.ranks.run(_forked_run, feature.script, argv, env=fault)
         return runs
 
 
-def _forked_run(script: str, argv: list[str], fault: str) -> None:
-    if fault:
-        os.environ["ACCEL_TRAIN_FAULT"] = fault
-    reset_accelerate()
+def _forked_run(script: str, argv: list[str]) -> None:
+    """One rank of a 2-process run (conftest's Ranks calls it on each)."""
     try:
         run_cli(toy_train.main if script == "toy" else token_train.main, argv)
     except SystemExit as stop:
@@ -241,9 +238,9 @@ def _forked_run(script: str, argv: list[str], fault: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ranks):
     with pytest.MonkeyPatch.context() as monkeypatch:
-        yield RunCache(tmp_path_factory.mktemp("matrix"), monkeypatch)
+        yield RunCache(tmp_path_factory.mktemp("matrix"), monkeypatch, ranks)
 
 
 def records(out: Path, script: str) -> list[dict]:
@@ -355,7 +352,7 @@ def test_every_rank_rolls_back_to_the_main_processes_checkpoint_whatever_its_own
     one = runs.get("rollback").full
     argv = [*_argv(FEATURES["rollback"], tmp_path / "two", runs.data), "--per_device_train_batch_size", "2",
             "--ddp_timeout", "60"]
-    debug_launcher(_forked_stale_view, args=(argv,), num_processes=2)
+    runs.ranks.run(_forked_stale_view, argv)
     a, b = weights(one), weights(tmp_path / "two")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= TOLERANCE["toy"]
     marks = [r["rolled_back_to"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl") if "rolled_back_to" in r]
@@ -369,7 +366,10 @@ def _forked_stale_view(argv: list[str]) -> None:
 
     listed = guard.list_checkpoints
     guard.list_checkpoints = lambda out: listed(out)[:-1] if torch.distributed.get_rank() == 1 else listed(out)
-    _forked_run("toy", argv, "")
+    try:
+        _forked_run("toy", argv)
+    finally:
+        guard.list_checkpoints = listed
 
 
 # ------------------------------------------------------------------------------- said before training, and the table

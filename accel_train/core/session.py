@@ -39,7 +39,6 @@ from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .data import dataset_size, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
-from .finish import failure_message, final_evaluation, short, training_figures
 from .guard import Rollback
 from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
@@ -55,6 +54,7 @@ from .optim import (
     steps_on_evaluation,
 )
 from .restore import exclusions_after, load_saved_state, restore_in_place, resume
+from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, idle_worker_notes, stateful_loaders

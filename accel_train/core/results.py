@@ -1,5 +1,6 @@
-"""What a run reports at its end, for `Session.finish` (session.py): the final evaluation, the training figures
-beside it, and the message of a failed finish seam. Each takes the finishing session and reads what it holds."""
+"""A run's results, for `Session.finish` (session.py): the final evaluation, the training figures beside it, and the
+message of a failed finish seam. Each takes the finishing session and reads what it holds. ("Finish" is one thing in
+this package: Session.finish, the end of a run, whose seam is every hook's on_finish.)"""
 
 from __future__ import annotations
 

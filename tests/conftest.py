@@ -37,13 +37,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DURATIONS = ROOT / "test-durations.txt"
 _STARTS: dict[str, list[int]] = {}  # module -> [python processes started, forks]
 _TIMES: dict[str, float] = {}  # test id -> seconds (setup + call + teardown)
-_current = {"module": None}
+_UNMARKED: dict[str, int] = {}  # tests not marked slow that started processes -> how many
+_current = {"module": None, "test": None, "slow": False}
 
 
 def _counting(method, index: int):
     def wrapper(self, *args, **kwargs):
-        if _current["module"] is not None:
+        command = str(args[0] if args else kwargs.get("args", "")) if index == 0 else "fork"
+        starts_python = any(word in command for word in ("python", "accelerate", "accel-train", "torchrun", "sbatch"))
+        if _current["module"] is not None and (index == 1 or starts_python):
             _STARTS.setdefault(_current["module"], [0, 0])[index] += 1
+            if index == 0 and not _current["slow"]:
+                _UNMARKED[_current["test"]] = _UNMARKED.get(_current["test"], 0) + 1
         return method(self, *args, **kwargs)
     return wrapper
 
@@ -53,7 +58,8 @@ multiprocessing.process.BaseProcess.start = _counting(multiprocessing.process.Ba
 
 
 def pytest_runtest_setup(item):
-    _current["module"] = item.nodeid.split("::")[0]
+    _current.update(module=item.nodeid.split("::")[0], test=item.nodeid,
+                    slow=item.get_closest_marker("slow") is not None)
 
 
 def pytest_runtest_logreport(report):
@@ -74,6 +80,8 @@ def pytest_terminal_summary(terminalreporter):
     for module, (count, seconds) in sorted(modules.items(), key=lambda kv: -kv[1][1]):
         started, forked = _STARTS.get(module, [0, 0])
         lines.append(f"{seconds:8.1f} s  {count:4d}  {started:4d}  {forked:4d}  {module}")
+    lines += ["", "not marked slow, and started processes (the slow marker says which tests start them):"]
+    lines += [f"{count:4d}  {test}" for test, count in sorted(_UNMARKED.items())] or ["  none"]
     DURATIONS.write_text("\n".join(lines) + "\n")
     terminalreporter.write_sep("-", f"where the time went (all of it in {DURATIONS.name})")
     for line in lines[:25]:

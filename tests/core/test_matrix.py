@@ -97,7 +97,8 @@ INVARIANT_TEXT = {
     "data": "each example fed once per epoch; the resumed run feeds exactly the uninterrupted run's batches after "
             "the checkpoint",
     "history": "metrics.jsonl: one timeline, its steps never go back",
-    "2 processes": "2 processes x B/2 = 1 process x B: the same weights and evaluation, within TOLERANCE (AdamW "
+    "2 processes": "2 processes x B/2 = 1 process x B: the same data (the ranks' halves of each micro-batch), weights "
+                   "and evaluation, within TOLERANCE (AdamW "
                    "turns rounding-sized gradient differences into up to 2 x lr on its first steps: bf16 is compared "
                    "after 3 SGD steps)",
     "model FLOPs": "the FLOPs counted per sample (per token) are the model's, as without the feature",
@@ -319,6 +320,10 @@ def check_two_processes(runs: RunCache, name: str) -> None:
     two = json.loads((r.two / "all_results.json").read_text())
     for key in (k for k in one if k.startswith("eval_") and isinstance(one[k], float)):
         assert two[key] == pytest.approx(one[key], abs=tolerance, rel=tolerance), key
+    if r.feature.script == "toy":  # the two ranks' halves of every micro-batch are the 1-process micro-batch
+        halves = [fed(json.loads(p.read_text())) for p in sorted(r.two.glob("toy_rank[01]_*.json"))]
+        merged = [sorted(a + b) for a, b in zip(*halves, strict=True)]
+        assert merged == [sorted(b) for b in fed(records(r.one, "toy")[-1])], f"{name}: the ranks fed other data"
 
 
 def check_model_flops(runs: RunCache, name: str) -> None:

@@ -245,6 +245,23 @@ def _rank_worker(rank: int, world: int, inbox, results) -> None:
         results.put((rank, error))
 
 
+def toy_main(args: list[str]) -> None:
+    """tests/scripts/toy_train.py's main in this process (Ranks runs it on each rank)."""
+    import toy_train
+
+    reset_accelerate()
+    toy_train.main(args)
+
+
+def toy_on(ranks: Ranks, args: list[str], processes: int = 1) -> None:
+    """toy_train in this process for 1 process, on the session's spawned gloo ranks for 2: where the launcher is not
+    what a test is about (tests/launch/ keeps a real launch per promise about the launcher)."""
+    if processes == 1:
+        toy_main(args)
+    else:
+        ranks.run(toy_main, args)
+
+
 @pytest.fixture(scope="session")
 def ranks():
     pool = Ranks(2)

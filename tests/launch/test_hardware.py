@@ -17,10 +17,12 @@ from conftest import (
     launch,
     run_process_tree,
     subprocess_env,
+    toy_on,
     toy_records,
 )
 from safetensors.torch import load_file
 
+from accel_train import CheckpointError
 from accel_train.cli import plan_launch
 
 PRESETS = sorted(ACCELERATE_CONFIGS.glob("*.yaml"))
@@ -115,12 +117,12 @@ def max_diff(a, b):
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_process_with_the_same_global_batch(tmp_path):
+def test_two_nodes_equal_one_process_with_the_same_global_batch(tmp_path, ranks):
     common = ["--num_train_epochs", "2", "--learning_rate", "0.05", "--logging_steps", "1", "--eval_strategy",
               "epoch", "--save_strategy", "no", *QUIET]
     launch_two_nodes([*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "nodes")],
                      tmp_path)
-    launch(TOY, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")], 1)
+    toy_on(ranks, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
     nodes, one = tmp_path / "nodes", tmp_path / "one"
     assert "2 process(es), MULTI_CPU" in (tmp_path / "node0.log").read_text()
     diff = max_diff(load_file(one / "model.safetensors"), load_file(nodes / "model.safetensors"))
@@ -134,17 +136,21 @@ def test_two_nodes_equal_one_process_with_the_same_global_batch(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_checkpoint_moves_between_world_sizes(tmp_path, before, after):
-    """Same global batch (8 = 4 x 2 = 8 x 1): the data position is re-derived from the samples consumed."""
+def test_checkpoint_moves_between_world_sizes(tmp_path, before, after, ranks):
+    """Same global batch (8 = 4 x 2 = 8 x 1): the data position is re-derived from the samples consumed (2 processes:
+    the session's spawned gloo ranks; the launcher is not what this tests)."""
     common = ["--num_train_epochs", "3", "--gradient_accumulation_steps", "2", "--learning_rate", "0.05",
               "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "5", "--eval_strategy", "no", *QUIET]
     bs = {1: "8", 2: "4"}
-    launch(TOY, [*common, "--per_device_train_batch_size", bs[after], "--output_dir", str(tmp_path / "full")], after)
+    toy_on(ranks, [*common, "--per_device_train_batch_size", bs[after], "--output_dir", str(tmp_path / "full")],
+           after)
     cut = ["--output_dir", str(tmp_path / "cut")]
-    launch(TOY, [*common, *cut, "--per_device_train_batch_size", bs[before], "--stop_at_step", "7"], before)
-    proc = launch(TOY, [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint",
-                        "latest"], after)
-    assert f"written by {before} process(es), resuming on {after}" in proc.stdout
+    toy_on(ranks, [*common, *cut, "--per_device_train_batch_size", bs[before], "--stop_at_step", "7"], before)
+    toy_on(ranks, [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint", "latest"],
+           after)
+    manifests = [json.loads((p / "manifest.json").read_text()) for p in sorted((tmp_path / "cut").glob(
+        "checkpoints/step-*"))]
+    assert [m["world_size"] for m in manifests][-1] == after and manifests[0]["world_size"] == before
     diff = max_diff(load_file(tmp_path / "full" / "model.safetensors"),
                     load_file(tmp_path / "cut" / "model.safetensors"))
     assert diff < 1e-6
@@ -157,14 +163,12 @@ def test_checkpoint_moves_between_world_sizes(tmp_path, before, after):
 
 
 @pytest.mark.slow
-def test_resume_with_another_global_batch_is_refused(tmp_path):
+def test_resume_with_another_global_batch_is_refused(tmp_path, ranks):
     common = ["--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
               *QUIET, "--output_dir", str(tmp_path)]
-    launch(TOY, [*common, "--per_device_train_batch_size", "4"], 2)
-    proc = launch(TOY, [*common, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest"], 1,
-                  check=False)
-    assert proc.returncode != 0
-    assert "global batch of 8 samples per step, this run has 4" in proc.stderr
+    toy_on(ranks, [*common, "--per_device_train_batch_size", "4"], 2)
+    with pytest.raises(CheckpointError, match="global batch of 8 samples per step, this run has 4"):
+        toy_on(ranks, [*common, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest"])
 
 
 THREADS_SCRIPT = """

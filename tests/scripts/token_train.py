@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,7 +167,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         (out / "token_results.json").write_text(json.dumps(result.metrics))
     record = {"fed": fed, "metrics": result.metrics, "step": result.state.step}
-    Path(config.output_dir, f"token_rank{accelerator.process_index}_{os.getpid()}.json").write_text(json.dumps(record))
+    name = f"token_rank{accelerator.process_index}_{os.getpid()}_{time.time_ns()}.json"  # one file per run
+    Path(config.output_dir, name).write_text(json.dumps(record))
     return result
 
 

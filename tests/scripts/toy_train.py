@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,8 @@ def main(argv=None):
     )
     record = {"indices": seen, "metrics": result.metrics, "step": result.state.step}
     rank = accelerator.process_index
-    Path(config.output_dir, f"toy_rank{rank}_{os.getpid()}.json").write_text(json.dumps(record))
+    # one file per run (a process may run several: in-process tests, the session's spawned ranks)
+    Path(config.output_dir, f"toy_rank{rank}_{os.getpid()}_{time.time_ns()}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -411,3 +411,11 @@ def caption_folder(root, counts, size=16, seed=0):
                 lines.append({"file_name": f"{name}{i}.png", "captions": captions})
         (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return root
+
+
+def token_main(args: list[str]) -> None:
+    """tests/scripts/token_train.py's main in this process (Ranks runs it on each rank), as toy_main is toy_train's."""
+    import token_train
+
+    reset_accelerate()
+    token_train.main(args)

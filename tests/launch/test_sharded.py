@@ -29,7 +29,6 @@ from conftest import (
     ROOT,
     SCRIPTS,
     free_port,
-    launch,
     make_rows,
     read_jsonl,
     run_process_tree,
@@ -106,15 +105,25 @@ def ok(proc) -> str:
     return output
 
 
+def recipe_main(args: list[str]) -> None:
+    """The NLP recipe's main in this process (the session's spawned ranks call it on each rank)."""
+    import nlp_finetune
+    from conftest import reset_accelerate
+
+    reset_accelerate()
+    nlp_finetune.main(args)
+
+
 @pytest.fixture(scope="module")
-def ddp_references(tiny_bert, data, tmp_path_factory):
-    """reference(flags): the 2-process DDP run with those flags (launched once per module)."""
+def ddp_references(tiny_bert, data, tmp_path_factory, ranks):
+    """reference(flags): the 2-process DDP run with those flags, once per module, on the session's spawned gloo ranks
+    (plain DDP: the launcher is not what it is compared for)."""
     made: dict[tuple[str, ...], Path] = {}
 
     def reference(flags: tuple[str, ...]) -> Path:
         if flags not in made:
             out = tmp_path_factory.mktemp("ddp") / "run"
-            launch(RECIPE, [*recipe_args(tiny_bert, data, out), *flags], num_processes=2, timeout=LAUNCH_TIMEOUT)
+            ranks.run(recipe_main, [*recipe_args(tiny_bert, data, out), *flags], timeout=LAUNCH_TIMEOUT)
             made[flags] = out
         return made[flags]
 

@@ -293,6 +293,9 @@ def check_data(runs: RunCache, name: str) -> None:
     assert resumed == full[len(full) - len(resumed):], f"{name}: the resumed run fed other batches"
     if len(cut) == 2:  # the cut run's batches, then the resumed run's: the uninterrupted run's, none twice
         assert fed(cut[0]) + resumed == full, f"{name}: cut + resumed != the uninterrupted run's batches"
+    if r.feature.record.get("padding_free") and not r.feature.record.get("on_spike"):  # examples, not rows, counted
+        state = json.loads((r.cut / "checkpoints" / f"step-{r.checkpoint_step:08d}" / "train_state.json").read_text())
+        assert state["samples_seen"] == 4 * r.checkpoint_step, f"{name}: samples counted as rows"
     if script == "toy" and not r.feature.record.get("on_spike"):  # each point once in every whole epoch
         flat = [i for batch in full for i in batch]
         assert len(flat) >= 48

@@ -1,5 +1,6 @@
 """Weight averaging (--ema_decay): the average follows its warmed-up decay exactly, is evaluated beside the live
-weights (eval_ema_*), becomes the final model with --save_ema_as_final, and resumes bitwise after a SIGKILL."""
+weights (eval_ema_*), becomes the final model with --save_ema_as_final, and resumes bitwise from a checkpoint saved
+mid-epoch, on 1 process and on 2."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import json
 import pytest
 import torch
 import toy_train
-from conftest import kill_then_resume, read_jsonl, reset_accelerate, toy_process
+from conftest import read_jsonl, reset_accelerate, toy_on, toy_records
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, TrainConfig, run_cli
 from accel_train.core.ema import WeightAverage
 from accel_train.core.evaluation import check_monitored_metric, metric_name
+from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false"]
 
@@ -100,20 +102,26 @@ def test_the_confusion_matrix_is_of_the_weights_saved_as_the_final_model(tmp_pat
     assert saved["weights"] == final and accuracy == pytest.approx(expected, abs=1e-6)
 
 
-def toy(out, *extra, fault=None, processes=1):
-    """toy_train.py in a process of its own (or `processes` launched), averaging, checkpointing every 4 steps."""
-    batch = str(4 // processes)  # the same global batch of 4 either way
-    args = ["--output_dir", str(out), *QUIET, "--num_train_epochs", "3", "--dropout", "0.2", "--ema_decay", "0.95",
+def averaging(out, processes, *extra):
+    """toy_train's flags: averaging, checkpointing every 4 steps, logging every step (so that --stop_at_step can cut
+    at any step), the same global batch of 4 on 1 process and on 2."""
+    batch = str(4 // processes)
+    return ["--output_dir", str(out), *QUIET, "--num_train_epochs", "3", "--dropout", "0.2", "--ema_decay", "0.95",
             "--save_ema_as_final", "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "epoch",
-            "--per_device_train_batch_size", batch, *extra]
-    return toy_process(args, fault, processes)
+            "--logging_steps", "1", "--per_device_train_batch_size", batch, *extra]
 
 
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_run_with_an_average_resumes_bitwise_after_sigkill(tmp_path, processes):
+def test_a_run_with_an_average_resumes_bitwise(tmp_path, ranks, processes):
+    """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut at step 10 (inside
+    the first epoch of 24 steps; its newest checkpoint is step 10's) then resumed with latest. What is under test is
+    the average's state in the checkpoint; a SIGKILL's resume is tests/rundir/test_reliability.py's."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    # 72 steps of 4 samples; checkpoints every 4: the 2 steps after step-8 are lost
-    kill_then_resume(toy, full, cut, 10, "step-00000008", processes)
+    toy_on(ranks, averaging(full, processes), processes)
+    toy_on(ranks, averaging(cut, processes, "--stop_at_step", "10"), processes)
+    assert list_checkpoints(cut)[-1].name == "step-00000010"
+    toy_on(ranks, averaging(cut, processes, "--resume_from_checkpoint", "latest"), processes)
+    assert [r["step"] for r in toy_records(cut)[0]] == [10, 72], "cut at 10, resumed to the end of 72 steps"
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "the final average differs after the resume"
     ema = [[r["eval_ema_loss"] for r in read_jsonl(d / "metrics.jsonl") if "eval_ema_loss" in r] for d in (full, cut)]

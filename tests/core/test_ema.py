@@ -111,7 +111,7 @@ def averaging(out, processes, *extra):
             "--logging_steps", "1", "--per_device_train_batch_size", batch, *extra]
 
 
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_with_an_average_resumes_bitwise(tmp_path, ranks, processes):
     """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut at step 10 (inside
     the first epoch of 24 steps; its newest checkpoint is step 10's) then resumed with latest. What is under test is

@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, TrainConfig, build_accelerator, build_scheduler, make_plan
+from accel_train.tasks.multimodal.collectives import gather_with_grad
 from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, clip_loss, draw_captions
 from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics, retrieval_metrics, zero_shot_accuracy
 from accel_train.tasks.multimodal.data import (
@@ -430,6 +431,30 @@ def test_collator_pads_caption_lists_of_different_lengths(tiny_text):
 
 
 # ------------------------------------------------------------------------------------------ across processes
+
+
+def gather_with_grad_on_rank() -> None:
+    """One rank (conftest's Ranks calls it on each) of a fresh process group: rows gathered in rank order, and each
+    rank's gradient the sum over ranks of the gathered rows' gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.full((2, 3), float(rank), requires_grad=True)
+    gathered, offset = gather_with_grad(x)
+    assert offset == 2 * rank and gathered[:, 0].tolist() == [float(r) for r in range(world) for _ in range(2)]
+    weights = torch.arange(2.0 * world * 3).view(2 * world, 3)
+    (gathered * weights).sum().backward()
+    assert torch.equal(x.grad, world * weights[offset:offset + 2])
+    dist.destroy_process_group()
+
+
+def test_gathering_with_gradients_works_in_each_process_group_a_process_holds(ranks):
+    """A process that ends its process group and starts another (the session's pooled ranks; a sweep or a notebook
+    training twice): torch.distributed.nn's all_gather takes the group that was the world when it was imported as
+    its default, so the second group's gather failed ('not initialized in the world group map')."""
+    ranks.run(gather_with_grad_on_rank)
+    ranks.run(gather_with_grad_on_rank)
 
 
 @pytest.mark.slow

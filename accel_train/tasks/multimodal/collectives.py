@@ -34,7 +34,9 @@ def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return x, 0
     from torch.distributed.nn.functional import all_gather
 
-    return torch.cat(all_gather(x.contiguous())), rank() * x.shape[0]
+    # The group named now: all_gather's default is the world group of the moment torch.distributed.nn was imported,
+    # which a process that ended that group and started another (a sweep, a notebook training twice) no longer has.
+    return torch.cat(all_gather(x.contiguous(), group=dist.group.WORLD)), rank() * x.shape[0]
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Evaluate a saved detection or segmentation model on the test canvases, on however many processes the
-launcher starts, with the recipe's own data, model, loss and metrics; the main process writes eval.json.
+"""Evaluate a saved detection or segmentation model on the test canvases, on however many processes it runs on
+(the tests call `main(argv)` in their own process and on the session's 2 spawned ranks; it also launches), with the
+recipe's own data, model, loss and metrics; the main process writes eval.json.
 
     accelerate launch tests/scripts/dense_eval.py --task detection --weights run/model.safetensors --output_dir out
 

@@ -1,16 +1,18 @@
 """Semantic segmentation: IoU against hand-computed values, pixels summed over images (not batch
 means), the losses, mask-aware augmentation, image + mask folders (and their bad inputs), the recipe end to
-end, and 1 vs 2 processes through the real launcher.
+end, and 1 vs 2 processes: the recipe's one real `accelerate launch` (2 processes) trains; its model is evaluated
+in this process and on the session's 2 spawned gloo ranks (conftest's `ranks`).
 """
 
 import json
 import math
 
+import dense_eval
 import numpy as np
 import pytest
 import semantic_segmentation as recipe
 import torch
-from conftest import RECIPES, SCRIPTS, launch
+from conftest import RECIPES, launch, reset_accelerate
 from PIL import Image
 
 from accel_train import DataError
@@ -184,20 +186,21 @@ def test_unet_keeps_the_input_size_for_any_stem():
 
 
 @pytest.mark.slow
-def test_one_and_two_processes_give_the_same_miou(tmp_path):
-    # Train briefly on two processes, then evaluate the saved model on 1 and 2 processes: 30 test canvases in
-    # batches of 4 per process leave a last batch that 2 processes pad with duplicates, which must be dropped.
-    # The 2-process training run's own final evaluation (in batches of 30) must agree as well.
+def test_one_and_two_processes_give_the_same_miou(tmp_path, ranks):
+    """Train briefly on two processes (the recipe's real launch), then evaluate the saved model on 1 process (here)
+    and 2 (the session's spawned ranks): 30 test canvases in batches of 4 per process leave a last batch that 2
+    processes pad with duplicates, which must be dropped. The 2-process training run's own final evaluation (in
+    batches of 30) must agree as well."""
     data = ["--num_train_canvases", "512", "--num_test_canvases", "30"]
     small = ["--config_overrides", '{"widths": [8, 16, 32], "blocks_per_stage": 1}']
     launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "6",
                     "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "30",
                     "--expected_world_size", "2"], 2)
-    evaluate = SCRIPTS / "dense_eval.py"
     common = ["--task", "segmentation", "--weights", str(tmp_path / "trained" / "model.safetensors"), *data, *small,
               "--per_device_eval_batch_size", "4"]
-    launch(evaluate, [*common, "--output_dir", str(tmp_path / "one")], 1)
-    launch(evaluate, [*common, "--output_dir", str(tmp_path / "two"), "--expected_world_size", "2"], 2)
+    reset_accelerate()
+    dense_eval.main([*common, "--output_dir", str(tmp_path / "one")])
+    ranks.run(dense_eval.main, [*common, "--output_dir", str(tmp_path / "two"), "--expected_world_size", "2"])
     one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
     trained = json.loads((tmp_path / "trained" / "all_results.json").read_text())
     assert one["eval_samples"] == two["eval_samples"] == 30

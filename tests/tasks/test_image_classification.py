@@ -1,7 +1,7 @@
 """The image-classification recipe and accel_train.tasks.vision.
 
 Fast tests build tiny image folders with PIL in tmp_path and train tiny models through `main(argv)`; the
-1-vs-2-process comparison goes through the real launcher and is marked slow.
+1-vs-2-process comparison is the recipe's one real `accelerate launch` (2 processes) against `main(argv)` here.
 """
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import RECIPES, ROOT, SHARED_DATA, launch
+from conftest import RECIPES, ROOT, SHARED_DATA, launch, reset_accelerate
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -123,15 +123,16 @@ def test_unknown_model_type_and_bad_overrides_are_user_errors(tmp_path):
 
 @pytest.mark.slow
 def test_one_and_two_processes_give_the_same_evaluation(tmp_path):
-    # 9 validation and 27 test images, eval batch 4 per process: the last batches are padded with duplicates,
-    # which must be dropped. lr 0 and a model without batch norm keep the seeded initial weights on 1 and 2
-    # processes, so every metric must agree.
+    """9 validation and 27 test images, eval batch 4 per process: the last batches are padded with duplicates,
+    which must be dropped. lr 0 and a model without batch norm keep the seeded initial weights on 1 and 2
+    processes, so every metric must agree. 1 process: `main(argv)` here; 2: the real launcher."""
     data = colour_folder(tmp_path / "data", {"train": 4, "validation": 3})
     for i, name in enumerate(("blue", "green", "red")):
         colour_folder(data, {"test": 8 + i}, classes=(name,), seed=i + 1)
     common = [str(x) for x in ("--data_dir", data, *TINY_VIT, "--learning_rate", 0, "--max_steps", 2,
                                "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 4, *QUIET)]
-    launch(RECIPE, [*common, "--output_dir", str(tmp_path / "one")], 1)
+    reset_accelerate()
+    recipe.main([*common, "--output_dir", str(tmp_path / "one")])
     launch(RECIPE, [*common, "--output_dir", str(tmp_path / "two"), "--expected_world_size", "2"], 2)
     one, two = (json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("one", "two"))
     assert (one["eval_samples"], one["test_samples"]) == (two["eval_samples"], two["test_samples"]) == (9, 27)

@@ -1,5 +1,6 @@
-"""recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; 1 vs 2 processes; and one
-real test on all-MiniLM-L6-v2 with SST-2 (slow). Bad input to the recipe: tests/tasks/test_bad_input_matrix.py."""
+"""recipes/nlp_finetune.py: end to end on a tiny BERT built offline; data formats; 1 vs 2 processes (the recipe's one
+real `accelerate launch` of 2 against `main(argv)` here); and one real test on all-MiniLM-L6-v2 with SST-2 (slow).
+Bad input to the recipe: tests/tasks/test_bad_input_matrix.py."""
 
 import json
 
@@ -123,13 +124,14 @@ def test_embedded_tweets_split_is_seeded_and_stratified():
 
 @pytest.mark.slow
 def test_two_processes_give_the_same_metrics(tiny_bert, sst_like, tmp_path):
+    """2 processes: the real launcher; 1 process: `main(argv)` in this process."""
     common = ["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
               str(sst_like["dev"]), "--test_file", str(sst_like["test"]), *FAST, "--num_train_epochs", "2",
               "--save_strategy", "no", "--load_best_model_at_end", "false", "--mixed_precision", "no"]  # fp32 parity
     common[common.index("--per_device_train_batch_size") + 1] = "4"
     launch(RECIPE, [*common, "--output_dir", str(tmp_path / "two")], 2)
     common[common.index("--per_device_train_batch_size") + 1] = "8"
-    launch(RECIPE, [*common, "--output_dir", str(tmp_path / "one")], 1)
+    run([*common, "--output_dir", str(tmp_path / "one")])
     one, two = results(tmp_path / "one"), results(tmp_path / "two")
     assert one["eval_samples"] == two["eval_samples"] == 40
     for key in ("eval_accuracy", "eval_f1", "eval_matthews_correlation", "test_accuracy"):

@@ -1,7 +1,8 @@
 """The multimodal contrastive recipe and accel_train.tasks.multimodal.
 
 Fast tests use a 1-layer BERT built from a config (a word-level vocabulary, no download) and tiny vision towers;
-the 1-vs-2-process comparisons go through the real launcher and are marked slow.
+across processes, the recipe's one real `accelerate launch` (2 processes) and a 2-process GradCache run on the
+session's spawned gloo ranks (conftest's `ranks`) against the 1-process run in this process (`main(argv)`).
 """
 
 import json
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import RECIPES, SHARED_DATA, launch, read_jsonl
+from conftest import RECIPES, SHARED_DATA, launch, read_jsonl, reset_accelerate
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -457,21 +458,24 @@ def test_gathering_with_gradients_works_in_each_process_group_a_process_holds(ra
     ranks.run(gather_with_grad_on_rank)
 
 
+
 @pytest.mark.slow
-def test_one_and_two_processes_give_the_same_losses_gradients_and_metrics(tmp_path, tiny_text):
-    # SGD without momentum: the weights after 3 steps are a linear record of the gradients (Adam would hide a
-    # scale error). No augmentation and a norm-free ViT, so that nothing depends on how the batch is split.
-    # The text tower is frozen for the first step (DDP with unused parameters); the third run adds GradCache.
+def test_one_and_two_processes_give_the_same_losses_gradients_and_metrics(tmp_path, tiny_text, ranks):
+    """SGD without momentum: the weights after 3 steps are a linear record of the gradients (Adam would hide a
+    scale error). No augmentation and a norm-free ViT, so that nothing depends on how the batch is split.
+    The text tower is frozen for the first step (DDP with unused parameters); the third run adds GradCache.
+    1 process: `main(argv)` here; 2: the real launcher; 2 with GradCache: the session's spawned ranks."""
     data = caption_folder(tmp_path / "data", {"train": 4, "test": 2})
     common = [str(x) for x in ("--data_dir", data, "--text_model_name_or_path", tiny_text, *TINY_VIT, "--optim", "sgd",
                                "--sgd_momentum", 0, "--learning_rate", 0.5, "--max_grad_norm", 0, "--max_steps", 3,
                                "--warmup_steps", 0, "--crop_scale_min", 1, "--horizontal_flip", "false",
                                "--color_jitter", 0, "--logging_steps", 1,
                                "--freeze_text_tower_steps", 1, "--per_device_eval_batch_size", 5, *QUIET)]
-    launch(RECIPE, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")], 1)
+    reset_accelerate()
+    recipe.main([*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
     launch(RECIPE, [*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")], 2)
-    launch(RECIPE, [*common, "--per_device_train_batch_size", "4", "--gradient_cache_chunk_size", "2",
-                    "--output_dir", str(tmp_path / "cache")], 2)
+    ranks.run(recipe.main, [*common, "--per_device_train_batch_size", "4", "--gradient_cache_chunk_size", "2",
+                            "--output_dir", str(tmp_path / "cache")])
     one = load_file(tmp_path / "one" / "model.safetensors")
     losses = [r["loss"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl") if "loss" in r]
     results = json.loads((tmp_path / "one" / "all_results.json").read_text())

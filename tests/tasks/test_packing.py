@@ -1,23 +1,22 @@
 """Packed and padding-free batches (accel_train.tasks.text.generation.packing, the text-generation recipe's
 --packing and --padding_free): the same logits, the same step gradient and the same labels as padded batches of the
-same examples, every example isolated from the others, and exact resume."""
+same examples, every example isolated from the others, and exact resume. Every run is in this process (`main(argv)`)
+or, for 2 processes, on the session's spawned gloo ranks (conftest's `ranks`): the launcher is not what they test."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import datasets
 import pytest
+import text_generation
 import token_train
 import torch
-from conftest import RECIPES, SCRIPTS, launch, reset_accelerate
+from conftest import reset_accelerate
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from accel_train import ConfigError, DataError
+from accel_train import ConfigError, DataError, Preempted, run_cli
 from accel_train.tasks.text.generation import (
     IGNORE_INDEX,
     GenerationDataArguments,
@@ -219,12 +218,12 @@ def test_a_packed_step_is_the_padded_steps_gradient_with_accumulation(tmp_path, 
     assert step_error(tmp_path, n) < 1e-5
 
 
-@pytest.mark.slow
-def test_a_packed_step_on_two_processes_is_the_padded_steps_gradient(tmp_path):
+def test_a_packed_step_on_two_processes_is_the_padded_steps_gradient(tmp_path, ranks):
+    """tests/scripts/token_train.py on the session's 2 spawned gloo ranks: 2 processes x 2 micro-batches."""
     n, rows = rows_divisible_by(4)
-    launch(SCRIPTS / "token_train.py", ["--output_dir", str(tmp_path), "--num_sequences", str(n), *ONE_SGD_STEP,
-                                        "--pack_width", "64", "--per_device_train_batch_size", str(rows // 4),
-                                        "--gradient_accumulation_steps", "2"], num_processes=2)
+    ranks.run(token_train.main, ["--output_dir", str(tmp_path), "--num_sequences", str(n), *ONE_SGD_STEP,
+                                 "--pack_width", "64", "--per_device_train_batch_size", str(rows // 4),
+                                 "--gradient_accumulation_steps", "2"])
     assert step_error(tmp_path, n) < 1e-5
 
 
@@ -236,44 +235,51 @@ LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--conf
          "max_position_embeddings=128"]
 
 
-def recipe(out, data, *extra, fault=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("ACCEL_TRAIN_FAULT", None)
-    if fault:
-        env["ACCEL_TRAIN_FAULT"] = fault
-    args = [sys.executable, str(RECIPES / "text_generation.py"), "--train_file", data, "--text_column",
-            "text", "--summary_column", "summary", "--validation_split", "8", *LLAMA, "--output_dir", str(out),
-            "--report_to", "none", "--disable_tqdm", "--cpu_threads", "1", "--no_run_report", "--no_preflight",
-            "--max_generate_samples", "0", "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
-            "--save_strategy", "steps", "--save_steps", "2", "--max_source_length", "24", "--max_target_length", "12",
-            "--packing", "--max_seq_length", "64", *extra]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+def recipe(out, data, *extra):
+    """recipes/text_generation.py's main in this process: a tiny Llama trained on packed rows, checkpoints every 2."""
+    reset_accelerate()
+    text_generation.main(["--train_file", data, "--text_column", "text", "--summary_column", "summary",
+                          "--validation_split", "8", *LLAMA, "--output_dir", str(out), "--report_to", "none",
+                          "--disable_tqdm", "--cpu_threads", "1", "--no_run_report", "--no_preflight",
+                          "--max_generate_samples", "0", "--per_device_train_batch_size", "4", "--num_train_epochs",
+                          "2", "--save_strategy", "steps", "--save_steps", "2", "--max_source_length", "24",
+                          "--max_target_length", "12", "--packing", "--max_seq_length", "64", *extra])
 
 
-@pytest.mark.slow
-def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_path):
+def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_path, capsys, monkeypatch):
+    """The whole run, the cut and the resume in this process. The cut: a SIGTERM after step 6, so the loop
+    checkpoints step 7 (between the every-2-steps saves, inside epoch 2 of 5 steps each) and stops; a SIGKILL is the
+    reliability tests' subject (tests/rundir/test_reliability.py)."""
     from accel_train.tasks.text.generation.demo import date_pairs
 
     d = date_pairs(72, 1)
     data = tmp_path / "dates.jsonl"
     data.write_text("".join(json.dumps({"text": t, "summary": s}) + "\n"
                             for t, s in zip(d["text"], d["summary"], strict=True)))
-    full = recipe(tmp_path / "full", str(data))
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
-    assert "packed: 64 examples into" in full.stdout
-    killed = recipe(tmp_path / "cut", str(data), fault="kill_after_step:5")
-    assert killed.returncode != 0
-    resumed = recipe(tmp_path / "cut", str(data), "--resume_from_checkpoint", "latest")
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT", raising=False)
+    recipe(tmp_path / "full", str(data))
+    assert "packed: 64 examples into" in capsys.readouterr().out
+    with monkeypatch.context() as env, pytest.raises(Preempted):
+        env.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
+        recipe(tmp_path / "cut", str(data))
+    newest = sorted((tmp_path / "cut" / "checkpoints").glob("step-*"))[-1]
+    state = json.loads((newest / "train_state.json").read_text())
+    assert newest.name == "step-00000007" and state["batch_in_epoch"] > 0  # cut inside an epoch
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # the cut run did not finish
+    recipe(tmp_path / "cut", str(data), "--resume_from_checkpoint", "latest")
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_packing_a_seq2seq_model_is_refused(tmp_path):
+def test_packing_a_seq2seq_model_is_refused(tmp_path, capsys, monkeypatch):
+    """recipes/text_generation.py through run_cli in this process: the message and exit code 2, no traceback."""
+    monkeypatch.delenv("ACCEL_TRAIN_TRACEBACK", raising=False)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": "a b", "summary": "c"}) + "\n" for _ in range(12)))
-    out = subprocess.run([sys.executable, str(RECIPES / "text_generation.py"), "--train_file", str(data),
-                          "--text_column", "text", "--summary_column", "summary", "--model_type", "t5",
-                          "--train_tokenizer_vocab_size", "300", "--packing", "--output_dir", str(tmp_path / "o")],
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "--packing is for causal LMs" in out.stderr and "Traceback" not in out.stderr
+    reset_accelerate()
+    with pytest.raises(SystemExit) as stop:
+        run_cli(text_generation.main, ["--train_file", str(data), "--text_column", "text", "--summary_column",
+                                       "summary", "--model_type", "t5", "--train_tokenizer_vocab_size", "300",
+                                       "--packing", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--packing is for causal LMs" in err and "Traceback" not in err

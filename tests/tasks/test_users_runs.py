@@ -1,5 +1,6 @@
 """Users coming from the Hugging Face scripts and the Trainer, through real runs: the NLP recipe on a
-tiny BERT / GPT-2 built offline, small runs of the public API, and the run directory they leave."""
+tiny BERT / GPT-2 built offline, small runs of the public API, and the run directory they leave. Runs are in this
+process; 2 processes are the session's spawned gloo ranks (conftest's `ranks`); a log file's order is a process's."""
 
 import json
 import subprocess
@@ -14,11 +15,12 @@ from conftest import (
     NEGATIVE,
     POSITIVE,
     SCRIPTS,
-    launch,
     make_rows,
     read_jsonl,
     reset_accelerate,
     subprocess_env,
+    toy_on,
+    toy_records,
 )
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
@@ -140,13 +142,12 @@ def test_a_retrieval_among_too_few_candidates_is_warned_about(tmp_path, capsys):
     assert "chance level is 50% or more (eval_i2t_chance_recall@10 100%)" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_result_metrics_are_the_same_dict_on_every_rank(tmp_path):
-    launch(SCRIPTS / "toy_train.py", ["--output_dir", str(tmp_path), "--max_steps", "4",
-                                              "--save_strategy", "no"], num_processes=2)
-    records = {int(p.name.split("_")[1][4:]): json.loads(p.read_text()) for p in tmp_path.glob("toy_rank*.json")}
-    assert set(records) == {0, 1}
-    assert records[0]["metrics"] == records[1]["metrics"] == results(tmp_path), \
+def test_result_metrics_are_the_same_dict_on_every_rank(tmp_path, ranks):
+    """toy_train on the session's 2 spawned gloo ranks."""
+    toy_on(ranks, ["--output_dir", str(tmp_path), "--max_steps", "4", "--save_strategy", "no"], processes=2)
+    records = toy_records(tmp_path)
+    assert set(records) == {0, 1} and len(records[0]) == len(records[1]) == 1
+    assert records[0][0]["metrics"] == records[1][0]["metrics"] == results(tmp_path), \
         "every rank returns the same final metrics (runtime, samples/s, peak memory: the all-reduced ones)"
 
 
@@ -269,7 +270,9 @@ def test_one_line_per_evaluation_and_the_final_evaluation_is_logged(tiny_bert, s
     assert len(events.Scalars("eval_accuracy")) == 4
 
 
+@pytest.mark.slow
 def test_the_startup_report_comes_before_the_progress_bar_in_a_log_file(tmp_path):
+    """A process of its own: what is tested is its block-buffered stdout and its stderr meeting in one file."""
     log = tmp_path / "log.txt"
     with open(log, "w") as fh:  # as `python script.py > log.txt 2>&1` (stdout block-buffered)
         proc = subprocess.run([sys.executable, str(SCRIPTS / "toy_train.py"), "--output_dir",

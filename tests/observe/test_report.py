@@ -1,5 +1,6 @@
 """Run reports: the PNGs exist, decode and hold the run's series; the report is rebuilt on demand and runs are
-compared by the CLI; trackers are chosen by name (TensorBoard offline, the others refused with the fix)."""
+compared by the CLI; a 2-process run's report and diagnostics (on the session's spawned gloo ranks). The trackers
+are in test_trackers.py."""
 
 import json
 import shutil
@@ -7,10 +8,9 @@ import shutil
 import numpy as np
 import pytest
 import toy_train
-from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
+from conftest import read_jsonl, reset_accelerate, toy_on
 from PIL import Image
 
-from accel_train import ConfigError, TrainConfig
 from accel_train.cli import main as cli
 from accel_train.observe.report.plots import read_series, series_by_label
 
@@ -134,10 +134,11 @@ def test_nlp_recipe_report(tiny_bert, sst_like, tmp_path):
     assert f"| precision | {precision} |" in report and "BertForSequenceClassification" in report
 
 
-def test_two_processes_report_and_diagnostics(tmp_path):
+def test_two_processes_report_and_diagnostics(tmp_path, ranks):
+    """toy_train on the session's 2 spawned gloo ranks."""
     out = tmp_path / "ddp"
-    launch(SCRIPTS / "toy_train.py", ["--output_dir", str(out), *RUN, "--grad_flow_steps", "3",
-                                              "--profile_steps", "2-2", "--memory_snapshot_step", "2"], num_processes=2)
+    toy_on(ranks, ["--output_dir", str(out), *RUN, "--grad_flow_steps", "3", "--profile_steps", "2-2",
+                   "--memory_snapshot_step", "2"], processes=2)
     info = json.loads((out / "report" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["distributed_type"] == "MULTI_CPU"
     findings = json.loads((out / "report" / "preflight.json").read_text())["findings"]
@@ -150,35 +151,3 @@ def test_two_processes_report_and_diagnostics(tmp_path):
         assert len(list((out / "profiler").glob(f"rank{rank}.*.pt.trace.json"))) == 1
         assert (out / "diagnostics" / f"memory_step2_rank{rank}.json").exists()
     assert "| world size | 2 process(es), MULTI_CPU |" in (out / "report.md").read_text()
-
-
-# ------------------------------------------------------------------------------------------------ trackers
-
-
-def test_tensorboard_gets_the_logged_numbers_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = run_toy(tmp_path / "tb", "--report_to", "tensorboard", "--run_report", "false")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents.*")).parent))
-    events.Reload()
-    logged = [(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("loss")] == logged
-
-
-def test_trackers_are_chosen_by_name():
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-    from accelerate.utils import imports
-
-    from accel_train.core.accelerator import KNOWN_TRACKERS, resolve_trackers
-
-    for name in KNOWN_TRACKERS:  # every name accel_train accepts is an Accelerate tracker with an install check
-        assert name in LOGGER_TYPE_TO_CLASS and hasattr(imports, f"is_{name}_available")
-    assert resolve_trackers(TrainConfig(report_to=["tensorboard"])) == ["tensorboard"]
-    assert resolve_trackers(TrainConfig(report_to=["none"])) == []
-    with pytest.raises(ConfigError, match="--report_to neptune: unknown tracker; choose from tensorboard, wandb"):
-        resolve_trackers(TrainConfig(report_to=["neptune"]))
-    missing = [n for n in KNOWN_TRACKERS if not getattr(imports, f"is_{n}_available")()]
-    for name in missing:  # installed ones would be accepted; the others say how to get them
-        with pytest.raises(ConfigError, match=f"the '{name}' package is not installed \\(pip install {name}\\)"):
-            resolve_trackers(TrainConfig(report_to=[name]))

@@ -1,5 +1,6 @@
-"""Launched by test_multimodal_fusion.py on 1 or N processes: draws hard negatives for one fixed global batch
-of 8 pairs over many steps and writes what each rank drew to <out>/negatives_rank<R>.json.
+"""Run by test_multimodal_fusion.py on 1 process (in its own) and on 2 (the session's spawned ranks): draws hard
+negatives for one fixed global batch of 8 pairs over many steps and writes what each rank drew to
+<out>/negatives_rank<R>.json.
 
 The batch is built so that the most similar "other" item is always a positive in disguise: pairs 0 and 4
 share a caption text (caption id 0), pairs 2 and 6 show the same image (image id 2), and image 1's own

@@ -1,24 +1,27 @@
 """The multimodal fusion recipe and accel_train.tasks.multimodal.
 
 Fast tests use a 1-layer BERT built from a config (a word-level vocabulary, no download) and tiny vision towers;
-the 1-vs-2-process comparisons go through the real launcher and are marked slow.
+across processes, the recipe's one real `accelerate launch` (2 processes, learned task weights), and on the session's
+spawned gloo ranks (conftest's `ranks`) the two-stage schedule's 2-process run and the hard negatives, each against
+its 1-process run in this process.
 """
 
 import json
 import math
 
+import fusion_negatives
 import multimodal_fusion as recipe
 import pytest
 import torch
 from conftest import (
     CAPTION_WORDS,
     RECIPES,
-    SCRIPTS,
     TINY_FUSION,
     TINY_VISION,
     caption_folder,
     launch,
     read_jsonl,
+    reset_accelerate,
     text_tower_config,
 )
 from safetensors.torch import load_file
@@ -44,7 +47,6 @@ from accel_train.tasks.vision.models import SmallResNet
 from accel_train.tasks.vision.transforms import EvalTransform
 
 RECIPE = RECIPES / "multimodal_fusion.py"
-NEGATIVES = SCRIPTS / "fusion_negatives.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "--save_strategy", "no"]
 TINY_VIT = ["--vision_model_type", "vit", "--vision_config_overrides", '{"patch_size": 4, "hidden_size": 16, '
             '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}']
@@ -171,17 +173,20 @@ def test_sampled_negatives_are_never_forbidden_and_follow_the_softmax():
     torch.testing.assert_close(counts, expected, atol=0.015, rtol=0)
 
 
-@pytest.mark.slow
-def test_hard_negatives_never_pick_the_positive_across_processes_and_match_one_process(tmp_path):
+def test_hard_negatives_never_pick_the_positive_across_processes_and_match_one_process(tmp_path, ranks):
+    """tests/scripts/fusion_negatives.py on 1 process (here) and on 2 (the session's spawned gloo ranks)."""
     draws = {}
     for world in (1, 2):
         out = tmp_path / str(world)
         out.mkdir()
-        launch(NEGATIVES, [str(out)], world)
-        ranks = [json.loads((out / f"negatives_rank{r}.json").read_text()) for r in range(world)]
-        draws[world] = {key: [sum((rank[key][s] for rank in ranks), []) for s in range(300)]
+        if world == 1:
+            fusion_negatives.main(str(out))
+        else:
+            ranks.run(fusion_negatives.main, str(out))
+        records = [json.loads((out / f"negatives_rank{r}.json").read_text()) for r in range(world)]
+        draws[world] = {key: [sum((rank[key][s] for rank in records), []) for s in range(300)]
                         for key in ("caption", "image")}
-        for r, rank in enumerate(ranks):
+        for r, rank in enumerate(records):
             b = 8 // world
             own = list(range(r * b, (r + 1) * b))
             for step in range(300):
@@ -439,11 +444,13 @@ def test_the_demo_has_its_own_defaults_and_accumulation_is_refused(tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["uncertainty", "two_stage"])
-def test_one_and_two_processes_give_the_same_weights_and_metrics(tmp_path, tiny_text, schedule):
-    # SGD without momentum: the weights after 3 steps are a linear record of the gradients (Adam would hide a
-    # scale error). No augmentation, no dropout and a norm-free ViT, so nothing depends on how the batch is
-    # split. The text tower is frozen for the first step (DDP with unused parameters); learned task weights, or
-    # the two-stage schedule (step 1 leaves the fusion half idle, steps 2-3 the towers and projections).
+def test_one_and_two_processes_give_the_same_weights_and_metrics(tmp_path, tiny_text, schedule, ranks):
+    """SGD without momentum: the weights after 3 steps are a linear record of the gradients (Adam would hide a
+    scale error). No augmentation, no dropout and a norm-free ViT, so nothing depends on how the batch is
+    split. The text tower is frozen for the first step (DDP with unused parameters); learned task weights, or
+    the two-stage schedule (step 1 leaves the fusion half idle, steps 2-3 the towers and projections).
+    1 process: `main(argv)` here. 2 processes: the recipe's real launch for learned task weights, the session's
+    spawned ranks for the two-stage schedule (the launcher is proven once)."""
     data = caption_folder(tmp_path / "data", {"train": 4, "test": 2})
     tasks = ["--loss_weighting", "uncertainty"] if schedule == "uncertainty" else ["--contrastive_steps", "1"]
     common = [str(x) for x in ("--data_dir", data, "--text_model_name_or_path", tiny_text, *TINY_VIT, *TINY_FUSION,
@@ -452,8 +459,13 @@ def test_one_and_two_processes_give_the_same_weights_and_metrics(tmp_path, tiny_
                                "--horizontal_flip", "false", "--color_jitter", 0, "--logging_steps", 1,
                                "--freeze_text_tower_steps", 1, "--per_device_eval_batch_size", 5,
                                *tasks, "--rerank_k", 3, *QUIET)]
-    launch(RECIPE, [*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")], 1)
-    launch(RECIPE, [*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")], 2)
+    reset_accelerate()
+    recipe.main([*common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
+    two_processes = [*common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")]
+    if schedule == "uncertainty":
+        launch(RECIPE, two_processes, 2)
+    else:
+        ranks.run(recipe.main, two_processes)
     one, two = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "two"))
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
     if schedule == "uncertainty":

@@ -2,6 +2,8 @@
 
 Tiny models from configs with a tokenizer trained on the fly; the overfit checks go end to end (collator,
 label shift, decoder start token, generate, gather, metric) and must reach ROUGE-L >= 95 by greedy decoding.
+Runs are in this process (`main(argv)`); generation gathered across 2 processes runs on the session's spawned gloo
+ranks (conftest's `ranks`); the recipe's one real `accelerate launch` is the FSDP2 preset's (sharded generation).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import pytest
 import text_generation
 import torch
-from conftest import ACCELERATE_CONFIGS, RECIPES, SCRIPTS, launch, read_jsonl
+from conftest import ACCELERATE_CONFIGS, RECIPES, SCRIPTS, read_jsonl
 
 from accel_train import ConfigError, DataError, ExportError, FinishError, ModelError, load_metric
 from accel_train.tasks.text.generation import (
@@ -52,14 +54,18 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-@pytest.fixture
-def dates(tmp_path):
-    """32 training and 37 validation date pairs (text -> summary) as jsonl files."""
+def write_dates(folder):
+    """32 training and 37 validation date pairs (text -> summary) as jsonl files in `folder`."""
     def rows(n, seed):
         d = date_pairs(n, seed)
         return [{"text": t, "summary": s} for t, s in zip(d["text"], d["summary"], strict=True)]
-    return {"train": write_jsonl(tmp_path / "train.jsonl", rows(32, 1)),
-            "validation": write_jsonl(tmp_path / "validation.jsonl", rows(37, 2))}
+    return {"train": write_jsonl(folder / "train.jsonl", rows(32, 1)),
+            "validation": write_jsonl(folder / "validation.jsonl", rows(37, 2))}
+
+
+@pytest.fixture
+def dates(tmp_path):
+    return write_dates(tmp_path)
 
 
 def data_flags(files, *extra):
@@ -211,14 +217,35 @@ def _tokenizer():
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.parametrize("family", ["seq2seq", "causal"])
-def test_overfit_one_batch_then_greedy_decoding_reproduces_the_targets(tmp_path, dates, family):
-    # the overfit check stops once the loss is 5% of its first value: these rates memorise by then
+def overfit(files, out, family):
+    """Overfit one batch of the 32 training dates, then generate for it. The overfit check stops once the loss is 5%
+    of its first value: these rates memorise by then."""
     model, lr = (T5, "3e-4") if family == "seq2seq" else ([*LLAMA, "--prompt_suffix", " ="], "1e-3")
-    out = tmp_path / "run"
-    metrics = text_generation.main([*data_flags(dates), *model, *QUIET, "--output_dir", str(out),
-                                    "--overfit_batches", "1", "--per_device_train_batch_size", "32",
-                                    "--learning_rate", lr, "--max_steps", "400", "--generation_max_new_tokens", "16"])
+    return text_generation.main([*data_flags(files), *model, *QUIET, "--output_dir", str(out),
+                                 "--overfit_batches", "1", "--per_device_train_batch_size", "32",
+                                 "--learning_rate", lr, "--max_steps", "400", "--generation_max_new_tokens", "16"])
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory):
+    """(data, run directory, metrics) of the causal LM that memorised the training dates: the overfit test checks it,
+    the FSDP2 generation test generates with it."""
+    folder = tmp_path_factory.mktemp("memorised")
+    files, threads = write_dates(folder), torch.get_num_threads()
+    try:
+        return files, folder / "run", overfit(files, folder / "run", "causal")
+    finally:
+        torch.set_num_threads(threads)  # --cpu_threads 1 sets it for the process; one_thread is per test
+
+
+@pytest.mark.parametrize("family", ["seq2seq", "causal"])
+def test_overfit_one_batch_then_greedy_decoding_reproduces_the_targets(tmp_path, family, request):
+    """In this process; the causal run is the module's `memorised` model, which the FSDP2 test generates with."""
+    if family == "causal":
+        _, out, metrics = request.getfixturevalue("memorised")
+    else:
+        out = tmp_path / "run"
+        metrics = overfit(write_dates(tmp_path), out, family)
     assert metrics["overfit_passed"] == 1.0
     assert metrics["overfit_generated_items"] == 32
     assert metrics["overfit_rougeL"] >= 95, metrics
@@ -247,13 +274,13 @@ def test_lead_baseline_and_generation_during_training(tmp_path, dates):
     assert [r["step"] for r in evaluations] == [1, 2] and all(r["eval_generated_items"] == 5 for r in evaluations)
 
 
-@pytest.mark.slow
-def test_generation_gathers_each_item_exactly_once_on_two_processes(tmp_path, dates):
-    # 37 items, 2 processes x 4 per batch: the sampler repeats 3 items to even out the last batch
+def test_generation_gathers_each_item_exactly_once_on_two_processes(tmp_path, dates, ranks):
+    """37 items, 2 processes x 4 per batch: the sampler repeats 3 items to even out the last batch. The 2 processes
+    are the session's spawned gloo ranks."""
     out = tmp_path / "ddp"
-    launch(RECIPE, [*data_flags(dates), *LLAMA, *QUIET, "--output_dir", str(out), "--max_steps", "2",
-                    "--per_device_eval_batch_size", "4", "--max_generate_samples", "100",
-                    "--generation_max_new_tokens", "4"], num_processes=2)
+    ranks.run(text_generation.main, [*data_flags(dates), *LLAMA, *QUIET, "--output_dir", str(out), "--max_steps", "2",
+                                     "--per_device_eval_batch_size", "4", "--max_generate_samples", "100",
+                                     "--generation_max_new_tokens", "4"])
     rows = read_jsonl(out / "predictions.jsonl")
     assert [r["item"] for r in rows] == list(range(37))
     sources = [json.loads(line)["text"] for line in open(dates["validation"])]
@@ -672,19 +699,17 @@ def test_generation_on_sharded_weights_keeps_the_processes_in_step(bpe, engine, 
 
 
 @pytest.mark.slow
-def test_generation_under_fsdp2_does_not_hang_when_processes_finish_at_different_lengths(tmp_path, dates):
-    """A memorised model writes outputs of different lengths; one item per batch, so the two processes' batches end
-    at different steps (seen: 13 and 9 new tokens in the first batch). Every forward under FSDP2 all-gathers the
-    weights, so generate() runs with synced_gpus (the rule below). On gloo this run also finished without the flag
-    (the collectives did not visibly mismatch on CPU), so this test pins that sharded generation is complete and
-    right; `test_generation_on_sharded_weights_keeps_the_processes_in_step` pins the flag."""
+def test_generation_under_fsdp2_does_not_hang_when_processes_finish_at_different_lengths(tmp_path, memorised):
+    """A memorised model (the overfit test's causal LM, trained in this process) writes outputs of different
+    lengths; one item per batch, so the two processes' batches end at different steps (seen: 13 and 9 new tokens in
+    the first batch). Every forward under FSDP2 all-gathers the weights, so generate() runs with synced_gpus (the
+    rule below). On gloo this run also finished without the flag (the collectives did not visibly mismatch on CPU),
+    so this test pins that sharded generation is complete and right;
+    `test_generation_on_sharded_weights_keeps_the_processes_in_step` pins the flag. The recipe's one real launch:
+    the FSDP2 preset's."""
     from conftest import free_port, run_process_tree, subprocess_env
 
-    memorised = tmp_path / "memorised"
-    metrics = text_generation.main([*data_flags(dates), *LLAMA, "--prompt_suffix", " =", *QUIET, "--output_dir",
-                                    str(memorised), "--overfit_batches", "1", "--per_device_train_batch_size", "32",
-                                    "--learning_rate", "1e-3", "--max_steps", "400",
-                                    "--generation_max_new_tokens", "16"])
+    dates, memorised, metrics = memorised
     assert metrics["overfit_passed"] == 1.0
     out = tmp_path / "fsdp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

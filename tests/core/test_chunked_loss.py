@@ -8,7 +8,7 @@ import pytest
 import token_train
 import torch
 from accelerate import Accelerator
-from conftest import SCRIPTS, launch, reset_accelerate
+from conftest import reset_accelerate, token_main
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -79,11 +79,10 @@ def test_a_step_is_the_token_mean_gradient_with_accumulation(tmp_path):
     assert step_error(tmp_path) < 1e-6
 
 
-@pytest.mark.slow
-def test_a_step_on_two_processes_is_the_token_mean_gradient(tmp_path):
-    launch(SCRIPTS / "token_train.py", ["--output_dir", str(tmp_path), *ONE_SGD_STEP, "--loss_chunk_size", "8",
-                                        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"],
-           num_processes=2)
+def test_a_step_on_two_processes_is_the_token_mean_gradient(tmp_path, ranks):
+    """On the session's two gloo ranks."""
+    ranks.run(token_main, ["--output_dir", str(tmp_path), *ONE_SGD_STEP, "--loss_chunk_size", "8",
+                           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])
     assert step_error(tmp_path) < 1e-6
 
 

@@ -1,15 +1,18 @@
 """Silent failures an audit found, each pinned: checkpoint timelines and rotation, best-model selection,
 resume with a changed config, streams of the wrong length, fp16 with skipped steps, schedules, smaller traps."""
 
+import contextlib
 import json
 import math
+import os
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import toy_train
-from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
+from conftest import read_jsonl, reset_accelerate, toy_main
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -236,38 +239,44 @@ def test_a_stream_without_a_length_trains_with_max_steps(tmp_path):
     assert result.state.step == 7 and result.state.epoch == 2
 
 
-STREAM_SCRIPT = """
-import json, sys, datasets, torch
-from accel_train import TrainConfig, build_accelerator, make_loader, parse_config, train
-(config,) = parse_config(argv=sys.argv[1:])
-accelerator = build_accelerator(config)
-def rows(shards):
-    for shard in shards:
-        for i in range(6):
-            yield {"x": [float(shard), float(i)] * 3, "index": shard * 100 + i}
-stream = datasets.IterableDataset.from_generator(rows, gen_kwargs={"shards": [0, 1, 2, 3]}).with_format("torch")
-seen = []
-def loss_fn(model, batch):
-    seen.extend(batch["index"].tolist())
-    return model(batch["x"].float()).pow(2).mean()
-result = train(torch.nn.Linear(6, 1), make_loader(stream, config, train=True), config=config, loss_fn=loss_fn,
-               accelerator=accelerator)
-sys.stdout.write("SEEN " + json.dumps({"rank": accelerator.process_index, "seen": seen,
-                                       "step": result.state.step}) + chr(10))
-"""
+def read_a_stream(argv: list[str]) -> None:
+    """One rank of a run on a stream of 4 generated shards of 6 rows: writes seen_rank<R>.json (the rows its loss saw,
+    its last step) into the output directory."""
+    import datasets
+
+    from accel_train import build_accelerator, make_loader, parse_config
+
+    reset_accelerate()
+    (config,) = parse_config(argv=argv)
+    accelerator = build_accelerator(config)
+
+    def rows(shards):
+        for shard in shards:
+            for i in range(6):
+                yield {"x": [float(shard), float(i)] * 3, "index": shard * 100 + i}
+
+    stream = datasets.IterableDataset.from_generator(rows, gen_kwargs={"shards": [0, 1, 2, 3]}).with_format("torch")
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.extend(batch["index"].tolist())
+        return model(batch["x"].float()).pow(2).mean()
+
+    result = train(torch.nn.Linear(6, 1), make_loader(stream, config, train=True), config=config, loss_fn=loss_fn,
+                   accelerator=accelerator)
+    record = {"rank": accelerator.process_index, "seen": seen, "step": result.state.step}
+    Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
-@pytest.mark.slow
-def test_each_process_reads_its_own_shard_of_a_stream(tmp_path):
-    script = tmp_path / "stream.py"
-    script.write_text(STREAM_SCRIPT)
-    proc = launch(script, ["--output_dir", str(tmp_path / "o"), "--max_steps", "6", "--report_to", "none",
-                           "--per_device_train_batch_size", "3",
-                           "--disable_tqdm", "--eval_strategy", "no", "--save_strategy", "no", "--run_report",
-                           "false", "--learning_rate", "0.01"], num_processes=2)
-    ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")]
-    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == 6 for r in ranks)
-    first, second = (set(r["seen"]) for r in sorted(ranks, key=lambda r: r["rank"]))
+def test_each_process_reads_its_own_shard_of_a_stream(tmp_path, ranks):
+    """On the session's two gloo ranks."""
+    out = tmp_path / "o"
+    ranks.run(read_a_stream, ["--output_dir", str(out), "--max_steps", "6", "--report_to", "none",
+                              "--per_device_train_batch_size", "3", "--disable_tqdm", "--eval_strategy", "no",
+                              "--save_strategy", "no", "--run_report", "false", "--learning_rate", "0.01"])
+    ranks_seen = [json.loads((out / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["rank"] for r in ranks_seen] == [0, 1] and all(r["step"] == 6 for r in ranks_seen)
+    first, second = (set(r["seen"]) for r in ranks_seen)
     assert first and second and not first & second  # disjoint shards: no sample read by both processes
     assert {i // 100 for i in first}.isdisjoint({i // 100 for i in second})
 
@@ -427,10 +436,19 @@ def test_load_weights_reads_shards_drops_excluded_names_and_names_what_does_not_
         load_weights(source, tmp_path / "elsewhere")
 
 
-@pytest.mark.slow
-def test_a_launched_two_process_run_reports_its_duplicated_samples(tmp_path):
-    proc = launch(SCRIPTS / "toy_train.py", ["--output_dir", str(tmp_path), "--num_samples", "37",
-                                                     "--per_device_train_batch_size", "4", "--max_steps", "1",
-                                                     *QUIET], num_processes=2)
-    assert "3 sample(s) per epoch are trained twice" in proc.stdout + proc.stderr
+def toy_printing_to_a_file(args: list[str]) -> None:
+    """toy_train on this rank, what it prints on stdout into <output_dir>/stdout_rank<R>.txt (a pooled rank's stdout
+    is the test session's)."""
+    out = Path(args[args.index("--output_dir") + 1])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"stdout_rank{os.environ['RANK']}.txt", "w") as printed, contextlib.redirect_stdout(printed):
+        toy_main(args)
 
+
+def test_a_two_process_run_reports_its_duplicated_samples(tmp_path, ranks):
+    """On the session's two gloo ranks: the start-up report says it, once (the main process prints it)."""
+    ranks.run(toy_printing_to_a_file, ["--output_dir", str(tmp_path), "--num_samples", "37",
+                                       "--per_device_train_batch_size", "4", "--max_steps", "1", *QUIET])
+    printed = [(tmp_path / f"stdout_rank{rank}.txt").read_text() for rank in (0, 1)]
+    note = "3 sample(s) per epoch are trained twice"
+    assert note in printed[0] and note not in printed[1], printed

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import SCRIPTS, launch, read_jsonl, reset_accelerate
+from conftest import read_jsonl, reset_accelerate, toy_main, toy_on
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -80,31 +80,37 @@ def test_tf32_needs_an_ampere_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
+    """In this process: compiled, cut at step 7 (inside the first epoch of 12 steps; checkpoints every 5; logging
+    every step, where --stop_at_step acts) and resumed with latest, against the eager run. Dynamo's caches are
+    process-wide: they are reset before and after, so that another test's compiles (its recompilation limit) cannot
+    leave this one eager."""
+    import torch._dynamo
+
     common = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--save_strategy", "steps",
-              "--save_steps", "5", "--eval_strategy", "no", "--torch_compile"]
-    toy = SCRIPTS / "toy_train.py"
-    launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "7"], 1)
-    launch(toy, [*common, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"], 1)
+              "--save_steps", "5", "--eval_strategy", "no", "--logging_steps", "1", "--torch_compile"]
+    torch._dynamo.reset()
+    try:
+        toy_main([*common, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "7"])
+        assert list_checkpoints(tmp_path / "c")[-1].name == "step-00000007"
+        toy_main([*common, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"])
+    finally:
+        torch._dynamo.reset()
     saved = [*(p / "model.safetensors" for p in list_checkpoints(tmp_path / "c")), tmp_path / "c" / "model.safetensors"]
     for path in saved:
         keys = list(safe_open(str(path), "pt").keys())
         assert keys and not any("_orig_mod" in k or k.startswith("module.") for k in keys), (path, keys)
-    launch(toy, [*common[:-1], "--output_dir", str(tmp_path / "eager")], 1)
+    toy_main([*common[:-1], "--output_dir", str(tmp_path / "eager")])
     a, b = load_file(tmp_path / "c" / "model.safetensors"), load_file(tmp_path / "eager" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # compiled kernels round differently
 
 
-@pytest.mark.slow
-def test_auto_batch_size_agrees_across_processes(tmp_path):
-    """Only rank 1 runs out of memory above 2: both ranks must use 2, with accumulation 4."""
-    toy = SCRIPTS / "toy_train.py"
+def test_auto_batch_size_agrees_across_processes(tmp_path, ranks):
+    """On the session's two gloo ranks; only rank 1 runs out of memory above 2: both ranks must use 2, with
+    accumulation 4."""
     args = [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "8", "--auto_find_batch_size"]
-    from conftest import subprocess_env
-
-    launch(toy, [*args, "--output_dir", str(tmp_path / "auto")], 2,
-           env=subprocess_env(ACCELERATE_USE_CPU="1", ACCEL_TRAIN_FAULT="oom_above:2@1"))
-    launch(toy, [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
-                 "--output_dir", str(tmp_path / "explicit")], 2)
+    ranks.run(toy_main, [*args, "--output_dir", str(tmp_path / "auto")], env={"ACCEL_TRAIN_FAULT": "oom_above:2@1"})
+    toy_on(ranks, [*QUIET, "--dropout", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                   "--output_dir", str(tmp_path / "explicit")], 2)
     a, b = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "explicit" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
 

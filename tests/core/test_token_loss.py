@@ -6,7 +6,7 @@ import json
 import pytest
 import token_train
 import torch
-from conftest import SCRIPTS, launch, reset_accelerate
+from conftest import reset_accelerate, token_main
 from safetensors.torch import load_file
 
 from accel_train import TrainConfig, train
@@ -58,13 +58,12 @@ def test_auto_batch_size_leaves_the_step_gradient_unchanged(tmp_path, monkeypatc
     assert max_error(step_gradient(tmp_path)) < 1e-6
 
 
-@pytest.mark.slow
-def test_two_processes_give_the_same_step_gradient_and_eval_loss(tmp_path):
-    script = SCRIPTS / "token_train.py"
+def test_two_processes_give_the_same_step_gradient_and_eval_loss(tmp_path, ranks):
+    """2 processes on the session's two gloo ranks, 1 in this process."""
     args = [*ONE_SGD_STEP, "--save_initial", "true", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
             "--per_device_eval_batch_size", "5"]
-    launch(script, [*args, "--output_dir", str(tmp_path / "two")], num_processes=2)
+    ranks.run(token_main, [*args, "--output_dir", str(tmp_path / "two")])
     assert max_error(step_gradient(tmp_path / "two")) < 1e-6
     run(tmp_path / "one", *args, "--gradient_accumulation_steps", "4")
     one = json.loads((tmp_path / "one" / "token_results.json").read_text())

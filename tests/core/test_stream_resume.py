@@ -1,16 +1,22 @@
 """A stream (a `datasets` IterableDataset read from parquet files, with loader workers) resumes at the position its
 checkpoint saved: the same batches as an uninterrupted run, bitwise the same final weights, on 1 and 2 processes,
-without re-reading what it had consumed. A shuffled stream (a buffer whose content no position holds) resumes by
-re-reading, bitwise: tests/core/test_matrix.py ("shuffled stream", cut by SIGTERM, 2 loader workers)."""
+without re-reading what it had consumed: cut with --stop_at_step at a checkpoint and resumed with latest in this
+process (1 process), or launched and SIGKILLed (2 processes, whose loaders fork their workers). A shuffled stream (a
+buffer whose content no position holds) resumes by re-reading, bitwise: tests/core/test_matrix.py ("shuffled stream",
+cut by SIGTERM, 2 loader workers)."""
 
 from __future__ import annotations
 
 import pytest
 import toy_train
-from conftest import kill_then_resume, toy_process, toy_records
+from conftest import kill_then_resume, run_toy, toy_main, toy_process, toy_records
 from safetensors.torch import load_file
 
-QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no"]
+from accel_train.rundir.checkpoint import list_checkpoints
+
+# logging every step: --stop_at_step can cut at any step
+QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no",
+         "--logging_steps", "1"]
 
 
 def stream_flags(data, *more):
@@ -18,6 +24,15 @@ def stream_flags(data, *more):
     # cross an epoch's end, and a shard-order shuffle gives the second epoch another order
     return [*QUIET, "--stream_dir", str(data), "--max_steps", "30", "--per_device_train_batch_size", "4",
             "--save_strategy", "steps", "--save_steps", "4", "--learning_rate", "0.05", *more]
+
+
+def cut_then_resume(flags, full, cut, step):
+    """In this process: the whole run into `full`; into `cut` the run stopped at `step` (its newest checkpoint) and
+    resumed with latest."""
+    toy_main(["--output_dir", str(full), *flags])
+    toy_main(["--output_dir", str(cut), *flags, "--stop_at_step", str(step)])
+    assert list_checkpoints(cut)[-1].name == f"step-{step:08d}"
+    toy_main(["--output_dir", str(cut), *flags, "--resume_from_checkpoint", "latest"])
 
 
 def compare(full, cut, step):
@@ -34,26 +49,24 @@ def compare(full, cut, step):
 # datasets reorders a stream's shards at every epoch by itself (set_epoch); .shuffle(buffer_size=1) on top of it is
 # checked without workers only: datasets 5 wraps a shuffled stream into one of up to 10 sources, which leaves loader
 # workers without shards (huggingface/datasets#8669) and cannot load a worker's state back
-# (workers, shuffle, killed after step, newest checkpoint): without workers, inside the first epoch (a saved
-# position restored); with 2 workers, at the start of the second (24 batches an epoch: the new epoch's shard order
-# must come back, not the first epoch's); the 2-process test below restores 2 workers' positions inside an epoch
-@pytest.mark.parametrize("workers,shuffle,kill,checkpoint", [(0, "1", 10, 8), (2, "-1", 27, 24)])
-def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle, kill,
-                                                                                checkpoint):
+# (workers, shuffle, cut at step): without workers, inside the first epoch (a saved position restored); with 2
+# workers, at the start of the second (24 batches an epoch: the new epoch's shard order must come back, not the first
+# epoch's); the 2-process test below restores 2 workers' positions inside an epoch. The workers read ahead of the
+# batches trained: the position saved is that of the batches trained.
+@pytest.mark.parametrize("workers,shuffle,step", [(0, "1", 8), (2, "-1", 24)])
+def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle, step):
     data = tmp_path / "data"
     toy_train.write_stream_shards(data, 96, 8)
     flags = stream_flags(data, "--dataloader_num_workers", str(workers), "--stream_shuffle", shuffle)
-
-    def toy(out, *more, fault=None, processes=1):
-        return toy_process(["--output_dir", str(out), *flags, *more], fault=fault, processes=processes)
-
-    kill_then_resume(toy, tmp_path / "full", tmp_path / "cut", kill, f"step-{checkpoint:08d}")
-    compare(tmp_path / "full", tmp_path / "cut", checkpoint)
-    assert (tmp_path / "cut" / "checkpoints" / f"step-{checkpoint:08d}" / "stream_position_rank0.pt").is_file()
+    cut_then_resume(flags, tmp_path / "full", tmp_path / "cut", step)
+    compare(tmp_path / "full", tmp_path / "cut", step)
+    assert (tmp_path / "cut" / "checkpoints" / f"step-{step:08d}" / "stream_position_rank0.pt").is_file()
 
 
 @pytest.mark.slow
-def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_path):
+def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_path, capsys):
+    """Launched, SIGKILLed and resumed: 2 processes whose loaders fork 2 workers each, as a user's launch does (a
+    pooled rank is a spawned daemonic process: forking workers there is not what a user runs)."""
     data = tmp_path / "data"
     toy_train.write_stream_shards(data, 96, 8)
     flags = stream_flags(data, "--dataloader_num_workers", "2")
@@ -61,13 +74,13 @@ def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_
     def toy(out, *more, fault=None, processes=2):
         return toy_process(["--output_dir", str(out), *flags, *more], fault=fault, processes=processes)
 
-    # 12 batches an epoch on each process: step 18 is inside the second epoch
+    # 12 batches an epoch on each process: step 18 is inside the second epoch, its newest checkpoint step 16
     kill_then_resume(toy, tmp_path / "full", tmp_path / "cut", 18, "step-00000016", processes=2)
     compare(tmp_path / "full", tmp_path / "cut", 16)
-    saved = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step-00000016").glob("stream_position_*"))
-    assert saved == ["stream_position_rank0.pt", "stream_position_rank1.pt"]
     checkpoint = tmp_path / "cut" / "checkpoints" / "step-00000016"
-    resumed_on_one = toy_process(["--output_dir", str(tmp_path / "cut"), *flags, "--per_device_train_batch_size", "8",
-                                  "--resume_from_checkpoint", str(checkpoint)])  # the same global batch
-    assert resumed_on_one.returncode == 2
-    assert "stream positions of 2 process(es), this run has 1" in resumed_on_one.stderr
+    saved = sorted(p.name for p in checkpoint.glob("stream_position_*"))
+    assert saved == ["stream_position_rank0.pt", "stream_position_rank1.pt"]
+    # the same global batch on 1 process
+    resumed_on_one = run_toy(capsys, ["--output_dir", str(tmp_path / "cut"), *flags, "--per_device_train_batch_size",
+                                      "8", "--resume_from_checkpoint", str(checkpoint)], code=2)
+    assert "stream positions of 2 process(es), this run has 1" in resumed_on_one.err

@@ -262,6 +262,19 @@ def toy_on(ranks: Ranks, args: list[str], processes: int = 1) -> None:
         ranks.run(toy_main, args)
 
 
+def printing_to_a_file(main, argv: list[str]) -> None:
+    """`main(argv)` on this rank, what it prints on stdout kept in <output_dir>/stdout_rank<R>.txt: a pooled rank's
+    stdout is the test session's. `ranks.run(printing_to_a_file, main, argv)`; read back with `printed_per_rank`."""
+    out = Path(argv[argv.index("--output_dir") + 1])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"stdout_rank{os.environ['RANK']}.txt", "w") as printed, contextlib.redirect_stdout(printed):
+        main(argv)
+
+
+def printed_per_rank(output_dir: Path, world: int = 2) -> list[str]:
+    return [(Path(output_dir) / f"stdout_rank{rank}.txt").read_text() for rank in range(world)]
+
+
 @pytest.fixture(scope="session")
 def ranks():
     pool = Ranks(2)

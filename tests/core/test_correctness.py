@@ -1,10 +1,8 @@
 """Silent failures an audit found, each pinned: checkpoint timelines and rotation, best-model selection,
 resume with a changed config, streams of the wrong length, fp16 with skipped steps, schedules, smaller traps."""
 
-import contextlib
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_main
+from conftest import printed_per_rank, printing_to_a_file, read_jsonl, reset_accelerate, toy_main
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -436,19 +434,10 @@ def test_load_weights_reads_shards_drops_excluded_names_and_names_what_does_not_
         load_weights(source, tmp_path / "elsewhere")
 
 
-def toy_printing_to_a_file(args: list[str]) -> None:
-    """toy_train on this rank, what it prints on stdout into <output_dir>/stdout_rank<R>.txt (a pooled rank's stdout
-    is the test session's)."""
-    out = Path(args[args.index("--output_dir") + 1])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"stdout_rank{os.environ['RANK']}.txt", "w") as printed, contextlib.redirect_stdout(printed):
-        toy_main(args)
-
-
 def test_a_two_process_run_reports_its_duplicated_samples(tmp_path, ranks):
     """On the session's two gloo ranks: the start-up report says it, once (the main process prints it)."""
-    ranks.run(toy_printing_to_a_file, ["--output_dir", str(tmp_path), "--num_samples", "37",
-                                       "--per_device_train_batch_size", "4", "--max_steps", "1", *QUIET])
-    printed = [(tmp_path / f"stdout_rank{rank}.txt").read_text() for rank in (0, 1)]
+    ranks.run(printing_to_a_file, toy_main, ["--output_dir", str(tmp_path), "--num_samples", "37",
+                                             "--per_device_train_batch_size", "4", "--max_steps", "1", *QUIET])
+    printed = printed_per_rank(tmp_path)
     note = "3 sample(s) per epoch are trained twice"
     assert note in printed[0] and note not in printed[1], printed

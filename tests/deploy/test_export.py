@@ -5,22 +5,18 @@ The ONNX cases need the optional packages (pip install 'accel_train[deploy]') an
 in this process; 2 processes are the session's spawned gloo ranks (conftest's `ranks`).
 """
 
-import contextlib
 import importlib.util
-import io
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import image_classification
 import nlp_finetune
 import numpy as np
 import pytest
 import torch
-from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, make_rows, reset_accelerate
+from conftest import FILLER, NEGATIVE, POSITIVE, ROOT, make_rows, printed_per_rank, printing_to_a_file, reset_accelerate
 from PIL import Image
 from torch import nn
 
@@ -407,23 +403,13 @@ def test_cli_on_a_directory_without_a_model_says_what_is_missing(tmp_path, capsy
     assert "--factory" in err
 
 
-def image_classification_on_rank(argv: list[str]) -> None:
-    """One rank of a 2-process image_classification run (conftest's Ranks calls it on each); what the rank printed
-    goes to <output_dir>/stdout_rank<R>.txt."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        image_classification.main(argv)
-    out = Path(argv[argv.index("--output_dir") + 1])
-    (out / f"stdout_rank{os.environ['RANK']}.txt").write_text(printed.getvalue())
-
-
 def test_export_formats_under_two_processes_export_once_on_the_main_process(image_run, tmp_path, ranks):
     out = tmp_path / "run"
-    ranks.run(image_classification_on_rank,
+    ranks.run(printing_to_a_file, image_classification.main,
               ["--data_dir", str(image_run.parent / "data"), "--output_dir", str(out), *QUIET,
                "--config_overrides", '{"widths": [4, 8], "blocks_per_stage": 1}', "--num_train_epochs", "1",
                "--per_device_train_batch_size", "3", "--save_strategy", "no", "--export_formats", "torchscript"])
-    printed = [(out / f"stdout_rank{rank}.txt").read_text() for rank in (0, 1)]
+    printed = printed_per_rank(out)
     assert [p.count("accel-train export: torchscript") for p in printed] == [1, 0]  # the main process, once
     (record,) = json.loads((out / "export" / "torchscript" / "export.json").read_text())["artifacts"]
     assert record["verified"] and record["max_abs_diff"] <= 1e-5

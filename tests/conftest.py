@@ -253,6 +253,14 @@ def toy_main(args: list[str]) -> None:
     toy_train.main(args)
 
 
+def nlp_main(args: list[str]):
+    """recipes/nlp_finetune.py's main in this process (Ranks runs it on each rank); returns what main returns."""
+    import nlp_finetune
+
+    reset_accelerate()
+    return nlp_finetune.main(args)
+
+
 def toy_on(ranks: Ranks, args: list[str], processes: int = 1) -> None:
     """toy_train in this process for 1 process, on the session's spawned gloo ranks for 2: where the launcher is not
     what a test is about (tests/launch/ keeps a real launch per promise about the launcher)."""

@@ -30,6 +30,7 @@ from conftest import (
     SCRIPTS,
     free_port,
     make_rows,
+    nlp_main,
     read_jsonl,
     run_process_tree,
     subprocess_env,
@@ -105,15 +106,6 @@ def ok(proc) -> str:
     return output
 
 
-def recipe_main(args: list[str]) -> None:
-    """The NLP recipe's main in this process (the session's spawned ranks call it on each rank)."""
-    import nlp_finetune
-    from conftest import reset_accelerate
-
-    reset_accelerate()
-    nlp_finetune.main(args)
-
-
 @pytest.fixture(scope="module")
 def ddp_references(tiny_bert, data, tmp_path_factory, ranks):
     """reference(flags): the 2-process DDP run with those flags, once per module, on the session's spawned gloo ranks
@@ -123,7 +115,7 @@ def ddp_references(tiny_bert, data, tmp_path_factory, ranks):
     def reference(flags: tuple[str, ...]) -> Path:
         if flags not in made:
             out = tmp_path_factory.mktemp("ddp") / "run"
-            ranks.run(recipe_main, [*recipe_args(tiny_bert, data, out), *flags], timeout=LAUNCH_TIMEOUT)
+            ranks.run(nlp_main, [*recipe_args(tiny_bert, data, out), *flags], timeout=LAUNCH_TIMEOUT)
             made[flags] = out
         return made[flags]
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import RECIPES, ROOT, free_port, read_jsonl, run_toy, subprocess_env
+from conftest import RECIPES, ROOT, free_port, nlp_main, read_jsonl, run_toy, subprocess_env
 from safetensors.torch import load_file
 
 from accel_train.rundir.checkpoint import list_checkpoints
@@ -139,15 +139,6 @@ def kill_when(proc, condition, timeout=300):
     raise AssertionError("kill point never reached")
 
 
-def recipe_main(args: list[str]) -> None:
-    """The NLP recipe's main in this process (the session's ranks call it on each rank)."""
-    import nlp_finetune
-    from conftest import reset_accelerate
-
-    reset_accelerate()
-    nlp_finetune.main(args)
-
-
 def run_whole(ranks, args: list[str], num_processes: int) -> None:
     """An attempt that is not killed. 1 process: launched like the killed ones (run in the test session's process,
     it ended 6.5e-6 away from them in CI's whole-suite run, bitwise when the module ran alone: state the earlier
@@ -157,7 +148,7 @@ def run_whole(ranks, args: list[str], num_processes: int) -> None:
         output = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, output[-3000:]
     else:
-        ranks.run(recipe_main, args)
+        ranks.run(nlp_main, args)
 
 
 @pytest.mark.slow

@@ -328,6 +328,18 @@ def kill_then_resume(toy, full: Path, cut: Path, step: int, checkpoint: str, pro
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
+def stop_then_resume(run, full: Path, cut: Path, step: int) -> None:
+    """`run(out, *flags)` whole into `full`; into `cut` stopped with --stop_at_step at `step` (its newest checkpoint
+    must then be that step's) and resumed with latest. kill_then_resume's twin for a test whose subject is a state the
+    checkpoint keeps, not the kill (the caller compares the two)."""
+    from accel_train.rundir.checkpoint import list_checkpoints
+
+    run(full)
+    run(cut, "--stop_at_step", str(step))
+    assert list_checkpoints(cut)[-1].name == f"step-{step:08d}"
+    run(cut, "--resume_from_checkpoint", "latest")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

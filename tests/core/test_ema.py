@@ -10,13 +10,12 @@ import json
 import pytest
 import torch
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_on, toy_records
+from conftest import read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, TrainConfig, run_cli
 from accel_train.core.ema import WeightAverage
 from accel_train.core.evaluation import check_monitored_metric, metric_name
-from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false"]
 
@@ -117,10 +116,7 @@ def test_a_run_with_an_average_resumes_bitwise(tmp_path, ranks, processes):
     the first epoch of 24 steps; its newest checkpoint is step 10's) then resumed with latest. What is under test is
     the average's state in the checkpoint; a SIGKILL's resume is tests/rundir/test_reliability.py's."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    toy_on(ranks, averaging(full, processes), processes)
-    toy_on(ranks, averaging(cut, processes, "--stop_at_step", "10"), processes)
-    assert list_checkpoints(cut)[-1].name == "step-00000010"
-    toy_on(ranks, averaging(cut, processes, "--resume_from_checkpoint", "latest"), processes)
+    stop_then_resume(lambda out, *more: toy_on(ranks, averaging(out, processes, *more), processes), full, cut, 10)
     assert [r["step"] for r in toy_records(cut)[0]] == [10, 72], "cut at 10, resumed to the end of 72 steps"
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "the final average differs after the resume"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_on, toy_records
+from conftest import read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
 from safetensors.torch import load_file
 
 from accel_train import run_cli
@@ -93,10 +93,7 @@ def test_the_guard_agrees_across_ranks_and_resumes_with_its_window_bitwise(tmp_p
     resumed with latest. A resume that forgot the window could judge nothing until 5 new losses filled it, and would
     take the spike after CUT. What is under test is the window's state; a SIGKILL's resume is test_reliability's."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    toy_on(ranks, skipping(full, processes), processes)
-    toy_on(ranks, skipping(cut, processes, "--stop_at_step", str(CUT)), processes)
-    assert list_checkpoints(cut)[-1].name == f"step-{CUT:08d}"
-    toy_on(ranks, skipping(cut, processes, "--resume_from_checkpoint", "latest"), processes)
+    stop_then_resume(lambda out, *more: toy_on(ranks, skipping(out, processes, *more), processes), full, cut, CUT)
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     steps = [[r["spike_skipped_step"] for r in read_jsonl(d / "metrics.jsonl") if "spike_skipped_step" in r]

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 import toy_train
-from conftest import kill_then_resume, run_toy, toy_main, toy_process, toy_records
+from conftest import kill_then_resume, run_toy, stop_then_resume, toy_main, toy_process, toy_records
 from safetensors.torch import load_file
-
-from accel_train.rundir.checkpoint import list_checkpoints
 
 # logging every step: --stop_at_step can cut at any step
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no",
@@ -24,15 +22,6 @@ def stream_flags(data, *more):
     # cross an epoch's end, and a shard-order shuffle gives the second epoch another order
     return [*QUIET, "--stream_dir", str(data), "--max_steps", "30", "--per_device_train_batch_size", "4",
             "--save_strategy", "steps", "--save_steps", "4", "--learning_rate", "0.05", *more]
-
-
-def cut_then_resume(flags, full, cut, step):
-    """In this process: the whole run into `full`; into `cut` the run stopped at `step` (its newest checkpoint) and
-    resumed with latest."""
-    toy_main(["--output_dir", str(full), *flags])
-    toy_main(["--output_dir", str(cut), *flags, "--stop_at_step", str(step)])
-    assert list_checkpoints(cut)[-1].name == f"step-{step:08d}"
-    toy_main(["--output_dir", str(cut), *flags, "--resume_from_checkpoint", "latest"])
 
 
 def compare(full, cut, step):
@@ -58,7 +47,8 @@ def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights
     data = tmp_path / "data"
     toy_train.write_stream_shards(data, 96, 8)
     flags = stream_flags(data, "--dataloader_num_workers", str(workers), "--stream_shuffle", shuffle)
-    cut_then_resume(flags, tmp_path / "full", tmp_path / "cut", step)
+    stop_then_resume(lambda out, *more: toy_main(["--output_dir", str(out), *flags, *more]), tmp_path / "full",
+                     tmp_path / "cut", step)
     compare(tmp_path / "full", tmp_path / "cut", step)
     assert (tmp_path / "cut" / "checkpoints" / f"step-{step:08d}" / "stream_position_rank0.pt").is_file()
 

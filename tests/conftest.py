@@ -29,6 +29,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# datasets sleeps 5 s whenever an interleaved parquet stream (a shuffled --stream_dir) closes its reader threads, a
+# guard against an Arrow crash at interpreter exit (apache/arrow#45214; 0.1 s was reported to suffice). The stream
+# tests close such streams at every epoch end, cut and resume: 26 of the shuffled-stream cell's 29 s were this sleep.
+# In the tests' own processes (pytest and its ranks) it is 0.2 s; launched runs keep datasets' 5 s.
+import datasets.config  # noqa: E402
+
+datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.2
+
 
 # ------------------------------------------------------------------ where the suite's time goes
 # Every run writes test-durations.txt (the slowest tests, and per module: tests, seconds, the Python processes it

@@ -11,7 +11,8 @@ Named points (the value of ``ACCEL_TRAIN_FAULT``):
 * ``oom_above:<n>[@<rank>]`` — a micro-batch larger than n runs out of memory (on every rank, or only <rank>) in
   the automatic batch-size probe;
 * ``hang_after_step:<step>@<rank>`` — rank <rank> stops answering once step <step> is done (it sleeps, outside any
-  collective), as a stuck data loader or a wedged node does; the other ranks wait for it in their next collective;
+  collective), as a stuck data loader or a wedged node does; the other ranks wait for it in their next collective.
+  It ends on the launcher's SIGTERM (a rank that ignores it costs torch's fixed 30 s before its SIGKILL);
 * ``elastic_kill:<seed>:<times>:<span>`` — under torchrun's elastic agent (``accelerate launch --max_restarts``):
   until <times> kills are recorded in the file ``ACCEL_TRAIN_FAULT_LOG`` names (one line each, written before the
   kill: restart count, rank, step, the step the attempt started from), each attempt that trains SIGKILLs one rank,
@@ -61,6 +62,7 @@ def peer_fault_point(step: int, rank: int) -> None:
     if fault.startswith("hang_after_step:"):
         at, _, only = fault.split(":", 1)[1].partition("@")
         if step == int(at) and rank == int(only or 0):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3600)
     elif fault.startswith("elastic_kill:"):
         seed, times, span = (int(x) for x in fault.split(":")[1:])

@@ -96,6 +96,11 @@ class TrainConfig:
     lr_scheduler_kwargs: str | None = field(
         default=None, metadata={"help": 'JSON of scheduler arguments, e.g. \'{"step_size": 100, "gamma": 0.5}\'.'}
     )
+    scheduler_interval: str = field(default="step", metadata={
+        "help": "When a scheduler object of your own (train(scheduler=...)) is stepped: step (after every optimizer "
+                "step) or epoch (once, at each epoch's end, as torch's tutorials step a StepLR). A ReduceLROnPlateau "
+                "steps at each evaluation whatever this says; the schedules accel_train builds count optimizer "
+                "steps."})
     warmup_steps: float = field(
         default=0, metadata={"help": "Warmup: an int number of steps, or a float in [0, 1) read as a ratio."}
     )

@@ -60,6 +60,9 @@ class _Parser(HfArgumentParser):
         raise ConfigError(f"{self.source}: {message}. Run with --help to list the flags.")
 
 
+RECORD_KEY = "what_ran"  # config.yaml: the optimizer, schedule and clipping a run really used
+
+
 def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
     """Turn a YAML mapping into flags; return (argv, keys set to null)."""
     if not path.is_file():
@@ -74,6 +77,8 @@ def _yaml_to_argv(path: Path, parser: _Parser) -> tuple[list[str], list[str]]:
     argv: list[str] = []
     nulls: list[str] = []
     for key, value in data.items():
+        if key == RECORD_KEY:  # a run's record of what ran (config.yaml): not a setting
+            continue
         if f"--{key}" in ALIASES and key not in known:  # a Hugging Face spelling: translated with the flags
             argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
             continue
@@ -192,11 +197,14 @@ def _pop_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def save_config(configs: Sequence[Any], path: Path) -> None:
-    """Write the resolved config(s) as one flat YAML mapping that `--config` reads back."""
+def save_config(configs: Sequence[Any], path: Path, record: dict[str, Any] | None = None) -> None:
+    """Write the resolved config(s) as one flat YAML mapping that `--config` reads back; `record` (what the run's
+    optimizer, schedule and clipping are: core/objects.py) goes under RECORD_KEY, which `--config` skips."""
     merged: dict[str, Any] = {}
     for cfg in configs:
         merged.update(dataclasses.asdict(cfg))
+    if record is not None:
+        merged[RECORD_KEY] = record
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(merged, sort_keys=False))
 

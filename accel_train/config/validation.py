@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 
 TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "reduce_on_plateau")
+SCHEDULER_INTERVALS = ("step", "epoch")  # when a scheduler object of the user's is stepped
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd")
 EXPORT_FORMATS = ("torchscript", "exported_program", "onnx")  # accel_train.deploy writes them
 
@@ -47,6 +48,8 @@ def _validate_sizes(cfg) -> None:
 
 
 def _validate_schedule(cfg) -> None:
+    if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
+        raise bad("scheduler_interval", cfg.scheduler_interval, f"choose one of {', '.join(SCHEDULER_INTERVALS)}.")
     if cfg.learning_rate < 0:
         raise bad("learning_rate", cfg.learning_rate, "must be >= 0.")
     if cfg.optim not in OPTIMIZERS:

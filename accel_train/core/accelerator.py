@@ -286,8 +286,10 @@ def resolve_trackers(config: TrainConfig) -> list[str]:
     return trackers
 
 
-def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None) -> str:
-    """The numbers a user should check before trusting a run, printed once on the main process."""
+def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None,
+                   schedule: str | None = None, objects: tuple[str, ...] = ()) -> str:
+    """The numbers a user should check before trusting a run, printed once on the main process. `schedule`: the
+    schedule line for a scheduler of the user's; `objects`: the optimizer and clipping lines (core/objects.py)."""
     epochs = (f"{plan.steps_per_epoch} per epoch, {plan.total_steps} in total ({plan.num_epochs} epoch(s))"
               if plan.steps_per_epoch is not None else f"{plan.total_steps} in total (--max_steps; a stream of "
               "unknown length: an epoch ends where it runs out)")
@@ -302,8 +304,9 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
         f"  train samples    {num_train_samples if num_train_samples is not None else 'unknown'}",
         f"  steps            {epochs}",
-        f"  schedule         {config.lr_scheduler_type}, peak lr {config.learning_rate * plan.lr_scale:g}"
-        f"{_scaled(config, plan)}, {plan.warmup_steps} warmup step(s)",
+        f"  schedule         {schedule}" if schedule else f"  schedule         {config.lr_scheduler_type}, peak lr "
+        f"{config.learning_rate * plan.lr_scale:g}{_scaled(config, plan)}, {plan.warmup_steps} warmup step(s)",
+        *objects,
         f"  seed             {config.seed}",
         f"  output           {config.output_dir}",
     ]

@@ -21,7 +21,7 @@ from .data import seeded_generator, take_examples, take_real_tokens
 from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
-from .optim import steps_on_evaluation
+from .objects import steps_each_epoch, steps_each_optimizer_step
 from .session import Session
 from .state import TrainState
 
@@ -66,7 +66,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         probe.after_step(state.step)  # profiler step, memory snapshot
                     epoch_end = acc.gradient_state.end_of_dataloader  # the loader's real end, whatever its __len__
                     if epoch_end:
-                        _next_epoch(state)
+                        _next_epoch(session, state)
                     stop = session.after_step(state, meter, epoch_end, grad_norm)
                     if verdict.preempt:
                         session.preempt(state)
@@ -97,7 +97,7 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
         session.optimizer.step()
     if back_to is None and acc.optimizer_step_was_skipped and not verdict.drops_update:
         state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
-    elif back_to is None and not steps_on_evaluation(session.scheduler):
+    elif back_to is None and steps_each_optimizer_step(session.scheduler, config):
         session.scheduler.step()
     session.optimizer.zero_grad(set_to_none=True)
     return grad_norm, verdict, back_to
@@ -117,7 +117,7 @@ def epoch_batches(session: Session, state: TrainState, skip: int):
             if [state.epoch, state.batch_in_epoch] in state.excluded_batches:
                 _advance(state, take_examples(batch, batch_size_of(batch)) * session.accelerator.num_processes, False)
                 if session.accelerator.gradient_state.end_of_dataloader:  # it was the epoch's last
-                    _next_epoch(state)
+                    _next_epoch(session, state)
                 continue
             yield batch, waited
         finished = True
@@ -137,8 +137,12 @@ def _advance(state: TrainState, examples: int, fed: bool = True) -> None:
     state.samples_seen += examples if fed else 0
 
 
-def _next_epoch(state: TrainState) -> None:
+def _next_epoch(session: Session, state: TrainState) -> None:
+    """The epoch in progress ended: the data position moves to the next one; a scheduler of the user's that runs on
+    epochs (--scheduler_interval epoch) steps, before the step's checkpoint is saved."""
     state.epoch, state.batch_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+    if steps_each_epoch(session.scheduler, session.config):
+        session.scheduler.step()
 
 
 def _skip_optimizer_step(accelerator) -> None:

@@ -259,7 +259,8 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
 
 # What the optimizer and schedule are built from: saved with every checkpoint, compared on resume.
 HYPERPARAMETERS = ("optim", "learning_rate", "scale_lr", "scale_lr_reference_batch", "weight_decay", "adam_beta1",
-                   "adam_beta2", "adam_epsilon", "sgd_momentum", "lr_scheduler_type", "lr_scheduler_kwargs")
+                   "adam_beta2", "adam_epsilon", "sgd_momentum", "lr_scheduler_type", "lr_scheduler_kwargs",
+                   "scheduler_interval")
 _SET_IN_GROUPS = {"adam_epsilon": "eps", "sgd_momentum": "momentum"}
 
 
@@ -295,7 +296,7 @@ def apply_hyperparameters(optimizer, scheduler, saved: dict[str, Any], current: 
     if not changed:
         return []
     inner = getattr(scheduler, "scheduler", scheduler)
-    refused = [k for k in ("optim", "lr_scheduler_type", "lr_scheduler_kwargs") if k in changed]
+    refused = [k for k in ("optim", "lr_scheduler_type", "lr_scheduler_kwargs", "scheduler_interval") if k in changed]
     if not isinstance(inner, (torch_sched.LambdaLR, torch_sched.ReduceLROnPlateau)):
         # torch's step / multistep / ... schedules keep their step counts in their saved state
         refused += [k for k in ("total_steps", "warmup_steps") if k in changed]

@@ -43,6 +43,7 @@ from .guard import Rollback
 from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
+from .objects import check_interval, report_lines, what_ran
 from .optim import (
     batches_per_process,
     build_optimizer,
@@ -91,6 +92,8 @@ class Session:
         check_output_dir(config, acc.process_index, lambda: final_model_names(spec.model, spec.processing_class))
         acc.wait_for_everyone()  # every rank has looked before the main process writes anything
         model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
+        check_interval(config, spec.scheduler is not None)
+        self.own_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else built (from groups or the config)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = build_optimizer(model, config, optimizer, acc)
         loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)
@@ -167,12 +170,15 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size)
-        self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None)
+        ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here)
+        self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,
+                                    record=ran)
         self.last_save = self.last_log_step = state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
         state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
-        report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader))
+        schedule, objects = report_lines(ran, self.config)
+        report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
                       "\n".join([report, *(f"  note             {note}" for note in self.notes)]))
         return state

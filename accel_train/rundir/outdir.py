@@ -147,11 +147,13 @@ def finished_run(config: TrainConfig, checkpoint: Path | None) -> str | None:
             f"another output_dir.")
 
 
-def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(), resumed: bool = False) -> list[str]:
+def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(), resumed: bool = False,
+                  record: dict | None = None) -> list[str]:
     """Record what output_dir holds and that an attempt is open (run_files.py), clear a replaced run
     (--overwrite_output_dir, or `auto` starting afresh over an attempt that saved no checkpoint: everything runs
     wrote there, so that no old model, export or prediction is later taken for the new run's, and nothing else),
-    and write the resolved config. Returns the notes for the start-up report (main process)."""
+    and write the resolved config (with `record`, what the run's objects are). Returns the notes for the start-up
+    report (main process)."""
     out = Path(config.output_dir)
     replace = (config.overwrite_output_dir or config.resume_from_checkpoint == "auto") and not resumed
     notes = []
@@ -160,7 +162,7 @@ def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(
         if deleted:  # what replacing a run deleted, and what it left because no run wrote it
             notes.append(f"replaced the earlier run: deleted what runs wrote in {out} ({_some(deleted)})"
                          + (f"; kept {_some(kept)}: not written by a run, never deleted by one" if kept else ""))
-        save_config([*extra_configs, config], out / CONFIG)
+        save_config([*extra_configs, config], out / CONFIG, record)
         for stale in out.glob(CRASH_GLOB):  # this attempt's errors, not an earlier one's
             stale.unlink()
     accelerator.wait_for_everyone()

@@ -47,11 +47,14 @@ def check_optimizer(f) -> list[Finding]:
     return out
 
 
-def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1) -> list[list[float]] | None:
+def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1,
+                      steps_per_epoch: int | None = None) -> list[list[float]] | None:
     """The learning rate of each param group after k optimizer steps, k = 0..total_steps (k = 0: the first
     step's; k: what the loop logs at step k, and what step k + 1 uses), from a copy of `scheduler` whose
     optimizer holds stand-ins for the parameters (no copy of the model or its optimizer state). None for a
-    schedule that steps on metrics (ReduceLROnPlateau), or whose optimizer is not a torch optimizer."""
+    schedule that steps on metrics (ReduceLROnPlateau), or whose optimizer is not a torch optimizer.
+    `steps_per_epoch`: the scheduler is stepped once per epoch (--scheduler_interval epoch), after that many
+    optimizer steps."""
     inner = base_of(scheduler)
     optimizer = getattr(inner, "optimizer", None)
     plateau = isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -66,8 +69,8 @@ def simulate_schedule(scheduler, total_steps: int, steps_per_call: int = 1) -> l
     lrs: list[list[float]] = [[float(g["lr"])] for g in groups]
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
         warnings.simplefilter("ignore")
-        for _ in range(total_steps):
-            for _ in range(steps_per_call):
+        for k in range(1, total_steps + 1):
+            for _ in range(steps_per_call if steps_per_epoch is None or k % steps_per_epoch == 0 else 0):
                 shadow.step()
             for i, group in enumerate(groups):
                 lrs[i].append(float(group["lr"]))
@@ -87,6 +90,9 @@ def run_schedule(f) -> list[list[float]] | None:
     """The schedule as the run will really step it, simulated (see simulate_schedule): under DeepSpeed the engine's
     own scheduler (a JSON one, e.g. WarmupDecayLR with its "auto" values filled, or accel_train's built over
     DeepSpeed's optimizer); None when it steps on metrics."""
+    if f.config.scheduler_interval == "epoch":  # a scheduler of the user's, stepped at each epoch's end
+        spe = f.plan.steps_per_epoch
+        return None if spe is None else simulate_schedule(f.scheduler, f.plan.total_steps, 1, spe)
     return simulate_schedule(f.scheduler, f.plan.total_steps, _steps_per_call(f))
 
 
@@ -105,8 +111,8 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
     per_call = _steps_per_call(f)
     lrs = lrs if lrs is not None else run_schedule(f)
     if lrs is None:
-        return [Finding("schedule", "ok", f"not simulated: {type(base_of(f.scheduler)).__name__} steps on metrics or "
-                        "belongs to the engine.")]
+        return [Finding("schedule", "ok", f"not simulated: {type(base_of(f.scheduler)).__name__} steps on metrics, "
+                        "belongs to the engine, or steps at the epoch ends of a stream.")]
     # curve[k]: the rate optimizer step k + 1 trains with, for the group with the highest peak
     group = lrs[max(range(len(lrs)), key=lambda i: max(lrs[i][:total]))]
     curve, final = group[:total], group[total]  # final: where the schedule stands once the run is over
@@ -127,6 +133,9 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
         else:
             fix = (f"build the schedule for {total} optimizer steps (after sharding and accumulation), or let "
                    "accel_train build it (pass no scheduler)" + (f", and {accelerator_fix}." if per_call > 1 else "."))
+            if cfg.scheduler_interval == "step" and per_call == 1:  # the loop steps it after every optimizer step
+                fix += (" If your scheduler counts epochs (a tutorial's StepLR), set --scheduler_interval epoch: it "
+                        "is stepped once per epoch then.")
         out.append(Finding("schedule", "error", f"the learning rate reaches 0 after step {end} of {total}: the last "
                            f"{total - end} steps ({(total - end) / total:.0%}) train nothing.{cause}", fix))
     elif cfg.lr_scheduler_type in DECAY_TO_ZERO and not cfg.lr_scheduler_kwargs and final > 0.1 * peak:

@@ -1,0 +1,85 @@
+"""The run's optimizer, schedule and clipping as they run: a researcher's own objects named, never assumed.
+
+`train(optimizer=..., scheduler=...)` takes the user's objects as they are. What the loop adds around them is said in
+the start-up report and recorded in config.yaml (`what_ran`): the optimizer's class and each group's peak rate and
+decay, the scheduler's class and when it is stepped, the clipping, and for each whether the user passed it or
+accel_train built it. A scheduler of the user's is stepped on the clock --scheduler_interval names: after every
+optimizer step (the default, stated) or at each epoch's end; a ReduceLROnPlateau at each evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from .optim import group_peaks, steps_on_evaluation
+
+
+def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
+    """--scheduler_interval epoch is for a scheduler object of the user's: the schedules accel_train builds count
+    optimizer steps (their epoch-sized arguments are converted to steps)."""
+    if config.scheduler_interval == "epoch" and not own_scheduler:
+        raise ConfigError("--scheduler_interval epoch steps a scheduler object of your own (train(scheduler=...)) once "
+                          "per epoch; this run builds its schedule from --lr_scheduler_type, which counts optimizer "
+                          "steps. Leave --scheduler_interval step, and give epoch-sized arguments as "
+                          "step_size_epochs / milestones_epochs in --lr_scheduler_kwargs.")
+
+
+def steps_each_optimizer_step(scheduler, config: TrainConfig) -> bool:
+    return config.scheduler_interval == "step" and not steps_on_evaluation(scheduler)
+
+
+def steps_each_epoch(scheduler, config: TrainConfig) -> bool:
+    return config.scheduler_interval == "epoch" and not steps_on_evaluation(scheduler)
+
+
+def _inner(obj):
+    """The object Accelerate wrapped (AcceleratedOptimizer.optimizer, AcceleratedScheduler.scheduler), or obj."""
+    for name in ("optimizer", "scheduler"):
+        wrapped = getattr(obj, name, None)
+        if type(obj).__name__.startswith("Accelerated") and wrapped is not None:
+            return wrapped
+    return obj
+
+
+def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own_scheduler: bool) -> dict[str, Any]:
+    """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps."""
+    opt, sched = _inner(optimizer), _inner(scheduler)
+    if steps_on_evaluation(scheduler):
+        clock = f"at each evaluation, on {config.monitored_metric}"
+    elif own_scheduler:
+        clock = "each epoch" if config.scheduler_interval == "epoch" else "each optimizer step"
+    else:
+        clock = "each optimizer step"
+    return {
+        "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
+                      "groups": [{"lr": lr, "weight_decay": wd} for lr, wd in group_peaks(opt)]},
+        "scheduler": {"class": type(sched).__name__ if sched is not None else None,
+                      "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
+                      "stepped": clock},
+        "clipping": {"max_grad_norm": config.max_grad_norm if config.max_grad_norm > 0 else None},
+    }
+
+
+def report_lines(ran: dict[str, Any], config: TrainConfig) -> tuple[str | None, list[str]]:
+    """The start-up report's words for `what_ran`: the schedule line for a scheduler of the user's (None: the
+    report's own line, built from the config, is true) and the optimizer and clipping lines. Each thing the user did
+    not choose is named as a default."""
+    opt, sched = ran["optimizer"], ran["scheduler"]
+    schedule = None
+    if sched["given"] == "yours":
+        default = (" (--scheduler_interval step, the default; epoch steps it at each epoch's end)"
+                   if sched["stepped"] == "each optimizer step" else "")
+        schedule = (f"yours, {sched['class']}, stepped {sched['stepped']}{default}; --learning_rate and "
+                    "--warmup_steps do not apply to it")
+    groups = "; ".join(f"lr {g['lr']:g}, weight decay {g['weight_decay']:g}" for g in opt["groups"][:4])
+    more = f"; ... {len(opt['groups'])} groups" if len(opt["groups"]) > 4 else ""
+    lines = [f"  optimizer        {opt['class']} ({opt['given']}): {groups}{more}"]
+    clip = ran["clipping"]["max_grad_norm"]
+    if clip is None:
+        lines.append("  clipping         none (--max_grad_norm 0)")
+    else:
+        given = " (the default; --max_grad_norm 0 turns it off)" if config.max_grad_norm == 1.0 else ""
+        lines.append(f"  clipping         global grad norm clipped to {clip:g}{given}")
+    return schedule, lines

@@ -1,0 +1,125 @@
+"""A researcher's own optimizer and scheduler, run as they were built: the scheduler on the clock the user chose
+(--scheduler_interval: each optimizer step, the stated default, or each epoch's end), and what the loop adds around
+them (a built schedule, clipping) said in the start-up report and recorded in config.yaml's `what_ran`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest import reset_accelerate
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel_train import ConfigError, TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(32, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+class StopOnSave:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, state, checkpoint_dir):
+        return state.step == self.step
+
+
+def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1, **overrides):
+    """The PyTorch tutorial's objects: SGD at 0.1 and StepLR(step_size=1, gamma=0.1), meant per epoch (no scheduler
+    for step_size None); `used` gets the learning rate each training step ran with (read in the loss, before the
+    optimizer steps)."""
+    reset_accelerate()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size, gamma=0.1) if step_size else None
+
+    def loss_fn(m, batch):
+        if m.training:
+            used.append(optimizer.param_groups[0]["lr"])
+        x, y = batch
+        return torch.nn.functional.mse_loss(m(x).squeeze(-1), y)
+
+    settings = dict(output_dir=str(out), num_train_epochs=2, report_to=["none"], disable_tqdm=True,
+                    run_report=False, logging_steps=1, per_device_train_batch_size=4, save_strategy="steps",
+                    save_steps=3, mixed_precision="no", seed=0)
+    config = TrainConfig(**{**settings, **overrides})
+    return train(model, data(), config=config, loss_fn=loss_fn, optimizer=optimizer, scheduler=schedule,
+                 hooks=list(hooks))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_steplr_declared_per_epoch_steps_at_epoch_ends_and_config_yaml_names_what_ran(tmp_path, capsys,
+                                                                                         accumulation):
+    used: list[float] = []
+    tutorial_run(tmp_path / "run", used, scheduler_interval="epoch", gradient_accumulation_steps=accumulation)
+    assert used == pytest.approx([0.1] * 8 + [0.01] * 8)  # 8 micro-batches an epoch: epoch 0 at 0.1, 1 at 0.01
+    report = capsys.readouterr().out
+    assert "schedule         yours, StepLR, stepped each epoch; --learning_rate and --warmup_steps do not apply" \
+        in report
+    assert "optimizer        SGD (yours): lr 0.1, weight decay 0" in report
+    assert "clipping         global grad norm clipped to 1 (the default; --max_grad_norm 0 turns it off)" in report
+    ran = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["what_ran"]
+    assert ran == {"optimizer": {"class": "SGD", "given": "yours", "groups": [{"lr": 0.1, "weight_decay": 0.0}]},
+                   "scheduler": {"class": "StepLR", "given": "yours", "stepped": "each epoch"},
+                   "clipping": {"max_grad_norm": 1.0}}
+    # config.yaml still reads back as a config (what_ran is a record, not a setting)
+    from accel_train import parse_config
+
+    (again,) = parse_config(argv=["--config", str(tmp_path / "run" / "config.yaml")])
+    assert again.scheduler_interval == "epoch"
+
+
+def test_undeclared_a_scheduler_steps_each_optimizer_step_and_the_report_says_it_is_the_default(tmp_path, capsys):
+    # the tutorial's StepLR stepped per optimizer step would reach 0 after 10 of 16 steps: refused, the clock named
+    with pytest.raises(ConfigError, match="the learning rate reaches 0 after step 10 of 16(.|\n)*set "
+                                          "--scheduler_interval epoch"):
+        tutorial_run(tmp_path / "tutorial", [])
+    assert not (tmp_path / "tutorial" / "metrics.jsonl").exists()
+    used: list[float] = []
+    tutorial_run(tmp_path / "run", used, step_size=4, max_grad_norm=0)  # a per-step schedule: it runs, stated
+    assert used == pytest.approx([0.1] * 4 + [0.01] * 4 + [0.001] * 4 + [0.0001] * 4)
+    report = capsys.readouterr().out
+    assert ("schedule         yours, StepLR, stepped each optimizer step (--scheduler_interval step, the default; "
+            "epoch steps it at each epoch's end)") in report
+    assert "clipping         none (--max_grad_norm 0)" in report
+
+
+def test_a_built_schedule_for_your_optimizer_is_named_as_built(tmp_path, capsys):
+    tutorial_run(tmp_path / "run", [], step_size=None, max_steps=2)
+    report = capsys.readouterr().out
+    assert "schedule         linear, peak lr" in report and "optimizer        SGD (yours)" in report
+    ran = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["what_ran"]
+    assert ran["scheduler"] == {"class": "LambdaLR", "given": "built: --lr_scheduler_type linear",
+                                "stepped": "each optimizer step"}
+
+
+def test_an_epoch_schedule_resumes_mid_epoch_bitwise(tmp_path):
+    whole: list[float] = []
+    tutorial_run(tmp_path / "whole", whole, scheduler_interval="epoch")
+    cut: list[float] = []
+    tutorial_run(tmp_path / "cut", cut, scheduler_interval="epoch", hooks=[StopOnSave(9)])  # in epoch 1
+    assert len(cut) == 9
+    resumed: list[float] = []
+    tutorial_run(tmp_path / "cut", resumed, scheduler_interval="epoch", resume_from_checkpoint="latest")
+    assert cut + resumed == pytest.approx(whole)  # the epoch's rate comes back with the scheduler's state
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_wrong_clock_choices_are_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="--scheduler_interval='hourly': choose one of step, epoch"):
+        TrainConfig(scheduler_interval="hourly")
+    with pytest.raises(ConfigError, match="--scheduler_interval epoch steps a scheduler object of your own"):
+        tutorial_run(tmp_path / "built", [], step_size=None, scheduler_interval="epoch")
+    assert not (tmp_path / "built" / "metrics.jsonl").exists()
+    tutorial_run(tmp_path / "run", [], step_size=4, scheduler_interval="epoch", hooks=[StopOnSave(3)])
+    with pytest.raises(ConfigError, match=r"resuming with changed scheduler_interval \('epoch' -> 'step'\)"):
+        tutorial_run(tmp_path / "run", [], step_size=4, resume_from_checkpoint="latest")

@@ -93,6 +93,7 @@ def train(
     state = session.start([*spec.hooks, *_builtin_hooks(session.config), *factory, observer])
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
+    meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside
     try:
         # set-up, not training time: what hooks do before the first step (the observer's run facts, schedule plot)
         stop = call_hooks(session.hooks, "on_train_start", state)

@@ -57,7 +57,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
                     if back_to is not None:  # --on_spike rollback: re-enter the epoch at the checkpoint's position
                         session.roll_back(state, back_to)
-                        meter.reset()
+                        meter.resume_interval(state.pending_loss)  # the checkpoint's unlogged interval
                         if spike is not None:
                             spike.losses = state.spike_losses  # the checkpoint's window
                         break
@@ -69,7 +69,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         _next_epoch(session, state)
                     stop = session.after_step(state, meter, epoch_end, grad_norm)
                     if verdict.preempt:
-                        session.preempt(state)
+                        session.preempt(state, meter)
                     if stop or state.step >= plan.total_steps:
                         break
 

@@ -46,6 +46,31 @@ class StepMeter:
     def pause(self, seconds: float) -> None:
         self.paused += seconds
 
+    def pending(self) -> dict[str, Any]:
+        """This process's loss figures of the interval not logged yet, saved with a checkpoint (TrainState.pending_loss)
+        so that a resumed run logs that interval, and its train_loss, as the uninterrupted run does."""
+        return {"loss_sum": None if self.loss_sum is None else float(self.loss_sum),
+                "items": None if self.items is None else float(self.items), "micro_batches": self.micro_batches,
+                "terms": {name: float(value) for name, value in self.terms.items()}}
+
+    def resume_interval(self, saved: list[dict[str, Any]]) -> None:
+        """Start the interval a checkpoint left unlogged: `saved` holds each rank's `pending()` (empty: a fresh
+        interval). On another world size the main process takes the whole of it: the sums stay, their rounding not."""
+        self.reset()
+        acc = self.accelerator
+        mine = [saved[acc.process_index]] if len(saved) == acc.num_processes else saved if acc.is_main_process else []
+        for part in mine:
+            if part["loss_sum"] is not None:
+                value = torch.tensor(part["loss_sum"], dtype=torch.float32, device=acc.device)
+                self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            if part["items"] is not None:
+                value = torch.tensor(part["items"], dtype=torch.float64, device=acc.device)  # counts: exact
+                self.items = value if self.items is None else self.items + value
+            for name, number in part["terms"].items():
+                value = torch.tensor(number, dtype=torch.float32, device=acc.device)
+                self.terms[name] = self.terms[name] + value if name in self.terms else value
+            self.micro_batches += part["micro_batches"]
+
     def add_micro_batch(self, out: Mapping[str, Any], samples: int, tokens, waited: float) -> None:
         """`out`: the loss function's output (as_loss_output): its "loss" and optional "log" scalars."""
         loss = (out["objective"] if "items" in out else out["loss"]).detach().float()

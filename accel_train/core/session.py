@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
 
 from ..config import TrainConfig
 from ..errors import ConfigError, FinishError, Preempted
@@ -173,7 +173,7 @@ class Session:
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,
                                     record=ran)
-        self.last_save = self.last_log_step = state.step
+        self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
         state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
@@ -205,6 +205,7 @@ class Session:
             stop |= call_hooks(self.hooks, "on_evaluate", state, metrics)
             acted = True
         if cfg.save_strategy != "no" and (improved or _due(cfg.save_strategy, cfg.save_steps, state.step, epoch_end)):
+            self.keep_interval(state, meter)
             stop |= self.save(state, best=improved)
             acted = True
         meter.pause(time.perf_counter() - started)
@@ -296,14 +297,22 @@ class Session:
             self.verified.add(rollback.checkpoint.name)
         restore_in_place(self, state, rollback.checkpoint)
         state.excluded_batches, state.spike_rollbacks = excluded, rollbacks
-        self.last_save = self.last_log_step = state.step
+        self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         if self.last_eval[0] > state.step:
             self.last_eval = (-1, {})
         self.log.rewind(state.step, rollback.record)
 
-    def preempt(self, state: TrainState) -> None:
+    def keep_interval(self, state: TrainState, meter: StepMeter) -> None:
+        """Before a checkpoint: the logging interval in progress goes into the state (collective)."""
+        pending = meter.pending()
+        parts = gather_object([pending]) if self.accelerator.num_processes > 1 else [pending]
+        state.pending_loss = parts if any(p["micro_batches"] for p in parts) else []
+        state.last_log_step = self.last_log_step
+
+    def preempt(self, state: TrainState, meter: StepMeter) -> None:
         """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
         path = checkpoints_dir(self.config.output_dir) / checkpoint_name(state.step)
+        self.keep_interval(state, meter)
         self.save(state)
         if self.accelerator.is_main_process:
             end_attempt(self.config.output_dir)
@@ -322,6 +331,7 @@ class Session:
         if meter.micro_batches and cfg.logging_strategy != "no":
             self.log_train(state, meter)
         if cfg.save_strategy != "no":
+            self.keep_interval(state, meter)
             self.save(state)
         if cfg.load_best_model_at_end and state.best_checkpoint:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint

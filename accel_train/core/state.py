@@ -22,6 +22,10 @@ class TrainState:
     samples_in_epoch: int = 0  # examples consumed in this epoch, all processes (what samples/s counts)
     loss_sum: float = 0.0  # sum over logged intervals of (mean loss x weight), for the run's train_loss
     loss_steps: float = 0  # the weights: an interval's steps (mean losses) or its items (sum losses)
+    # The logging interval a checkpoint fell inside: each rank's unlogged loss figures (StepMeter.pending) and the
+    # step of the last log, so that a resumed run logs that interval and its train_loss as an uninterrupted one.
+    pending_loss: list[dict[str, Any]] = field(default_factory=list)
+    last_log_step: int = 0
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
     spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)

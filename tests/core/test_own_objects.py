@@ -4,14 +4,16 @@ them (a built schedule, clipping) said in the start-up report and recorded in co
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
-from conftest import reset_accelerate
+from conftest import reset_accelerate, toy_main
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_train import ConfigError, TrainConfig, train
+from accel_train import ConfigError, Preempted, TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,3 +125,49 @@ def test_wrong_clock_choices_are_refused_before_training(tmp_path):
     tutorial_run(tmp_path / "run", [], step_size=4, scheduler_interval="epoch", hooks=[StopOnSave(3)])
     with pytest.raises(ConfigError, match=r"resuming with changed scheduler_interval \('epoch' -> 'step'\)"):
         tutorial_run(tmp_path / "run", [], step_size=4, resume_from_checkpoint="latest")
+
+
+def losses_and_train_loss(out):
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return ({r["step"]: r["loss"] for r in history if "loss" in r},
+            json.loads((out / "all_results.json").read_text())["train_loss"])
+
+
+@pytest.mark.parametrize(("accumulation", "cut"), [(1, "hook"), (2, "hook"), (1, "sigterm")])
+def test_train_loss_and_the_logged_losses_after_a_resume_are_the_uninterrupted_runs(tmp_path, monkeypatch,
+                                                                                    accumulation, cut):
+    """Logged every 5 steps, checkpointed every 3: the checkpoint falls inside a logging interval, whose losses the
+    resumed run logs with its own (TrainState.pending_loss), not only the steps after the checkpoint."""
+    flags = dict(scheduler_interval="epoch", logging_steps=5, gradient_accumulation_steps=accumulation)
+    steps = 16 // accumulation
+    tutorial_run(tmp_path / "whole", [], **flags)
+    if cut == "hook":
+        tutorial_run(tmp_path / "cut", [], hooks=[StopOnSave(3 * (steps // 6) or 3)], **flags)
+    else:  # SIGTERM after step 7: the loop checkpoints step 8 and stops
+        monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:7")
+        with pytest.raises(Preempted):
+            tutorial_run(tmp_path / "cut", [], **flags)
+        monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    checkpoint = max(int(p.name.split("-")[1]) for p in (tmp_path / "cut" / "checkpoints").glob("step-*"))
+    assert checkpoint % 5, "the checkpoint must fall inside a logging interval"
+    tutorial_run(tmp_path / "cut", [], resume_from_checkpoint="latest", **flags)
+    (whole, whole_loss), (resumed, resumed_loss) = (losses_and_train_loss(tmp_path / o) for o in ("whole", "cut"))
+    assert resumed_loss == whole_loss
+    assert {s: v for s, v in resumed.items() if s > checkpoint} == {s: v for s, v in whole.items() if s > checkpoint}
+
+
+def test_on_two_processes_a_resume_inside_a_logging_interval_logs_the_uninterrupted_runs_train_loss(ranks, tmp_path):
+    """Each rank's unlogged losses are kept in the checkpoint and come back to that rank: the reduction of the
+    resumed interval adds the same numbers in the same order."""
+    flags = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--num_samples", "48",
+             "--per_device_train_batch_size", "4", "--num_train_epochs", "2", "--logging_steps", "5",
+             "--save_strategy", "steps", "--save_steps", "3", "--save_total_limit", "10", "--eval_strategy", "no",
+             "--mixed_precision", "no"]
+    ranks.run(toy_main, ["--output_dir", str(tmp_path / "whole"), *flags])
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step-00000009"  # inside the interval 6..10
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    assert len(state["pending_loss"]) == 2 and state["last_log_step"] == 5
+    ranks.run(toy_main, ["--output_dir", str(tmp_path / "cut"), *flags, "--resume_from_checkpoint", str(checkpoint)])
+    (whole, whole_loss), (resumed, resumed_loss) = (losses_and_train_loss(tmp_path / o) for o in ("whole", "cut"))
+    assert resumed_loss == whole_loss
+    assert {s: v for s, v in resumed.items() if s > 9} == {s: v for s, v in whole.items() if s > 9}

@@ -378,6 +378,7 @@ class Session:
                                      if k.startswith(("eval_", "test_")) and k not in before}}
         if final:
             self.log.log({**final, "epoch": self.epoch_float(state)}, state.step, final=True)
+        self.log.summary(metrics, state.step)
 
     def write_results(self, metrics: dict[str, float]) -> None:
         if self.accelerator.is_main_process:

@@ -59,6 +59,15 @@ class RunLog:
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
                                  samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
 
+    def summary(self, metrics: dict[str, Any], step: int) -> None:
+        """The run's summary to the trackers, at its last step, as the Trainer logs its own: train_loss,
+        train_runtime, train_samples_per_second, train_mfu, ... (what all_results.json holds of training;
+        metrics.jsonl keeps the intervals, all_results.json the summary)."""
+        numbers = {k: v for k, v in metrics.items()
+                   if k.startswith("train_") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers and self.accelerator.log_with:
+            self.accelerator.log(numbers, step=step + self.replayed)
+
     def rewind(self, step: int, record: dict[str, Any]) -> None:
         """--on_spike rollback: the run goes on from `step`, with `record` marking where and why. metrics.jsonl keeps
         one timeline: the abandoned steps' records are dropped and the mark stands at `step`. Trackers refuse a step

@@ -25,6 +25,14 @@ INSTALLED = [name for name in TRACKERS if importlib.util.find_spec(name)]
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
 QUIET = ["--disable_tqdm", "--run_report", "false", "--num_train_epochs", "2", "--logging_steps", "3"]
 LOGGED = ("loss", "learning_rate", "eval_loss", "eval_accuracy")
+SUMMARY = ("train_loss", "train_runtime", "train_samples_per_second", "train_mfu")  # all_results.json's, at the end
+
+
+def summary_of(out: Path) -> dict[str, float]:
+    """The run's summary every tracker must hold, as all_results.json has it (logged once, at the last step)."""
+    final = json.loads((out / "all_results.json").read_text())
+    assert all(isinstance(final.get(name), float) for name in SUMMARY), final
+    return {name: final[name] for name in SUMMARY}
 
 
 def needs(name: str):
@@ -65,7 +73,7 @@ def tracked(tmp_path_factory, ranks):
     ranks.run(train_on_rank, ["--output_dir", str(out), *QUIET, "--learning_rate", "5e-05",
                               "--per_device_train_batch_size", "4", "--report_to", *INSTALLED], env=env)
     if "trackio" in INSTALLED:
-        ranks.run(read_trackio, list(LOGGED), str(root / "trackio.json"), env=env)
+        ranks.run(read_trackio, [*LOGGED, *SUMMARY], str(root / "trackio.json"), env=env)
     return out
 
 
@@ -93,6 +101,9 @@ def test_tensorboard_gets_the_logged_numbers_offline(tracked):
     events.Reload()
     for name in LOGGED:
         assert [(e.step, e.value) for e in events.Scalars(name)] == approx(expected(tracked, name)), name
+    last = max(step for step, _ in expected(tracked, "loss"))
+    for name, value in summary_of(tracked).items():
+        assert [(e.step, e.value) for e in events.Scalars(name)] == approx([(last, value)]), name
 
 
 # ------------------------------------------------------------------------------------------------ MLflow
@@ -115,6 +126,8 @@ def assert_same_as_the_log(out):
         assert history == approx(expected(out, name)), name
     assert run.data.params["learning_rate"] == "5e-05" and run.data.params["num_train_epochs"] == "2.0"
     assert run.data.params["hidden"] == "32", "the recipe's own arguments are in the config too"
+    for name, value in summary_of(out).items():  # the summary, as the Trainer gives it: metrics.train_loss, ...
+        assert run.data.metrics[name] == pytest.approx(value, rel=1e-6), name
 
 
 @needs("mlflow")
@@ -184,6 +197,8 @@ def test_wandb_offline_logs_the_run_of_the_main_process_into_the_run_dir(tracked
     assert summary["state"] == "finished" and summary["exit_code"] == 0
     assert summary["summary"]["eval_accuracy"] == pytest.approx(final["eval_accuracy"], rel=1e-6)
     assert summary["summary"]["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-6)
+    for name, value in summary_of(tracked).items():
+        assert summary["summary"][name] == pytest.approx(value, rel=1e-6), name
 
 
 # ------------------------------------------------------------------------------------------------ trackio
@@ -196,6 +211,8 @@ def test_trackio_logs_the_run_into_its_local_store(tracked):
     for name in LOGGED:
         assert [tuple(v) for v in logged["metrics"][name]] == approx(expected(tracked, name)), name
     assert logged["config"]["learning_rate"] == 5e-05 and logged["config"]["hidden"] == 32
+    for name, value in summary_of(tracked).items():
+        assert [v for _, v in logged["metrics"][name]] == [pytest.approx(value, rel=1e-6)], name
 
 
 # ------------------------------------------------------------------------------------------------ by name

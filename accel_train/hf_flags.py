@@ -29,6 +29,8 @@ RENAMED = {"--max_train_steps": "--max_steps", "--num_warmup_steps": "--warmup_s
 # flags that take an optional true/false, as the Trainer's booleans do
 BOOLEAN = ("--fp16", "--bf16", "--with_tracking", "--do_train", "--do_eval", "--do_predict")
 ALIASES = (*RENAMED, *BOOLEAN, "--checkpointing_steps")
+# the launcher's flags (and the Trainer's device switches), which a script cannot act on once it runs
+LAUNCHER_FLAGS = ("--cpu", "--use_cpu", "--no_cuda", "--num_processes", "--multi_gpu", "--num_machines")
 
 
 def _bool_value(argv: list[str], i: int) -> tuple[bool, int]:
@@ -78,6 +80,11 @@ def translate(argv: Sequence[str], known: Iterable[str]) -> tuple[list[str], lis
             notes.append(f"--checkpointing_steps {value} read as {read}")
             i += 1 if inline else 2
             continue
+        elif flag in LAUNCHER_FLAGS and flag not in known:
+            raise ConfigError(f"{flag} is a flag of the launcher, not of the training script: give it to `accelerate "
+                              f"launch {flag} ... SCRIPT`, before the script's name (on CPU: `accelerate launch --cpu "
+                              "SCRIPT`, or ACCELERATE_USE_CPU=1 in the environment; a machine without GPUs trains "
+                              "on its CPU already).")
         elif flag in BOOLEAN and flag not in known:
             value, used = _bool_value(argv, i)
             i += used

@@ -94,7 +94,8 @@ class TrainConfig:
         metadata={"help": "A transformers.get_scheduler name, or torch's: " + ", ".join(TORCH_SCHEDULERS)},
     )
     lr_scheduler_kwargs: str | None = field(
-        default=None, metadata={"help": 'JSON of scheduler arguments, e.g. \'{"step_size": 100, "gamma": 0.5}\'.'}
+        default=None, metadata={"help": 'JSON of scheduler arguments, e.g. \'{"step_size": 100, "gamma": 0.5}\' '
+                                        "(a dict in Python)."}
     )
     scheduler_interval: str = field(default="step", metadata={
         "help": "When a scheduler object of your own (train(scheduler=...)) is stepped: step (after every optimizer "
@@ -239,6 +240,8 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.lr_scheduler_kwargs, dict):  # TrainConfig(lr_scheduler_kwargs={...}) in Python: as JSON
+            object.__setattr__(self, "lr_scheduler_kwargs", json.dumps(self.lr_scheduler_kwargs))
         validate(self)
         validate_observability(self)
 

@@ -1,6 +1,7 @@
 """Config: defaults < recipe defaults < YAML < CLI; unknown keys and wrong types are errors that name them."""
 
 import dataclasses
+import json
 
 import pytest
 import yaml
@@ -115,3 +116,16 @@ def test_help_shows_trainconfig_in_its_groups_and_every_field_has_help(capsys):
     titles = [line.rstrip(":") for line in text.splitlines() if line.startswith("TrainConfig: ")]
     assert titles == [f"TrainConfig: {title}" for title in HELP_GROUPS.values()] and len(titles) == 12
     assert text.index("--output_dir") < text.index("--num_train_epochs") < text.index("--preflight")
+
+
+def test_scheduler_arguments_may_be_a_dict_in_python():
+    config = TrainConfig(lr_scheduler_type="step", lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5})
+    assert config.scheduler_kwargs == {"step_size": 2, "gamma": 0.5}
+    assert json.loads(config.lr_scheduler_kwargs) == {"step_size": 2, "gamma": 0.5}
+
+
+@pytest.mark.parametrize("flag", ["--cpu", "--use_cpu", "--no_cuda", "--num_processes"])
+def test_a_launcher_flag_given_to_the_script_says_where_it_belongs(flag):
+    with pytest.raises(ConfigError, match=f"{flag} is a flag of the launcher, not of the training script: give it "
+                                          f"to `accelerate launch {flag} ... SCRIPT`"):
+        parse_config(argv=[flag])

@@ -366,7 +366,7 @@ def test_one_and_two_processes_give_the_same_map(tmp_path, ranks):
     batches of 30) must agree as well."""
     data = ["--num_train_canvases", "512", "--num_test_canvases", "30"]
     small = ["--config_overrides", '{"widths": [8, 16, 32], "blocks_per_stage": 1, "head_width": 16}']
-    launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "6",
+    launch(RECIPE, [*data, "--output_dir", str(tmp_path / "trained"), *QUIET, *small, "--num_train_epochs", "3",
                     "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "30",
                     "--expected_world_size", "2"], 2)
     common = ["--task", "detection", "--weights", str(tmp_path / "trained" / "model.safetensors"), *data, *small,

@@ -22,7 +22,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, send_to_device
 
-from ..errors import TrainingDiverged
+from ..config import TrainConfig
+from ..errors import ConfigError, TrainingDiverged
 from ..rundir.checkpoint import list_checkpoints
 from .accelerator import holds_whole_model
 from .loss import as_loss_output
@@ -302,3 +303,12 @@ def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:
     write_nonfinite_report(path, report)
     report["path"] = str(path)
     return report
+
+
+def refuse_rollback_on_a_stream(config: TrainConfig, train_loader) -> None:
+    """--on_spike rollback on a stream is refused before training: exclusions are positions in an epoch."""
+    if config.on_spike == "rollback" and config.spike_window and isinstance(
+            getattr(train_loader, "dataset", None), torch.utils.data.IterableDataset):
+        raise ConfigError("--on_spike rollback takes the spiked step's batches out by their position in the "
+                          "epoch, which needs a dataset with a length; this training set is a stream. Use "
+                          "--on_spike skip (drop the update) or stop.")

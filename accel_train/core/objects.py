@@ -26,6 +26,23 @@ def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
                           "step_size_epochs / milestones_epochs in --lr_scheduler_kwargs.")
 
 
+def split_schedulers(given) -> tuple[Any, list]:
+    """train(scheduler=...): one scheduler, or several as a tutorial has them (a StepLR beside a ReduceLROnPlateau):
+    (the schedule on the clock or None, [the plateau stepped at evaluations beside it]). More than one of either is
+    refused with what to do."""
+    if not isinstance(given, (list, tuple)):
+        return given, []
+    plateaus = [s for s in given if steps_on_evaluation(s)]
+    clocks = [s for s in given if not steps_on_evaluation(s)]
+    if len(plateaus) > 1 or len(clocks) > 1:
+        raise ConfigError(f"train(scheduler=[...]) takes at most one schedule on the clock and one ReduceLROnPlateau "
+                          f"beside it; got {', '.join(type(s).__name__ for s in given)}. Combine clock schedules "
+                          "with torch.optim.lr_scheduler.SequentialLR or ChainedScheduler.")
+    if not clocks:
+        return (plateaus[0] if plateaus else None), []
+    return clocks[0], plateaus
+
+
 def steps_each_optimizer_step(scheduler, config: TrainConfig) -> bool:
     return config.scheduler_interval == "step" and not steps_on_evaluation(scheduler)
 
@@ -43,8 +60,10 @@ def _inner(obj):
     return obj
 
 
-def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own_scheduler: bool) -> dict[str, Any]:
-    """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps."""
+def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own_scheduler: bool,
+             plateau=None) -> dict[str, Any]:
+    """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps;
+    `plateau`: a ReduceLROnPlateau of the user's beside the clock schedule."""
     opt, sched = _inner(optimizer), _inner(scheduler)
     if steps_on_evaluation(scheduler):
         clock = f"at each evaluation, on {config.monitored_metric}"
@@ -52,7 +71,7 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         clock = "each epoch" if config.scheduler_interval == "epoch" else "each optimizer step"
     else:
         clock = "each optimizer step"
-    return {
+    ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
                       "groups": [{"lr": lr, "weight_decay": wd} for lr, wd in group_peaks(opt)]},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
@@ -60,6 +79,10 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
                       "stepped": clock},
         "clipping": {"max_grad_norm": config.max_grad_norm if config.max_grad_norm > 0 else None},
     }
+    if plateau is not None:
+        ran["plateau"] = {"class": type(_inner(plateau)).__name__, "given": "yours",
+                          "stepped": f"at each evaluation, on {config.monitored_metric}"}
+    return ran
 
 
 def report_lines(ran: dict[str, Any], config: TrainConfig) -> tuple[str | None, list[str]]:
@@ -71,7 +94,9 @@ def report_lines(ran: dict[str, Any], config: TrainConfig) -> tuple[str | None, 
     if sched["given"] == "yours":
         default = (" (--scheduler_interval step, the default; epoch steps it at each epoch's end)"
                    if sched["stepped"] == "each optimizer step" else "")
-        schedule = (f"yours, {sched['class']}, stepped {sched['stepped']}{default}; --learning_rate and "
+        beside = f"; beside it {ran['plateau']['class']}, stepped {ran['plateau']['stepped']}" if "plateau" in ran \
+            else ""
+        schedule = (f"yours, {sched['class']}, stepped {sched['stepped']}{default}{beside}; --learning_rate and "
                     "--warmup_steps do not apply to it")
     groups = "; ".join(f"lr {g['lr']:g}, weight decay {g['weight_decay']:g}" for g in opt["groups"][:4])
     more = f"; ... {len(opt['groups'])} groups" if len(opt["groups"]) > 4 else ""

@@ -39,11 +39,11 @@ from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .data import dataset_size, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
-from .guard import Rollback
+from .guard import Rollback, refuse_rollback_on_a_stream
 from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
-from .objects import check_interval, report_lines, what_ran
+from .objects import check_interval, report_lines, split_schedulers, what_ran
 from .optim import (
     batches_per_process,
     build_optimizer,
@@ -106,12 +106,14 @@ class Session:
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
-        scheduler = run_schedule(optimizer, config, plan, spec.scheduler, acc)
-        _refuse_rollback_on_a_stream(config, train_loader)
+        own, plateau = split_schedulers(spec.scheduler)  # a clock schedule, and a plateau beside it (or not)
+        scheduler = run_schedule(optimizer, config, plan, own, acc)
+        refuse_rollback_on_a_stream(config, train_loader)
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
         with stateful_loaders(acc, self.stream is not None):
-            model, optimizer, train_loader, scheduler = acc.prepare(model, optimizer, train_loader, scheduler)
+            model, optimizer, train_loader, scheduler, *plateau = acc.prepare(model, optimizer, train_loader, scheduler,
+                                                                              *plateau)
         if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
@@ -120,6 +122,7 @@ class Session:
         self.average = weight_average(acc, model, config)  # --ema_decay: None without it
         self.group_peaks = group_peaks(optimizer)  # each param group's peak rate and decay, compared on resume
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.plateau = plateau[0] if plateau else None  # a ReduceLROnPlateau passed beside a clock schedule
         if self.stream is not None:
             self.stream.attach(train_loader, acc.process_index)
         self.position_restored = False  # resume() sets it when the stream's loader starts at its saved position
@@ -143,7 +146,8 @@ class Session:
         """The evaluation loaders (prepared) and the functions an evaluation calls."""
         acc = self.accelerator
         self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
-        if steps_on_evaluation(self.scheduler) and (self.eval_loader is None or self.config.eval_strategy == "no"):
+        if any(steps_on_evaluation(s) for s in (self.scheduler, self.plateau)) and (
+                self.eval_loader is None or self.config.eval_strategy == "no"):
             raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
                               "this run has none: the rate would never change. Give an evaluation loader and "
                               "--eval_strategy steps or epoch, or choose another schedule.")
@@ -170,7 +174,8 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size)
-        ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here)
+        ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
+                       self.plateau)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,
                                     record=ran)
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
@@ -247,8 +252,9 @@ class Session:
         self.last_eval = (state.step, metrics)
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
-        if steps_on_evaluation(self.scheduler):
-            self.scheduler.step(metrics[self.config.monitored_metric])
+        for schedule in (self.scheduler, self.plateau):
+            if steps_on_evaluation(schedule):
+                schedule.step(metrics[self.config.monitored_metric])
         if name is None:
             return metrics, False
         if name not in metrics:
@@ -384,14 +390,6 @@ class Session:
         if self.accelerator.is_main_process:
             (Path(self.config.output_dir) / RESULTS).write_text(json.dumps(json_safe(metrics), indent=2))
             self.log.write("final metrics: " + ", ".join(f"{k}={short(v)}" for k, v in metrics.items()))
-
-
-def _refuse_rollback_on_a_stream(config: TrainConfig, train_loader) -> None:
-    if config.on_spike == "rollback" and config.spike_window and isinstance(
-            getattr(train_loader, "dataset", None), torch.utils.data.IterableDataset):
-        raise ConfigError("--on_spike rollback takes the spiked step's batches out by their position in the "
-                          "epoch, which needs a dataset with a length; this training set is a stream. Use "
-                          "--on_spike skip (drop the update) or stop.")
 
 
 def _due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:

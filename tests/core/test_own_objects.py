@@ -33,15 +33,21 @@ class StopOnSave:
         return state.step == self.step
 
 
-def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1, **overrides):
+def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1, plateau: bool = False,
+                 **overrides):
     """The PyTorch tutorial's objects: SGD at 0.1 and StepLR(step_size=1, gamma=0.1), meant per epoch (no scheduler
     for step_size None); `used` gets the learning rate each training step ran with (read in the loss, before the
-    optimizer steps)."""
+    optimizer steps). `plateau`: a ReduceLROnPlateau beside it, on eval_loss at each epoch's evaluation (mode max:
+    every evaluation after the first, whose loss went down, halves the rate)."""
     reset_accelerate()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size, gamma=0.1) if step_size else None
+    if plateau:
+        schedule = [schedule, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5,
+                                                                         patience=0)]
+        overrides = {"eval_strategy": "epoch", **overrides}
 
     def loss_fn(m, batch):
         if m.training:
@@ -54,7 +60,7 @@ def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1,
                     save_steps=3, mixed_precision="no", seed=0)
     config = TrainConfig(**{**settings, **overrides})
     return train(model, data(), config=config, loss_fn=loss_fn, optimizer=optimizer, scheduler=schedule,
-                 hooks=list(hooks))
+                 hooks=list(hooks), eval_loader=data() if plateau else None)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -171,3 +177,35 @@ def test_on_two_processes_a_resume_inside_a_logging_interval_logs_the_uninterrup
     (whole, whole_loss), (resumed, resumed_loss) = (losses_and_train_loss(tmp_path / o) for o in ("whole", "cut"))
     assert resumed_loss == whole_loss
     assert {s: v for s, v in resumed.items() if s > 9} == {s: v for s, v in whole.items() if s > 9}
+
+
+def test_a_steplr_beside_a_plateau_steps_each_on_its_own_clock_and_resumes_bitwise(tmp_path, capsys):
+    """The tutorial's pair: StepLR at each epoch's end, then the plateau on that epoch's evaluation."""
+    whole: list[float] = []
+    tutorial_run(tmp_path / "whole", whole, plateau=True, scheduler_interval="epoch", num_train_epochs=3)
+    # epoch 0 at 0.1; StepLR -> 0.01 (the first evaluation sets the plateau's best); StepLR -> 0.001, halved -> 5e-4
+    assert whole == pytest.approx([0.1] * 8 + [0.01] * 8 + [0.0005] * 8)
+    assert ("schedule         yours, StepLR, stepped each epoch; beside it ReduceLROnPlateau, stepped at each "
+            "evaluation, on eval_loss") in capsys.readouterr().out
+    ran = yaml.safe_load((tmp_path / "whole" / "config.yaml").read_text())["what_ran"]
+    assert ran["plateau"] == {"class": "ReduceLROnPlateau", "given": "yours",
+                              "stepped": "at each evaluation, on eval_loss"}
+    cut: list[float] = []
+    tutorial_run(tmp_path / "cut", cut, plateau=True, scheduler_interval="epoch", num_train_epochs=3,
+                 hooks=[StopOnSave(18)])  # in epoch 2: both schedules' states are in the checkpoint
+    resumed: list[float] = []
+    tutorial_run(tmp_path / "cut", resumed, plateau=True, scheduler_interval="epoch", num_train_epochs=3,
+                 resume_from_checkpoint="latest")
+    assert cut + resumed == pytest.approx(whole)
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the plateau's own state (best, bad epochs) is checkpointed beside the StepLR's and came back
+    plateaus = [torch.load(tmp_path / run / "checkpoints" / "step-00000024" / "scheduler_1.bin", weights_only=False)
+                for run in ("whole", "cut")]
+    assert plateaus[0]["last_epoch"] == 3 and plateaus[0] == plateaus[1]  # 3 evaluations, the same best and rate
+    with pytest.raises(ConfigError, match="at most one schedule on the clock and one ReduceLROnPlateau"):
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = [torch.optim.lr_scheduler.StepLR(optimizer, 1), torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)]
+        train(model, data(), config=TrainConfig(output_dir=str(tmp_path / "two"), report_to=["none"],
+                                                per_device_train_batch_size=4), optimizer=optimizer, scheduler=steps)

@@ -107,6 +107,10 @@ def evaluate_model(
             # duplicated to even out the last batch. Without them the batch mean stands for each sample (exact
             # except in that last, padded batch).
             per_sample = out.pop("per_sample_loss", None)
+            if per_sample is not None and tuple(per_sample.shape) != (n,):
+                raise ConfigError(f"loss_fn returned per_sample_loss of shape {tuple(per_sample.shape)} for a batch of "
+                                  f"{n} samples: it must hold one loss per sample, shape ({n},) (e.g. "
+                                  "cross_entropy(..., reduction='none'), averaged over each sample's tokens).")
             mean = out["loss"].detach().float().reshape(1).expand(n)
             out["per_sample_loss"] = per_sample.float() if per_sample is not None else mean
         for key in ("loss", "objective", "items", "log"):
@@ -127,8 +131,21 @@ def evaluate_model(
     metrics[f"{prefix}_samples"] = float(samples)
     if metrics_fn is not None:
         for key, value in metrics_fn(outputs).items():
-            metrics[metric_name(key, prefix)] = float(value)
+            metrics[metric_name(key, prefix)] = _one_number(key, value)
     return metrics
+
+
+def _one_number(key: str, value) -> float:
+    """A metric's value as a float; a vector, a string or None is refused naming the metric."""
+    shape = tuple(value.shape) if hasattr(value, "shape") else None
+    if shape not in (None, (), (1,)) or isinstance(value, (str, bytes)) or value is None:
+        raise ConfigError(f"metrics_fn returned {key!r} = {type(value).__name__}"
+                          f"{f' of shape {shape}' if shape else ''}: each metric must be one number (a float or a "
+                          f"0-d tensor). Return per-class values under names of their own ({key}_0, {key}_1, ...).")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"metrics_fn returned {key!r} = {value!r}, which is not a number ({err}).") from None
 
 
 def metric_name(key: str, prefix: str) -> str:

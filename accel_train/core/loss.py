@@ -56,8 +56,12 @@ def batch_size_of(batch: Any) -> int:
         if isinstance(value, torch.Tensor) and value.ndim > 0:
             return value.shape[0]
         if isinstance(value, (Mapping, list, tuple)):
-            return batch_size_of(value)
-    raise ValueError("cannot find the batch size: the batch holds no tensor")
+            try:
+                return batch_size_of(value)
+            except ValueError:  # a list of strings beside the tensors: look on
+                continue
+    raise ValueError("cannot find the batch size: the batch holds no tensor (text the collator left untokenized? "
+                     "tokenize in the dataset's map() or the collate_fn)")
 
 
 def as_loss_output(output: Any, loss_fn: Any = None) -> dict[str, Any]:
@@ -90,6 +94,23 @@ def as_loss_output(output: Any, loss_fn: Any = None) -> dict[str, Any]:
     return out
 
 
+def check_keyword_batch(batch) -> None:
+    """The default loss calls model(**batch): a tuple batch, or text the collator left untokenized, is refused
+    naming what to change."""
+    if not isinstance(batch, Mapping):
+        kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
+            type(batch).__name__
+        raise ConfigError(f"loss_fn=None uses a transformers model's own loss, which takes the batch as keyword "
+                          f"arguments (a dict with input_ids, labels, ...); this batch is {kind}. For (inputs, "
+                          "targets) batches pass your loss: train(..., loss_fn=lambda model, batch: "
+                          "torch.nn.functional.cross_entropy(model(batch[0]), batch[1])).")
+    text = [k for k, v in batch.items() if isinstance(v, (list, tuple)) and v and isinstance(v[0], str)]
+    if text:
+        raise ConfigError(f"the batch holds text under {', '.join(map(repr, text))}: a model takes tensors. Tokenize "
+                          "in the dataset's map() or the collate_fn (DataCollatorWithPadding(tokenizer)), and drop "
+                          "the text columns (remove_columns=...).")
+
+
 def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
     """The loss for transformers models, which take the batch as keyword arguments:
 
@@ -104,6 +125,7 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
     unchecked = [bool(chunk_size)]
 
     def loss_fn(model, batch):
+        check_keyword_batch(batch)
         labels = batch.get("labels")
         if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
             if chunk_size and is_causal_lm(model):

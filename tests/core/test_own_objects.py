@@ -209,3 +209,46 @@ def test_a_steplr_beside_a_plateau_steps_each_on_its_own_clock_and_resumes_bitwi
         steps = [torch.optim.lr_scheduler.StepLR(optimizer, 1), torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)]
         train(model, data(), config=TrainConfig(output_dir=str(tmp_path / "two"), report_to=["none"],
                                                 per_device_train_batch_size=4), optimizer=optimizer, scheduler=steps)
+
+
+# ------------------------------------------------------------------ errors that name the culprit (what a port met)
+
+
+def tiny_train(tmp_path, loader, **kwargs):
+    reset_accelerate()
+    config = TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, max_steps=2, mixed_precision="no",
+                         eval_strategy="steps" if "eval_loader" in kwargs else "no", eval_steps=1)
+    return train(torch.nn.Linear(4, 1), loader, config=config, **kwargs)
+
+
+def mse(model, batch):
+    x, y = batch
+    per_sample = (model(x).squeeze(-1) - y) ** 2
+    return {"loss": per_sample.mean(), "per_sample_loss": per_sample}
+
+
+def test_the_default_loss_says_what_to_do_with_tuple_and_text_batches(tmp_path):
+    with pytest.raises(ConfigError, match=r"loss_fn=None uses a transformers model's own loss.*this batch is a list "
+                                          r"of 2. For \(inputs, targets\) batches pass your loss"):
+        tiny_train(tmp_path, data())
+    texts = DataLoader([{"text": "a b", "labels": 0}] * 8, batch_size=4)
+    with pytest.raises(ConfigError, match="the batch holds text under 'text': a model takes tensors. Tokenize"):
+        tiny_train(tmp_path / "text", texts)
+
+
+def test_a_per_sample_loss_of_the_wrong_length_and_a_vector_metric_are_named(tmp_path):
+    def short(model, batch):
+        out = mse(model, batch)
+        return {**out, "per_sample_loss": out["per_sample_loss"][:2]}
+
+    with pytest.raises(ConfigError, match=r"per_sample_loss of shape \(2,\) for a batch of 4 samples: it must hold "
+                                          r"one loss per sample, shape \(4,\)"):
+        tiny_train(tmp_path / "short", data(), loss_fn=short, eval_loader=data())
+
+    def per_class(outputs):
+        return {"error": torch.zeros(3)}
+
+    with pytest.raises(ConfigError, match=r"metrics_fn returned 'error' = Tensor of shape \(3,\): each metric must be "
+                                          r"one number .* \(error_0, error_1, ...\)"):
+        tiny_train(tmp_path / "vector", data(), loss_fn=mse, eval_loader=data(), metrics_fn=per_class)

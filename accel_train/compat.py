@@ -44,6 +44,9 @@ RELIANCES: tuple[Reliance, ...] = (
              "torch._C._current_graph_task_id (-1 outside a backward pass) and the FlopCounterMode custom_mapping "
              "that takes raw formulas (`_get_raw`)", "MFU's model FLOPs under --gradient_checkpointing (the "
              "recomputed forward left out)"),
+    Reliance("torchdata", ("0.11",), "core/stream.py",
+             "StatefulDataLoader._iterator and its _shutdown_workers(), called when training ends",
+             "a loader's workers ended with the run rather than 5 s each inside the garbage collector"),
     Reliance("transformers", ("5.24",), "config/parsing.py",
              "HfArgumentParser._add_dataclass_arguments / _parse_dataclass_field, overridden to group --help",
              "TrainConfig's flags grouped in --help"),

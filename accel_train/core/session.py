@@ -58,7 +58,7 @@ from .restore import exclusions_after, load_saved_state, restore_in_place, resum
 from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
-from .stream import StreamPosition, idle_worker_notes, stateful_loaders
+from .stream import StreamPosition, end_loader_workers, idle_worker_notes, stateful_loaders
 
 
 @dataclass(frozen=True)
@@ -361,6 +361,7 @@ class Session:
         self.write_results(metrics)
         if acc.is_main_process:  # `auto` leaves a finished run alone
             end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps})
+        end_loader_workers(self.train_loader)
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)
 

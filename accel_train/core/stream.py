@@ -147,3 +147,15 @@ def shuffle_buffer(dataset) -> int | None:
         size = max(size, getattr(node, "buffer_size", 0) or 0)
         node = getattr(node, "ex_iterable", None)
     return size
+
+
+def end_loader_workers(loader) -> None:
+    """End the worker processes of a training pass that stopped mid-epoch (--max_steps, a hook's stop), once its last
+    checkpoint is written. A stateful loader keeps its iterator, and with it the workers, until the loader is
+    garbage-collected; torchdata's shutdown run from inside Python's cycle collector cannot flush the workers' queues
+    and waits 5 s per worker before killing it (a 2-worker stream run's teardown: 10 s, here 0.03 s)."""
+    base = getattr(loader, "base_dataloader", loader)
+    shutdown = getattr(getattr(base, "_iterator", None), "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+        base._iterator = None

@@ -74,3 +74,16 @@ def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_
     resumed_on_one = run_toy(capsys, ["--output_dir", str(tmp_path / "cut"), *flags, "--per_device_train_batch_size",
                                       "8", "--resume_from_checkpoint", str(checkpoint)], code=2)
     assert "stream positions of 2 process(es), this run has 1" in resumed_on_one.err
+
+
+def test_a_run_that_ends_mid_epoch_ends_its_loader_workers_with_it(tmp_path):
+    """30 steps end inside the second epoch: the stateful loader still holds its iterator, and the 2 workers would
+    live on until the garbage collector reached it (whose shutdown waits 5 s per worker); they end with the run."""
+    import psutil
+
+    data = tmp_path / "data"
+    toy_train.write_stream_shards(data, 96, 8)
+    before = {p.pid for p in psutil.Process().children()}
+    toy_main(["--output_dir", str(tmp_path / "run"), *stream_flags(data, "--dataloader_num_workers", "2")])
+    left = [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"loader workers outlived the run: {left}"

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from ..config import TrainConfig
 from ..errors import ConfigError, DataError
 from .data import take_examples, take_real_tokens
-from .loss import as_loss_output, batch_size_of
+from .loss import as_loss_output, batch_size_of, tuple_target
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_items", "eval_samples")  # what evaluate_model reports itself
@@ -53,8 +53,9 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
     for batch in loader:
         out = step_fn(model, batch)
         n = batch_size_of(batch)
-        if isinstance(batch, Mapping) and "labels" in batch and "labels" not in out:
-            out["labels"] = batch["labels"]
+        labels = batch.get("labels") if isinstance(batch, Mapping) else tuple_target(batch)
+        if labels is not None and "labels" not in out:  # a tuple batch's target, as a dict's labels
+            out["labels"] = labels
         tensors = {k: v.detach() for k, v in sorted(out.items())
                    if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == n}
         if accelerator.num_processes > 1:  # collective, the same keys in the same order on every rank

@@ -64,6 +64,15 @@ def batch_size_of(batch: Any) -> int:
                      "tokenize in the dataset's map() or the collate_fn)")
 
 
+def tuple_target(batch: Any) -> torch.Tensor | None:
+    """The target of a tuple batch, ``(inputs, targets)`` or ``(x1, x2, y)``: its last element (every other element
+    is an input of the model, in order: ``model(*batch[:-1])``); None for a batch of another kind. What evaluation
+    hands the metrics as "labels" and the pre-flight checks as the labels."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], torch.Tensor):
+        return batch[-1]
+    return None
+
+
 def as_loss_output(output: Any, loss_fn: Any = None) -> dict[str, Any]:
     """The loss contract, normalised. Every result has "loss" (the micro-batch's mean, for logging and checks)
     and "objective" (what is back-propagated: the mean, or the sum); a sum also has "items" (its 0-dim count).

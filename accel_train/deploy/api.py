@@ -177,7 +177,7 @@ def _export_at_end(accelerator, model, output_dir: Path, formats, processing_cla
     factory = describe_model(exported)
     if factory is not None:
         factory.save(output_dir)
-    sample = _end_sample(eval_loader, processing_class)
+    sample = _end_sample(eval_loader, processing_class, exported)
     sample.save(output_dir / EXPORT_DIR / SAMPLE_FILE)
     results = []
     for fmt in formats:
@@ -186,14 +186,15 @@ def _export_at_end(accelerator, model, output_dir: Path, formats, processing_cla
     return results
 
 
-def _end_sample(eval_loader: Any, processing_class: Any) -> Sample:
-    """The first evaluation batch (read from the loader Accelerate wraps: no collective), else made-up inputs."""
+def _end_sample(eval_loader: Any, processing_class: Any, model: nn.Module) -> Sample:
+    """The first evaluation batch (read from the loader Accelerate wraps: no collective; a tuple batch's inputs named
+    after `model`'s forward), else made-up inputs."""
     processor = processing_class if hasattr(processing_class, "image_mean") else None
     tokenizer = None if processor is not None else processing_class
     pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     if eval_loader is not None:
         batch = next(iter(getattr(eval_loader, "base_dataloader", eval_loader)), None)
-        if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
-            return sample_from_batch(batch, image_processor=processor, pad_token_id=pad)
+        if isinstance(batch, (Mapping, tuple, list)):  # a dict, transformers' BatchEncoding, (inputs..., target)
+            return sample_from_batch(batch, image_processor=processor, pad_token_id=pad, model=model)
     size = (processor.size or {}).get("height") if processor is not None else None
     return synthetic_sample(tokenizer, size, 3, processor)

@@ -12,6 +12,7 @@ that baked in the example's batch size or sequence length fails the second and t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +124,18 @@ def _rows(sample: Sample, rows: list[int], extra: int, trim: bool = False) -> tu
 # ----------------------------------------------------------------------------------------- where rows come from
 
 
-def sample_from_batch(batch: Mapping[str, Any], names: Sequence[str] | None = None, image_processor: Any = None,
-                      pad_token_id: int = 0, source: str = "the run's evaluation data") -> Sample:
+def sample_from_batch(batch: Mapping[str, Any] | Sequence[Any], names: Sequence[str] | None = None,
+                      image_processor: Any = None, pad_token_id: int = 0, source: str = "the run's evaluation data",
+                      model: Any = None) -> Sample:
     """Model-ready rows from a loader batch: the tensors named in `names` (default: every per-row tensor but the
     labels; an image-text batch's ``caption_input_ids`` [B, K, L] give each image's first caption as
-    ``input_ids``); uint8 ``pixel_values`` are rescaled and standardised as `image_processor` says."""
+    ``input_ids``); uint8 ``pixel_values`` are rescaled and standardised as `image_processor` says.
+
+    A tuple batch ``(inputs, targets)`` or ``(x1, x2, y)`` is read as the loss functions read it: every element but
+    the last is a positional input of `model`'s forward, named after the forward's parameters (``forward(x, z)``:
+    "x", "z"), and the last is the target, left out."""
+    if not isinstance(batch, Mapping):
+        batch = positional_inputs(batch, model, source)
     rows = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim and k != "labels"}
     for key in ("input_ids", "attention_mask"):
         caption = rows.pop(f"caption_{key}", None)
@@ -143,6 +151,29 @@ def sample_from_batch(batch: Mapping[str, Any], names: Sequence[str] | None = No
     if "pixel_values" in tensors:
         tensors["pixel_values"] = normalize_pixels(tensors["pixel_values"], image_processor)
     return Sample(tensors, source, pad_token_id)
+
+
+def positional_inputs(batch: Sequence[Any], model: Any, source: str) -> dict[str, torch.Tensor]:
+    """The inputs of a tuple batch, by the name of the forward parameter each one is passed as."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise ExportError(f"example inputs ({source}): the batch is {kind}; a batch is a dict of named inputs or a "
+                          "tuple (inputs..., target). Pass --inputs FILE.safetensors (input name -> tensor).")
+    inputs = list(batch[:-1])
+    forward = getattr(model, "forward", None)
+    try:
+        params = list(inspect.signature(forward).parameters.values()) if forward is not None else []
+    except (TypeError, ValueError):
+        params = []
+    named = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    if len(named) < len(inputs) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        kinds = ", ".join(type(t).__name__ for t in inputs)
+        raise ExportError(f"example inputs ({source}): a tuple batch passes its first {len(inputs)} element(s) "
+                          f"({kinds}) to the model as positional tensors, and {type(model).__name__}.forward"
+                          f"({', '.join(p.name for p in params)}) names {len(named)} parameter(s) that take them by "
+                          "name. Give forward one named parameter per input tensor, or pass --inputs "
+                          "FILE.safetensors (input name -> tensor).")
+    return dict(zip(named[: len(inputs)], inputs, strict=True))
 
 
 def normalize_pixels(pixels: torch.Tensor, processor: Any = None) -> torch.Tensor:

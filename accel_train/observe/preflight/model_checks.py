@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset
 
 from ...core.accelerator import holds_whole_model
 from ...core.guard import fetch_batch
+from ...core.loss import tuple_target
 from .findings import Finding, base_of, loader_batch
 
 DECAY_TO_ZERO = ("linear", "cosine", "polynomial", "cosine_with_restarts", "cosine_annealing", "warmup_stable_decay")
@@ -176,25 +177,31 @@ def _step_units(cfg, plan) -> list[Finding]:
                     f'many epochs) or in epochs ({{"{key}_epochs": {given[0] if key == "step_size" else given}}}).')]
 
 
-def _label_width(f, batch: dict) -> tuple[int | None, str]:
+def _label_width(f, batch, labels: torch.Tensor) -> tuple[int | None, str]:
     """The number of classes the model scores: the logits' last dimension from one evaluation-mode forward with
-    the labels set to 0 (an out-of-range label would crash it, on a GPU with a device-side assert), else the
-    model's config.num_labels."""
+    the labels set to 0 (an out-of-range label would crash it, on a GPU with a device-side assert) — the loss's
+    "logits", or for a tuple batch whose loss returns none the model's output on the inputs (`model(*batch[:-1])`)
+    — else the model's config.num_labels."""
     bare = f.accelerator.unwrap_model(f.model)
     if holds_whole_model(f.accelerator):
-        safe = {**batch, "labels": torch.zeros_like(batch["labels"])}
+        mapping = isinstance(batch, Mapping)
+        safe = {**batch, "labels": torch.zeros_like(labels)} if mapping else (*batch[:-1], torch.zeros_like(labels))
+        safe = send_to_device(safe, f.accelerator.device)
         was_training = bare.training
         bare.eval()
         try:
             with torch.no_grad(), f.accelerator.autocast():
-                out = f.loss_fn(bare, send_to_device(safe, f.accelerator.device))
+                out = f.loss_fn(bare, safe)
+                logits = out.get("logits") if isinstance(out, Mapping) else None
+                if logits is None and not mapping:
+                    logits = bare(*safe[:-1])
         finally:
             bare.train(was_training)
-        logits = out.get("logits") if isinstance(out, Mapping) else None
-        if isinstance(logits, torch.Tensor) and logits.ndim >= 2:
-            return int(logits.shape[-1]), "the logits"
+        fits = mapping or (logits is not None and logits.ndim == labels.ndim + 1 and logits.shape[-1] > 1)
+        if isinstance(logits, torch.Tensor) and logits.ndim >= 2 and fits:
+            return int(logits.shape[-1]), "the logits" if mapping else "the model's output"
     num_labels = getattr(getattr(bare, "config", None), "num_labels", None)
-    if num_labels and batch["labels"].ndim == 1:
+    if num_labels and labels.ndim == 1:
         return int(num_labels), "config.num_labels"
     return None, ""
 
@@ -219,11 +226,11 @@ def check_labels(f) -> list[Finding]:
         return [Finding("labels", "ok", "not checked: a stream has no indices to read its first samples by.")]
     size = min(loader_batch(loader) or 1, len(loader.dataset))
     batch = fetch_batch(loader, list(range(size)))  # the first samples: no sampler, no random number drawn
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else tuple_target(batch)  # (inputs..., targets)
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-        return [Finding("labels", "ok", "not checked: the batch has no integer 'labels' (regression, or not a "
-                        "mapping).")]
-    width, source = _label_width(f, batch)
+        return [Finding("labels", "ok", "not checked: the batch has no integer 'labels' nor integer targets as the "
+                        "last element of a tuple (regression?).")]
+    width, source = _label_width(f, batch, labels)
     if width is None:
         return [Finding("labels", "ok", "not checked: the loss returns no logits and the model has no num_labels.")]
     out = []

@@ -1,7 +1,10 @@
 """SLURM for real: a local cluster (.ci/slurm_local.sh: munged, slurmctld and two slurmd on this machine) runs the
 shipped sbatch scripts (accelerate_configs/slurm/) on tests/scripts/toy_train.py. A job requeued by `scontrol requeue`
 comes back, resumes where it stopped and ends with bitwise the weights of a job never interrupted, on one node and
-on two; a job warned before its time limit saves, stops and requeues itself, and resumes where it stopped."""
+on two; a job warned before its time limit saves, stops and requeues itself, and resumes where it stopped.
+
+The time-limit job waits a minute for its warning: it is submitted first and runs beside the one-node requeue job, on
+the other node; the two-node job runs after both."""
 
 from __future__ import annotations
 
@@ -114,11 +117,25 @@ def never_interrupted(ranks, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("script", "nodes", "per_node"), [(SINGLE_NODE, 1, 2), (MULTI_NODE, 2, 1)],
-                         ids=["one_node_x2", "two_nodes_x1"])
-def test_a_job_requeued_by_scontrol_comes_back_resumes_and_ends_with_bitwise_the_same_weights(
-        slurm, never_interrupted, tmp_path, script, nodes, per_node):
-    job = Job(slurm, script, tmp_path / "cut", per_node, TOY)
+@pytest.fixture(scope="module")
+def warned(slurm, tmp_path_factory):
+    """The time-limit job, submitted before the one-node requeue job so that the two run side by side on the
+    cluster's two nodes: this one spends its first minute waiting for the warning, which no load can hasten."""
+    # A real time limit: 2 minutes, and the scripts' warning (SIGUSR1 to the batch shell) 45 s before it, which SLURM
+    # sent 46 to 69 s before here (it checks the limits every 30 s): well after the start-up, well before the end. No
+    # checkpoint is due in 10**6 steps: a checkpoint is the warning's. The run never ends on its own; the test cancels
+    # it once the second attempt has resumed.
+    args = ["--report_to", "none", "--disable_tqdm", "--max_steps", str(10**6), "--eval_strategy", "no",
+            "--save_strategy", "steps", "--save_steps", str(10**6), "--logging_steps", "1000"]
+    job = Job(slurm, SINGLE_NODE, tmp_path_factory.mktemp("warned") / "run", 2, args,
+              sbatch=("--time=2", "--signal=B:USR1@45"))
+    yield job
+    if job.info()["JobState"] not in ENDED:
+        job.run("scancel", job.id)
+
+
+def requeued_by_scontrol(slurm, never_interrupted, output_dir, script, nodes, per_node):
+    job = Job(slurm, script, output_dir, per_node, TOY)
     to_checkpoint = job.wait(lambda: bool(list_checkpoints(job.output_dir)), "first checkpoint")
     requeued = time.monotonic()
     job.run("scontrol", "requeue", job.id)  # SIGTERM to every process of the job, then back into the queue
@@ -143,14 +160,13 @@ def test_a_job_requeued_by_scontrol_comes_back_resumes_and_ends_with_bitwise_the
           f"after the requeue, job ended {time.monotonic() - requeued:.0f} s after it; final weights bitwise equal")
 
 
-def test_warned_before_its_time_limit_a_job_saves_stops_requeues_itself_and_resumes_where_it_stopped(slurm, tmp_path):
-    # A real time limit: 2 minutes, and the scripts' warning (SIGUSR1 to the batch shell) 45 s before it, which SLURM
-    # sent 46 to 69 s before here (it checks the limits every 30 s): well after the start-up, well before the end. No
-    # checkpoint is due in 10**6 steps: a checkpoint is the warning's. The run never ends on its own; the test cancels
-    # it once the second attempt has resumed.
-    args = ["--report_to", "none", "--disable_tqdm", "--max_steps", str(10**6), "--eval_strategy", "no",
-            "--save_strategy", "steps", "--save_steps", str(10**6), "--logging_steps", "1000"]
-    job = Job(slurm, SINGLE_NODE, tmp_path / "run", 2, args, sbatch=("--time=2", "--signal=B:USR1@45"))
+def test_a_job_requeued_by_scontrol_comes_back_resumes_and_ends_with_bitwise_the_same_weights_one_node_x2(
+        slurm, warned, never_interrupted, tmp_path):
+    requeued_by_scontrol(slurm, never_interrupted, tmp_path / "cut", SINGLE_NODE, 1, 2)
+
+
+def test_warned_before_its_time_limit_a_job_saves_stops_requeues_itself_and_resumes_where_it_stopped(warned):
+    job = warned
     try:
         job.wait(lambda: resumed_at(job.text()), "resumed second attempt")
     finally:
@@ -158,8 +174,8 @@ def test_warned_before_its_time_limit_a_job_saves_stops_requeues_itself_and_resu
     info = job.wait_ended()
     log = job.text()
     first = log.split("accel_train on SLURM: job")[1]  # the first attempt's lines
-    warned = re.search(r"time limit near \((\d+):(\d+):(\d+)\): SIGTERM to the training processes", first)
-    assert warned, first[-6000:]
+    warning = re.search(r"time limit near \((\d+):(\d+):(\d+)\): SIGTERM to the training processes", first)
+    assert warning, first[-6000:]
     stop = stopped_at(first)
     assert len(stop) == 1, first[-6000:]
     assert f"stopped at {list_checkpoints(job.output_dir)[0].name} before the time limit: requeued" in first
@@ -168,9 +184,15 @@ def test_warned_before_its_time_limit_a_job_saves_stops_requeues_itself_and_resu
     assert resumed_at(log)[0] == stop[0]  # no step lost
     assert not list(job.output_dir.glob("crash_rank*.json"))  # a stop on purpose, not a crash
     began = re.search(r"at (\d+):(\d+):(\d+) on", first)
-    after = (seconds(warned) - seconds(began)) % 86400
+    after = (seconds(warning) - seconds(began)) % 86400
     print(f"time limit (2 min, warning @45 s): warned {after} s after the attempt began, stopped at step {stop[0]} "
           f"with a checkpoint, requeued, resumed at step {resumed_at(log)[0]} (0 steps lost)")
+
+
+def test_a_job_requeued_by_scontrol_comes_back_resumes_and_ends_with_bitwise_the_same_weights_two_nodes_x1(
+        slurm, never_interrupted, tmp_path):
+    """After the time-limit test: this job needs both nodes."""
+    requeued_by_scontrol(slurm, never_interrupted, tmp_path / "cut", MULTI_NODE, 2, 1)
 
 
 def seconds(match: re.Match) -> int:

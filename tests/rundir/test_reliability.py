@@ -106,10 +106,13 @@ def recipe_args(tiny_bert, sst_like, out):
 
 
 def launcher(num_processes):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    """2 processes: `accelerate launch`, whose workers are what is killed. 1 process: the script itself, as
+    `python recipes/nlp_finetune.py` runs it (`accelerate launch --num_processes 1` would add a launcher process,
+    2-3 s of imports for each of the 6 attempts, around the same one process; the precision is the recipe's flag)."""
     if num_processes > 1:
-        return cmd + ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", str(free_port())]
-    return cmd + ["--num_processes", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                str(num_processes), "--main_process_port", str(free_port())]
+    return [sys.executable]
 
 
 def start(num_processes, args, extra_env=None):

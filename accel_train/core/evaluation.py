@@ -92,33 +92,7 @@ def evaluate_model(
     """The loss over the whole evaluation set (exact under N processes) plus `metrics_fn` on the gathered
     outputs: the mean over samples for mean losses; for sums, Σ sums / Σ items over the set, with the perplexity
     exp(loss) beside it."""
-
-    def step(model, batch):
-        take_real_tokens(batch)  # a packed batch's token count is no model input
-        take_examples(batch, 0)  # nor its count of examples
-        out = as_loss_output(loss_fn(model, batch), loss_fn)
-        n = batch_size_of(batch)
-        if "items" in out:  # sums: per sample where given, else the batch's shared equally by its samples
-            sums, items = out.pop("loss_sum"), out.pop("num_items")
-            per_sample = isinstance(items, torch.Tensor) and sums.ndim == 1 and items.ndim == 1
-            out["loss_sum"] = sums.detach().float() if per_sample else out["objective"].detach().float().expand(n) / n
-            out["num_items"] = items.float() if per_sample else out["items"].expand(n) / n
-        else:
-            # Per-sample losses make eval_loss exact under N processes: gathering drops the samples the sampler
-            # duplicated to even out the last batch. Without them the batch mean stands for each sample (exact
-            # except in that last, padded batch).
-            per_sample = out.pop("per_sample_loss", None)
-            if per_sample is not None and tuple(per_sample.shape) != (n,):
-                raise ConfigError(f"loss_fn returned per_sample_loss of shape {tuple(per_sample.shape)} for a batch of "
-                                  f"{n} samples: it must hold one loss per sample, shape ({n},) (e.g. "
-                                  "cross_entropy(..., reduction='none'), averaged over each sample's tokens).")
-            mean = out["loss"].detach().float().reshape(1).expand(n)
-            out["per_sample_loss"] = per_sample.float() if per_sample is not None else mean
-        for key in ("loss", "objective", "items", "log"):
-            out.pop(key, None)
-        return out
-
-    outputs = gather_outputs(accelerator, model, loader, step)
+    outputs = gather_outputs(accelerator, model, loader, lambda m, batch: loss_outputs(loss_fn, m, batch))
     if "num_items" in outputs:
         samples = len(outputs["num_items"])
         items = outputs.pop("num_items").sum().item()
@@ -132,11 +106,39 @@ def evaluate_model(
     metrics[f"{prefix}_samples"] = float(samples)
     if metrics_fn is not None:
         for key, value in metrics_fn(outputs).items():
-            metrics[metric_name(key, prefix)] = _one_number(key, value)
+            metrics[metric_name(key, prefix)] = one_number(key, value)
     return metrics
 
 
-def _one_number(key: str, value) -> float:
+def loss_outputs(loss_fn: Callable, model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+    """What one evaluation batch contributes: the loss function's per-sample tensors, with the loss per sample
+    ("per_sample_loss", or "loss_sum" and "num_items" for sums); a per_sample_loss of the wrong length is refused."""
+    take_real_tokens(batch)  # a packed batch's token count is no model input
+    take_examples(batch, 0)  # nor its count of examples
+    out = as_loss_output(loss_fn(model, batch), loss_fn)
+    n = batch_size_of(batch)
+    if "items" in out:  # sums: per sample where given, else the batch's shared equally by its samples
+        sums, items = out.pop("loss_sum"), out.pop("num_items")
+        per_sample = isinstance(items, torch.Tensor) and sums.ndim == 1 and items.ndim == 1
+        out["loss_sum"] = sums.detach().float() if per_sample else out["objective"].detach().float().expand(n) / n
+        out["num_items"] = items.float() if per_sample else out["items"].expand(n) / n
+    else:
+        # Per-sample losses make eval_loss exact under N processes: gathering drops the samples the sampler
+        # duplicated to even out the last batch. Without them the batch mean stands for each sample (exact
+        # except in that last, padded batch).
+        per_sample = out.pop("per_sample_loss", None)
+        if per_sample is not None and tuple(per_sample.shape) != (n,):
+            raise ConfigError(f"loss_fn returned per_sample_loss of shape {tuple(per_sample.shape)} for a batch of "
+                              f"{n} samples: it must hold one loss per sample, shape ({n},) (e.g. "
+                              "cross_entropy(..., reduction='none'), averaged over each sample's tokens).")
+        mean = out["loss"].detach().float().reshape(1).expand(n)
+        out["per_sample_loss"] = per_sample.float() if per_sample is not None else mean
+    for key in ("loss", "objective", "items", "log"):
+        out.pop(key, None)
+    return out
+
+
+def one_number(key: str, value) -> float:
     """A metric's value as a float; a vector, a string or None is refused naming the metric."""
     shape = tuple(value.shape) if hasattr(value, "shape") else None
     if shape not in (None, (), (1,)) or isinstance(value, (str, bytes)) or value is None:

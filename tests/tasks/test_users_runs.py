@@ -293,8 +293,8 @@ def test_a_crash_is_recorded_and_the_report_shows_it(tmp_path):
     calls = []
 
     def loss_fn(model, batch):
-        calls.append(1)
-        if len(calls) == 4:
+        calls.append(model.training)  # the pre-flight runs it once in evaluation mode: the 4th training call raises
+        if sum(calls) == 4:
             raise RuntimeError("shape mismatch in my loss")
         return ((model(batch["x"]).squeeze(-1) - batch["labels"]) ** 2).mean()
 

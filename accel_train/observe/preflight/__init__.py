@@ -15,7 +15,8 @@ Each check returns findings with the fix. The rule for the level:
 The checks of the run as set up are in run_checks.py, those that touch the model, the optimizer and the
 schedule in model_checks.py.
 Cost: no pass over the data and no backward. One evaluation-mode forward of one micro-batch (the first samples of
-the training set) when the model's label range is read from its logits; the schedule is simulated on a copy of
+the training set) when the model's label range is read from its logits, and the loss and metrics functions on that
+micro-batch (function_checks.py); the schedule is simulated on a copy of
 the scheduler whose parameters are stand-ins. No random number generator is advanced.
 """
 
@@ -28,11 +29,12 @@ from accelerate.utils import gather_object
 
 from ...errors import ConfigError
 from .findings import Finding, PreflightResult
+from .function_checks import check_functions
 from .model_checks import check_labels, check_optimizer, check_schedule, run_schedule, schedule_record
 from .run_checks import check_batch, check_loaders, check_precision, check_steps, check_world_size
 
 CHECKS = (check_world_size, check_precision, check_batch, check_steps, check_schedule, check_optimizer, check_loaders,
-          check_labels)
+          check_labels, check_functions)
 
 __all__ = ["run_preflight", "Finding", "PreflightResult", "CHECKS"]
 

@@ -15,9 +15,10 @@ alone (causal language modelling in --block_size blocks). Model: --model_name_or
 encoder-decoder warm-started from all-MiniLM-L6-v2; --lora_r for a LoRA adapter (peft; --merge_lora). Every
 evaluation reports the teacher-forced token loss and perplexity (the plain NLL, whatever --label_smoothing_factor);
 once the final model is written, the run generates for --max_generate_samples validation items, scores the text
-against the raw references (ROUGE-1/2/L/Lsum, BLEU, sacreBLEU, exact match, generated length, repeated trigrams),
-writes predictions.jsonl and warns when the outputs collapsed. With --overfit_batches N it generates for the N
-memorised batches instead.
+against the raw references (ROUGE-1/2/L/Lsum, BLEU, sacreBLEU, exact match, generated length, repeated trigrams)
+and against what the tokenizer writes of them (*_vs_round_trip: the start-up report says which share of the
+targets the tokenizer can write at all), writes predictions.jsonl and warns when the outputs collapsed. With
+--overfit_batches N it generates for the N memorised batches instead.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from accel_train.tasks.text.generation import (
     packing_width,
     refuse_deepspeed,
     resolve_columns,
+    round_trip_line,
     tokenize_splits,
     training_set,
     training_texts,
@@ -153,14 +155,16 @@ def main(argv=None) -> dict[str, float]:
     rows = training_set(train_set, data_args, packing_width(data_args, task, facts), tokenizer.pad_token_id,
                         pad_multiple(accelerator), model)  # padded, packed or padding-free
     chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
-    for line in (rows.summary, chunk_note):
+    trips = round_trip_line({name: split.round_trip for name, split in splits.items() if split.round_trip})
+    for line in (rows.summary, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets
         if line:
             accelerator.print(line)
     modules = {name: load_metric(name) for name in METRICS}
     every_eval = (Generator(splits["validation"], tokenizer, facts.seq2seq, gen_args, config.per_device_eval_batch_size,
                             gen_args.max_generate_samples)
                   if gen_args.predict_with_generate and splits["validation"].can_generate else None)
-    finish = [GenerationFinish(splits, tokenizer, facts.seq2seq, config, gen_args, modules, collator)]
+    finish = [GenerationFinish(splits, tokenizer, facts.seq2seq, config, gen_args, modules, collator,
+                               rows.padding_ratio)]
     if model_args.merge_lora:
         finish.append(MergeLora(model_args, tokenizer, config.output_dir))
     result = train(model, make_loader(rows.rows, config, train=True, collate_fn=rows.collator, lengths=rows.lengths,

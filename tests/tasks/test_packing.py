@@ -30,6 +30,7 @@ from accel_train.tasks.text.generation import (
     resolve_columns,
     tokenize_splits,
     train_bpe_tokenizer,
+    training_set,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,6 +167,17 @@ def test_a_long_example_is_refused_or_split_and_bad_flags_are_refused():
         GenerationDataArguments(packing=True, padding_free=True)
 
 
+def test_the_padding_share_recorded_is_the_packed_rows_and_zero_padding_free():
+    """training_set's padding_ratio, which the finish seam writes to all_results.json as train_padding_ratio."""
+    data, model = examples(24), tiny("llama", "sdpa")
+    packed = training_set(data, GenerationDataArguments(packing=True), 64, 0, None, model)
+    expected = pack_examples(data, 64).padding_share
+    assert packed.padding_ratio == expected and 0 < expected < 0.2
+    assert f"padding {100 * expected:.1f}%" in packed.summary
+    assert training_set(data, GenerationDataArguments(padding_free=True), 64, 0, None, model).padding_ratio == 0.0
+    assert training_set(data, GenerationDataArguments(), 64, 0, None, model).padding_ratio is None  # padded batches
+
+
 class SeesEverything(torch.nn.Module):
     """A 'causal LM' whose every position sees the mean of all tokens before it, whatever the position ids."""
 
@@ -258,7 +270,9 @@ def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_
                             for t, s in zip(d["text"], d["summary"], strict=True)))
     monkeypatch.delenv("ACCEL_TRAIN_FAULT", raising=False)
     recipe(tmp_path / "full", str(data))
-    assert "packed: 64 examples into" in capsys.readouterr().out
+    started = capsys.readouterr().out
+    assert "packed: 64 examples into" in started
+    padding = float(started.split("tokens, padding ")[1].split("%")[0])  # the start-up line's share
     with monkeypatch.context() as env, pytest.raises(Preempted):
         env.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
         recipe(tmp_path / "cut", str(data))
@@ -269,6 +283,13 @@ def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_
     recipe(tmp_path / "cut", str(data), "--resume_from_checkpoint", "latest")
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # all_results.json: the rows' padding share (as the classification recipe records its own) and the round-trip
+    # check of the targets (a byte-level BPE writes every date back), the same in the resumed run
+    full, resumed = (json.loads((tmp_path / run / "all_results.json").read_text()) for run in ("full", "cut"))
+    keys = ("train_padding_ratio", "data_train_targets_round_trip_pct", "data_train_targets_round_trip_checked")
+    assert [full[k] for k in keys] == [resumed[k] for k in keys]
+    assert full["train_padding_ratio"] == pytest.approx(padding / 100, abs=5e-4) and full["train_padding_ratio"] > 0
+    assert full["data_train_targets_round_trip_pct"] == 100.0 and full["data_train_targets_round_trip_checked"] == 64
 
 
 def test_packing_a_seq2seq_model_is_refused(tmp_path, capsys, monkeypatch):

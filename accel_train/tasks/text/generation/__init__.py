@@ -5,9 +5,10 @@
 
 The pieces are this package's modules: `data` (arguments, raw splits, column checks), `tokens` (token ids,
 collators), `chat` (conversations: every reply learned), `model` (models, tokenizers, LoRA and its merge), `eval`
-(generate on N processes, score text), `checks` (what is refused before training, collapse and source reliance
-after it), `finish` (the finish-seam hooks), `packing` (packed and padding-free batches), `demo` (the
-rule-generated demo task).
+(generate on N processes, score text), `roundtrip` (targets the tokenizer cannot write: the ceiling of exact
+match, the scores against the references' round trip), `checks` (what is refused before training, collapse and
+source reliance after it), `finish` (the finish-seam hooks), `packing` (packed and padding-free batches), `demo`
+(the rule-generated demo task).
 """
 
 from .chat import ChatExample, chat_example
@@ -63,6 +64,15 @@ from .packing import (
     pack_examples,
     training_set,
 )
+from .roundtrip import (
+    ROUND_TRIP_SCORES,
+    RoundTrip,
+    check_round_trip,
+    decode_output,
+    round_trip_line,
+    round_trip_metrics,
+    round_trips,
+)
 from .tokens import (
     IGNORE_INDEX,
     GenerationCollator,
@@ -85,6 +95,8 @@ __all__ = [
     "score_generations", "write_predictions",
     "GenerationModelArguments", "add_lora", "build_generation_model", "config_is_seq2seq", "load_tokenizer",
     "loss_chunk", "model_facts", "train_bpe_tokenizer", "vocabulary_digest", "warm_start_encoder_decoder",
+    "ROUND_TRIP_SCORES", "RoundTrip", "check_round_trip", "decode_output", "round_trip_line", "round_trip_metrics",
+    "round_trips",
     "IGNORE_INDEX", "GenerationCollator", "ModelFacts", "TokenizedSplit", "TrainCollator", "lm_documents",
     "packing_width", "tokenize_splits",
     "Packed", "PackedCollator", "TrainingSet", "best_fit_decreasing", "check_isolation", "check_packing_flags",

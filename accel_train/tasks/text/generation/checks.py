@@ -27,9 +27,11 @@ from ....core.evaluation import evaluate_model
 from ....core.loss import IGNORE_INDEX
 from ....core.sharded import refuse_sums_under_deepspeed
 from ....errors import ConfigError
+from .roundtrip import ROUND_TRIP_SCORES
 
 GENERATION_SCORES = ("rouge1", "rouge2", "rougeL", "rougeLsum", "bleu", "sacrebleu", "exact_match",
-                     "repeated_trigram_pct", "gen_len", "generated_items")
+                     "repeated_trigram_pct", "gen_len", "generated_items",
+                     *(f"{name}_vs_round_trip" for name in ROUND_TRIP_SCORES))
 COLLAPSED_TOP_SHARE = 0.5  # one output for at least half of the items ...
 MIN_DISTINCT_SOURCES = 10  # ... of at least this many distinct sources, whose references are not one string
 IGNORED_SOURCE_NATS = 0.05  # rolled sources raise the token loss by less than this: the source is not read

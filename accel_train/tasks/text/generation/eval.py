@@ -12,7 +12,9 @@ its decoder puts around punctuation) against the *raw* reference string of the d
 normalisation (`tasks.text_units.normalise_text`: Unicode NFKC, white space collapsed). predictions.jsonl holds
 exactly the strings scored, so `score_generations` on its rows gives all_results.json's numbers. A tokenizer that
 cannot write the reference (an uncased one cannot write capitals, MiniLM's writes "1987-03-21" as
-"1987 - 03 - 21") loses there: that is what the metric measures.
+"1987 - 03 - 21") loses there: that is what the metric measures. Beside those scores, the same ones against what the
+tokenizer writes of each reference (`{prefix}_exact_match_vs_round_trip`, ...; roundtrip.py): the model's score where
+the raw one is capped by the tokenizer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from ...text_units import normalise_text
+from .roundtrip import ROUND_TRIP_SCORES, decode_output, round_trips
 from .tokens import GenerationCollator, TokenizedSplit
 
 WORD = re.compile(r"\w+|[^\w\s]")
@@ -157,7 +160,7 @@ class Generator:
         for row in tokens:
             kept = self.strip(row, eos, getattr(bare.config, "decoder_start_token_id", None))
             lengths.append(len(kept))
-            texts.append(normalise_text(self.tokenizer.decode(kept, skip_special_tokens=True)))
+            texts.append(decode_output(self.tokenizer, kept))  # as the round-trip check decodes targets
         order = sorted(range(len(items)), key=items.__getitem__)
         return GeneratedItems([items[i] for i in order], [texts[i] for i in order], [lengths[i] for i in order])
 
@@ -181,23 +184,30 @@ class Generator:
         """The raw reference strings of `items` (the data's targets, or a chat's last reply), normalised."""
         return [normalise_text(self.split.references[i]) for i in items]
 
+    def round_trips(self, items: Sequence[int]) -> list[str]:
+        """What the tokenizer writes of each reference of `items`: decode(encode(reference)), decoded as outputs are."""
+        return round_trips(self.tokenizer, [self.split.references[i] for i in items], self.seq2seq)
+
 
 def evaluate_generation(generator: Generator, accelerator, model, metrics: Mapping[str, Any],
                         prefix: str) -> tuple[dict[str, float], list[dict]]:
-    """Generate, score, and the rows of predictions.jsonl (item, source, and the reference and output exactly as
-    scored); with --lead_baseline_words N, the lead-N baseline (the source's first N words, as written) scored on
-    the same items under `{prefix}_leadN_`."""
+    """Generate, score, and the rows of predictions.jsonl (item, source, the reference, its round trip and the output
+    exactly as scored). The outputs are scored against the raw references and, as `{prefix}_{score}_vs_round_trip`,
+    against what the tokenizer writes of them (roundtrip.py); with --lead_baseline_words N, the lead-N baseline (the
+    source's first N words, as written) scored on the same items under `{prefix}_leadN_`."""
     done = generator.generate(accelerator, model)
-    references = generator.references(done.items)
+    references, trips = generator.references(done.items), generator.round_trips(done.items)
     scores = {f"{prefix}_{k}": v for k, v in score_generations(done.outputs, references, metrics, done.lengths).items()}
+    against_trips = score_generations(done.outputs, trips, metrics)
+    scores.update({f"{prefix}_{k}_vs_round_trip": against_trips[k] for k in ROUND_TRIP_SCORES if k in against_trips})
     scores[f"{prefix}_generated_items"] = float(len(done.items))
     n = generator.args.lead_baseline_words
     sources = [generator.split.sources[i] for i in done.items]
     if n > 0:
         lead = [lead_words(s, n) for s in sources]
         scores.update({f"{prefix}_lead{n}_{k}": v for k, v in score_generations(lead, references, metrics).items()})
-    rows = [{"item": i, "source": s, "reference": r, "output": o}
-            for i, s, r, o in zip(done.items, sources, references, done.outputs, strict=True)]
+    rows = [{"item": i, "source": s, "reference": r, "round_trip": t, "output": o}
+            for i, s, r, t, o in zip(done.items, sources, references, trips, done.outputs, strict=True)]
     return scores, rows
 
 

@@ -18,6 +18,7 @@ from ....rundir.layout import PREDICTIONS
 from .checks import collapse_warning, output_diversity, source_reliance
 from .eval import GenerationArguments, Generator, evaluate_generation, write_predictions
 from .model import GenerationModelArguments
+from .roundtrip import round_trip_metrics, round_trip_warning
 from .tokens import TokenizedSplit, TrainCollator
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
@@ -26,24 +27,31 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md"
 class GenerationFinish:
     """Generate for the validation items (with --overfit_batches, the memorised training items), score them into
     the run's metrics ({prefix}_rouge1, ..., {prefix}_distinct_outputs_pct, {prefix}_source_reliance), write
-    predictions.jsonl, add how many targets --max_target_length cut (data_*_targets_cut), and warn in the log and
-    the report when the outputs collapsed or the source is ignored."""
+    predictions.jsonl, add how many targets --max_target_length cut (data_*_targets_cut), how many come back from
+    the tokenizer's round trip (data_*_targets_round_trip_pct, _checked), the padding of packed or padding-free
+    rows (train_padding_ratio, as the classification recipe records it), and warn in the log and the report when
+    the outputs collapsed, the source is ignored, or the tokenizer cannot write some of the scored targets."""
 
     finish_advice = ("If generation ran out of memory or time, lower --generation_num_beams, "
                      "--per_device_eval_batch_size or --generation_max_new_tokens (or --max_generate_samples 0 to "
                      "skip it).")
 
     def __init__(self, splits: dict[str, TokenizedSplit], tokenizer, seq2seq: bool, config: TrainConfig,
-                 gen_args: GenerationArguments, modules, collator: TrainCollator):
+                 gen_args: GenerationArguments, modules, collator: TrainCollator, padding_ratio: float | None = None):
         self.splits, self.tokenizer, self.seq2seq = splits, tokenizer, seq2seq
         self.config, self.gen_args, self.modules, self.collator = config, gen_args, modules, collator
+        self.padding_ratio = padding_ratio  # packed / padding-free rows; None for padded batches
 
     def on_finish(self, session, metrics: dict) -> None:
         acc, config, overfit = session.accelerator, self.config, self.config.overfit_batches > 0
+        if self.padding_ratio is not None:
+            metrics["train_padding_ratio"] = round(self.padding_ratio, 4)
         for name, split in self.splits.items():
             if split.targets:
                 metrics[f"data_{name}_targets_cut"] = float(split.targets_cut)
-        split = self.splits["train" if overfit else "validation"]
+        metrics.update(round_trip_metrics({name: s.round_trip for name, s in self.splits.items() if s.round_trip}))
+        scored = "train" if overfit else "validation"
+        split = self.splits[scored]
         limit = (config.overfit_batches * config.per_device_train_batch_size * acc.num_processes if overfit
                  else self.gen_args.max_generate_samples)
         if not split.can_generate or limit == 0:
@@ -59,9 +67,10 @@ class GenerationFinish:
                                    session.eval_loss_fn, self.collator, config.per_device_eval_batch_size)
         if reliance is not None:
             metrics[f"{prefix}_source_reliance"] = reliance
-        warning = collapse_warning([r["source"] for r in rows], [r["reference"] for r in rows], outputs, reliance,
-                                   self.seq2seq)
-        if warning:
+        warnings = [collapse_warning([r["source"] for r in rows], [r["reference"] for r in rows], outputs, reliance,
+                                     self.seq2seq),
+                    split.round_trip and round_trip_warning(scored, split.round_trip, scores, prefix)]
+        for warning in filter(None, warnings):
             session.log.warn(warning)
         if acc.is_main_process:
             write_predictions(Path(config.output_dir) / PREDICTIONS, rows)

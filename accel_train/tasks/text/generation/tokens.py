@@ -30,6 +30,7 @@ from ....core.loss import IGNORE_INDEX
 from ....errors import ConfigError, DataError, ModelError
 from .chat import ChatExample, chat_example
 from .data import GenerationDataArguments, TaskColumns, check_texts
+from .roundtrip import RoundTrip, check_round_trip
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class TokenizedSplit:
     can_generate: bool  # pairs and chat; not language-modelling blocks
     targets: int = 0  # targets (pairs) or assistant replies (chats) in the split
     targets_cut: int = 0  # of those, cut to --max_target_length
+    round_trip: RoundTrip | None = None  # how many targets come back from decode(encode(target)) (roundtrip.py)
 
 
 def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataArguments, task: TaskColumns,
@@ -88,7 +90,8 @@ def tokenize_splits(raw: datasets.DatasetDict, tokenizer, args: GenerationDataAr
             targets, cut = len(rows), sum(r.pop("cut") for r in rows)
         columns = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "prompt_ids")}
         columns["item"] = list(range(len(rows)))
-        out[name] = TokenizedSplit(datasets.Dataset.from_dict(columns), sources, references, True, targets, cut)
+        out[name] = TokenizedSplit(datasets.Dataset.from_dict(columns), sources, references, True, targets, cut,
+                                   check_round_trip(tokenizer, references, model.seq2seq))
     return out
 
 

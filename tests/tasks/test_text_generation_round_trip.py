@@ -134,3 +134,18 @@ def test_two_processes_report_the_round_trip_once_with_the_same_numbers(tmp_path
     assert saved["eval_generated_items"] == 8 and saved["eval_exact_match"] == 50.0
     assert saved["eval_exact_match_vs_round_trip"] == 100.0
     assert [r["item"] for r in read_jsonl(out / "predictions.jsonl")] == list(range(8))
+
+
+def test_a_score_against_the_round_trip_can_choose_the_best_model(tmp_path):
+    """A tiny T5 (a byte-level BPE trained at start: every target survives) scored at every evaluation."""
+    t5 = ["--model_type", "t5", "--train_tokenizer_vocab_size", "300", "--config_overrides",
+          "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0"]
+    reset_accelerate()
+    metrics = text_generation.main([*write_data(tmp_path), *t5, "--output_dir", str(tmp_path / "best"), "--max_steps",
+                                    "2", "--predict_with_generate", "--eval_strategy", "steps", "--eval_steps", "1",
+                                    "--metric_for_best_model", "eval_exact_match_vs_round_trip",
+                                    "--generation_max_new_tokens", "4"])
+    evaluations = [r for r in read_jsonl(tmp_path / "best" / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evaluations][:2] == [1, 2]
+    assert all(r["eval_exact_match_vs_round_trip"] == r["eval_exact_match"] for r in evaluations)
+    assert metrics["data_train_targets_round_trip_pct"] == metrics["data_validation_targets_round_trip_pct"] == 100.0

@@ -19,6 +19,7 @@ from .factory import ModelFactory, describe_model
 from .formats import FORMATS, SUFFIX, write_artifact
 from .inputs import Sample, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
 from .rebuild import load_trained_model
+from .seq2seq import generation_summary, is_encoder_decoder, seq2seq_plans, verify_generation
 from .targets import export_targets
 from .verify import verify_artifact
 
@@ -61,9 +62,11 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
     training = model.training
     model.eval()
     results, records = [], []
+    generation = None
     try:
-        for target in export_targets(model, sample):
-            example, checks = views(target.sample)
+        plans = (seq2seq_plans(model, sample) if is_encoder_decoder(model)
+                 else [(target, *views(target.sample)) for target in export_targets(model, sample)])
+        for target, example, checks in plans:
             path = output_dir / f"{target.name}{SUFFIX[fmt]}"
             with torch.no_grad():
                 info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
@@ -73,9 +76,12 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
             results.append(result)
             records.append(_record(target, example, result, verdict, info))
             print(f"accel-train export: {result.summary()}", flush=True)
+        if is_encoder_decoder(model):  # the two artifacts together: their decoding loop against generate()
+            generation = verify_generation(fmt, {r.name: r.path for r in results}, model, sample)
+            print(f"accel-train export: {generation_summary(generation)}", flush=True)
     finally:
         model.train(training)
-    _write_metadata(output_dir, fmt, source, sample, tolerance, records)
+    _write_metadata(output_dir, fmt, source, sample, tolerance, records, generation)
     return results
 
 
@@ -91,9 +97,9 @@ def _record(target, example, result: ExportResult, verdict: dict, info: dict) ->
 
 
 def _write_metadata(output_dir: Path, fmt: str, source: str, sample: Sample, tolerance: float,
-                    records: list[dict]) -> None:
+                    records: list[dict], generation: dict | None) -> None:
     meta = {"format": fmt, "source": source, "example_inputs": sample.source, "torch_version": torch.__version__,
-            "tolerance": tolerance, "artifacts": records}
+            "tolerance": tolerance, "artifacts": records, "generation_check": generation}
     try:
         import onnxruntime
 

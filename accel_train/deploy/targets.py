@@ -6,7 +6,7 @@ a ModelOutput. `Positional` adapts one to the other, with the input order and ou
 export.json. A dual encoder (``accel_train.tasks.multimodal.dual_encoder.DualEncoder``: a text tower and a vision
 tower) is exported as two artifacts, each running the model's own forward with one kind of input and producing
 its L2-normalised embeddings (a serving stack embeds texts and images apart); each carries only its tower's
-weights.
+weights. An encoder-decoder's two artifacts (encoder, decoder) are planned in `seq2seq.py`.
 """
 
 from __future__ import annotations
@@ -77,11 +77,6 @@ def check_exportable(model: nn.Module) -> None:
         raise ExportError(f"--export_formats: {name} is a LoRA adapter on a base model, which the exporter does not "
                           "take; add --merge_lora (the run then ends with a plain model with the adapter merged) and "
                           "export that run directory with `accel-train export OUTPUT_DIR --format ...`.")
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ExportError(f"--export_formats: {name} is an encoder-decoder, which generates by running its decoder "
-                          "once per new token; the exporter writes a single forward of fixed inputs and takes no "
-                          "encoder-decoder yet. Drop --export_formats (the final model is saved with "
-                          "save_pretrained), or train a causal LM, which exports.")
 
 
 class PairScorer(nn.Module):

@@ -2,8 +2,9 @@
 (config.json, or the model_factory.json that train() records for a model that describes itself), exports it in
 each format and verifies it against the model. nlp_finetune, image_classification and the contrastive towers are
 in test_export.py; here the detector, the segmenter (with their preprocessing saved beside the model), the fusion
-model (its two towers and its ITM scorer) and a causal LM of text_generation. A seq2seq model and an unmerged
-LoRA adapter are refused before training (test_text_generation.py)."""
+model (its two towers and its ITM scorer) and a causal LM of text_generation; its encoder-decoders (encoder and
+decoder artifacts, decoded against generate()) in test_export_seq2seq.py. An unmerged LoRA adapter is refused before
+training (test_text_generation.py)."""
 
 import json
 

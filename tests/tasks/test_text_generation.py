@@ -506,8 +506,6 @@ def test_what_would_fail_at_the_end_is_refused_before_training(tmp_path, dates):
         run(tmp_path, *data_flags(dates), "--generation_max_new_tokens", "600")
     with pytest.raises(ConfigError, match="is a generation score.*add --predict_with_generate"):
         run(tmp_path, *data_flags(dates), *T5, "--metric_for_best_model", "rougeL")
-    with pytest.raises(ExportError, match="is an encoder-decoder"):
-        run(tmp_path, *data_flags(dates), *T5, "--export_formats", "onnx")
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 

@@ -52,6 +52,13 @@ class FinishError(UserError):
     kind = "finish step failed"
 
 
+class MetricsError(UserError):
+    """An evaluation's metrics function raised or returned what is not a number, on some process (every process raises
+    it, together); during training the message says where the training state was saved before it."""
+
+    kind = "metrics failed"
+
+
 class TrainingDiverged(UserError):
     """A non-finite loss or gradient under --on_nonfinite stop (or too many skipped steps)."""
 

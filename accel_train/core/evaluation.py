@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from ..config import TrainConfig
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, MetricsError
 from .data import take_examples, take_real_tokens
 from .loss import as_loss_output, batch_size_of, tuple_target
 
@@ -105,9 +106,30 @@ def evaluate_model(
         samples = losses.numel()
     metrics[f"{prefix}_samples"] = float(samples)
     if metrics_fn is not None:
-        for key, value in metrics_fn(outputs).items():
-            metrics[metric_name(key, prefix)] = one_number(key, value)
+        metrics.update(agreed_metrics(accelerator, metrics_fn, outputs, prefix))
     return metrics
+
+
+def agreed_metrics(accelerator: Accelerator, metrics_fn: MetricsFn, outputs: dict[str, torch.Tensor],
+                   prefix: str) -> dict[str, float]:
+    """`metrics_fn` on the gathered outputs, its values as numbers. A failure on any process is a MetricsError on
+    every process (one gather of each process's error or None): a process that went on to the next collective while
+    another raised would wait forever for it."""
+    failure: Exception | None = None
+    try:
+        values = {metric_name(key, prefix): one_number(key, value) for key, value in metrics_fn(outputs).items()}
+    except Exception as err:  # noqa: BLE001 - raised below, on every process alike
+        failure = err
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    told = gather_object([said]) if accelerator.num_processes > 1 else [said]
+    if all(t is None for t in told):
+        return values
+    own = getattr(metrics_fn, "metrics_fn", metrics_fn)  # the user's, inside train()'s confusion recorder
+    name = getattr(own, "__qualname__", None) or type(own).__name__
+    ranks = [rank for rank, t in enumerate(told) if t is not None]
+    where = f" on process(es) {ranks}" if len(told) > 1 else ""
+    cause = said or told[ranks[0]]
+    raise MetricsError(f"the metrics function {name} failed{where} in the {prefix} evaluation ({cause}).") from failure
 
 
 def loss_outputs(loss_fn: Callable, model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .objects import steps_each_epoch, steps_each_optimizer_step
+from .rescue import after_step_saving_on_error, pending_evaluation
 from .session import Session
 from .state import TrainState
 
@@ -37,6 +38,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     spike = SpikeWatch(session.config.spike_window, session.config.spike_threshold,
                        state.spike_losses) if session.config.spike_window else None
     restored = session.position_restored  # a stream's loader that starts at its saved position skips nothing
+    stop = pending_evaluation(session, state) or stop  # resumed where a failed evaluation saved the step (rescue.py)
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:
             skip = 0 if restored else state.batch_in_epoch
@@ -67,7 +69,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     epoch_end = acc.gradient_state.end_of_dataloader  # the loader's real end, whatever its __len__
                     if epoch_end:
                         _next_epoch(session, state)
-                    stop = session.after_step(state, meter, epoch_end, grad_norm)
+                    stop = after_step_saving_on_error(session, state, meter, epoch_end, grad_norm)
                     if verdict.preempt:
                         session.preempt(state, meter)
                     if stop or state.step >= plan.total_steps:

@@ -26,6 +26,9 @@ class TrainState:
     # step of the last log, so that a resumed run logs that interval and its train_loss as an uninterrupted one.
     pending_loss: list[dict[str, Any]] = field(default_factory=list)
     last_log_step: int = 0
+    # Saved True only in the checkpoint written because this step's evaluation failed (core/rescue.py): a run resumed
+    # from it runs that evaluation before its first step, as the run that never failed did after this step.
+    evaluation_pending: bool = False
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
     spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)

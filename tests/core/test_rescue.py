@@ -1,0 +1,123 @@
+"""An error in a metric no longer costs the run's steps: the training state of the step is saved first (before the
+evaluation: its random states put back), the MetricsError says where, and the run resumed from it (the metric fixed)
+runs that evaluation first and ends bitwise where the run that never failed ends: the same weights, the same logged
+evaluations. 1 process in-process (with and without accumulation, a dropout model so that the random states matter),
+and 2 processes on the session's ranks (a metric that fails on one rank only: every rank raises and saves once)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_jsonl, reset_accelerate
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel_train import MetricsError, TrainConfig, train
+from accel_train.rundir.layout import checkpoint_name
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(48, 4, generator=g), torch.randint(0, 3, (48,), generator=g))
+
+
+def cross_entropy(model, batch):
+    x, y = batch
+    logits = model(x)
+    return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+class Accuracy:
+    """Accuracy over the evaluation set; raises at its `fail_at`-th evaluation (counting whole-set calls only: the
+    pre-flight's one-batch call is not one), on the ranks in `ranks` (all when None)."""
+
+    def __init__(self, fail_at: int | None = None, ranks: tuple[int, ...] | None = None):
+        self.fail_at, self.ranks, self.calls = fail_at, ranks, 0
+
+    def __call__(self, outputs):
+        if len(outputs["labels"]) == len(data()):
+            self.calls += 1
+            rank = int(os.environ.get("RANK", "0"))
+            if self.calls == self.fail_at and (self.ranks is None or rank in self.ranks):
+                raise ZeroDivisionError("a metric that divides by the count of a class")
+        return {"accuracy": (outputs["logits"].argmax(-1) == outputs["labels"]).float().mean()}
+
+
+def run(out, metrics_fn, accumulation: int = 1, resume: bool = False):
+    """8 optimizer steps on (x, y) tuples, evaluated every 2 steps, checkpointed every 3."""
+    reset_accelerate()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    config = TrainConfig(output_dir=str(out), max_steps=8, report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
+                         mixed_precision="no", eval_strategy="steps", eval_steps=2, logging_steps=1,
+                         save_strategy="steps", save_steps=3, seed=0,
+                         resume_from_checkpoint="latest" if resume else None)
+    loader = DataLoader(data(), batch_size=4 // accumulation, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return train(model, loader, config=config, loss_fn=cross_entropy, eval_loader=DataLoader(data(), batch_size=8),
+                 metrics_fn=metrics_fn)
+
+
+def evaluations(out) -> list[tuple]:
+    return [(r["step"], r["eval_loss"], r["eval_accuracy"]) for r in read_jsonl(out / "metrics.jsonl")
+            if "eval_accuracy" in r and not r.get("final")]
+
+
+def fail_then_resume(out, accumulation: int = 1, ranks: tuple[int, ...] | None = None) -> str:
+    """The run whose 2nd evaluation (step 4) fails, then the same run resumed with the metric fixed; the error."""
+    with pytest.raises(MetricsError) as failed:
+        run(out, Accuracy(fail_at=2, ranks=ranks), accumulation)
+    saved = json.loads((out / "checkpoints" / checkpoint_name(4) / "train_state.json").read_text())
+    assert saved["step"] == 4 and saved["evaluation_pending"] is True
+    run(out, Accuracy(), accumulation, resume=True)
+    return str(failed.value)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_metric_that_fails_once_costs_nothing_after_a_resume(tmp_path, accumulation):
+    run(tmp_path / "whole", Accuracy(), accumulation)
+    message = fail_then_resume(tmp_path / "cut", accumulation)
+    assert "the metrics function Accuracy failed in the eval evaluation (ZeroDivisionError: a metric that divides" \
+        in message
+    assert (f"The training state of step 4 was saved first, before this evaluation, in "
+            f"{tmp_path / 'cut' / 'checkpoints' / checkpoint_name(4)}: fix the metrics function and resume with "
+            "--resume_from_checkpoint latest") in message
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)  # bitwise: dropout's random states came back
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")  # step 4's evaluation ran on resume
+    assert [s for s, *_ in evaluations(tmp_path / "whole")] == [2, 4, 6, 8]
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+
+
+def failing_on_two_ranks(out: str, ranks: tuple[int, ...] | None) -> None:
+    with pytest.raises(MetricsError):
+        run(Path(out), Accuracy(fail_at=2, ranks=ranks))
+
+
+def whole_on_two_ranks(out: str, resume: bool = False) -> None:
+    run(Path(out), Accuracy(), resume=resume)
+
+
+@pytest.mark.parametrize("failing", [None, (1,)], ids=["every_rank", "rank_1_only"])
+def test_a_metric_error_on_two_processes_saves_once_on_every_rank_and_resumes(tmp_path, ranks, failing):
+    ranks.run(whole_on_two_ranks, str(tmp_path / "whole"))
+    ranks.run(failing_on_two_ranks, str(tmp_path / "cut"), failing)  # a rank left alone would hang: every one raises
+    saved = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir())
+    assert saved == [checkpoint_name(3), checkpoint_name(4)]  # one checkpoint of step 4, written by both ranks
+    state = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(4) / "train_state.json").read_text())
+    assert state["evaluation_pending"] is True and state["world_size"] == 2
+    for rank in (0, 1):
+        crash = json.loads((tmp_path / "cut" / f"crash_rank{rank}.json").read_text())
+        assert crash["error"] == "MetricsError" and "saved first" in crash["message"]
+        assert ("failed on process(es) [1]" if failing else "failed on process(es) [0, 1]") in crash["message"]
+    ranks.run(whole_on_two_ranks, str(tmp_path / "cut"), True)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")

@@ -36,10 +36,10 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance("datasets", ("5.2",), "core/stream.py",
              "IterableDataset._ex_iterable, a chain of iterables whose `buffer_size` says a shuffle buffer",
              "the refusal of a shuffled stream that would lose its buffer on resume"),
-    Reliance("torch", ("2.13",), "core/accelerator.py",
-             "torchrun's elastic agent keeps one TCPStore across restarts (TORCHELASTIC_RESTART_COUNT), so a "
-             "restarted CPU group joins through keys of its own attempt",
-             "elastic restarts on CPU (gloo)"),
+    Reliance("torch", ("2.13",), "core/rendezvous.py",
+             "torchrun's elastic agent gives every attempt one TCPStore (TORCHELASTIC_USE_AGENT_STORE=True, "
+             "MASTER_ADDR / MASTER_PORT), so a CPU group joins through keys its attempt agreed on",
+             "elastic restarts and membership changes on CPU (gloo)"),
     Reliance("torch", ("2.13",), "core/meter.py",
              "torch._C._current_graph_task_id (-1 outside a backward pass) and the FlopCounterMode custom_mapping "
              "that takes raw formulas (`_get_raw`)", "MFU's model FLOPs under --gradient_checkpointing (the "

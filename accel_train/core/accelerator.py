@@ -22,6 +22,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
 from .meter import cpu_info, device_peak
+from .rendezvous import join_attempt_group, reuses_agent_store
 from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
@@ -40,7 +41,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
     find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
     """
     _connect_cpu_processes()
-    _join_restarted_cpu_group(config.ddp_timeout)
+    _join_elastic_cpu_group(config.ddp_timeout)
     dynamo = None
     if config.torch_compile:  # otherwise Accelerate takes --dynamo_backend from the launcher, as usual
         from accelerate.utils import TorchDynamoPlugin
@@ -151,21 +152,14 @@ def _connect_cpu_processes() -> None:
         os.environ["ACCELERATE_USE_CPU"] = "1"
 
 
-def _join_restarted_cpu_group(timeout: int) -> None:
-    """Processes that torchrun's elastic agent restarted (TORCHELASTIC_RESTART_COUNT > 0) join their gloo group
-    through keys of their own attempt. The agent's store keeps the keys of the attempt before (torch assumes a new
-    store per restart: "no need to add prefix for each attempt"), so a restarted rank could read a dead one's
-    address and hang in gloo's connect or fail with "Connection refused" (seen in about half of the restarts on
-    this CPU, with accelerate launch and with torchrun). CPU (gloo) only; a GPU group is Accelerate's as before."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def _join_elastic_cpu_group(timeout: int) -> None:
+    """Processes started by torchrun's elastic agent on CPU join their gloo group through keys their attempt agreed
+    on (core/rendezvous.py: the agent's store keeps earlier attempts' keys, and restart counts differ between nodes
+    after a membership change). A GPU group, or a launcher without an agent store, is Accelerate's as before."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if restart == 0 or world == 1 or _has_accelerator() or torch.distributed.is_initialized():
+    if world == 1 or not reuses_agent_store() or _has_accelerator() or torch.distributed.is_initialized():
         return
-    wait = datetime.timedelta(seconds=timeout)
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                       is_master=False, timeout=wait)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore(f"accel_train/{restart}", store),
-                                         rank=int(os.environ["RANK"]), world_size=world, timeout=wait)
+    join_attempt_group(timeout)
 
 
 def _has_accelerator() -> bool:

@@ -4,13 +4,16 @@ torchrun's elastic agent restarting workers killed at random steps, and a hung p
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
 import torch
-from conftest import SCRIPTS, launch, run_toy, subprocess_env
+from conftest import SCRIPTS, free_port, launch, run_toy, subprocess_env
 from safetensors.torch import load_file
 
+from accel_train import TrainConfig
+from accel_train.core.accelerator import build_accelerator
 from accel_train.core.session import Session
 from accel_train.rundir.checkpoint import list_checkpoints
 
@@ -60,6 +63,33 @@ def test_auto_never_starts_afresh_over_checkpoints_that_fail_to_verify(tmp_path,
         weights.write_bytes(b"truncated")
     io = run_toy(capsys, ["--output_dir", str(out), *AUTO, "--logging_steps", "4", "--stop_at_step", "4"], code=2)
     assert "verifies against its manifest" in io.err
+
+
+def join_restarted_beside_another_attempts_keys(store_port: int, output_dir: str) -> None:
+    """On each of the session's 2 ranks: the group joined as workers that torchelastic restarted on a membership
+    change, where the nodes' restart counts differ (the agent of a node that joined later counts 0, the others 1) and
+    the agent's store, which every round of the job shares (hosted here by rank 0, as the leader agent would), holds
+    an earlier attempt's keys."""
+    rank = int(os.environ["RANK"])
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(1 - rank),
+                      TORCHELASTIC_RUN_ID="job", MASTER_PORT=str(store_port))
+    agent = None
+    if rank == 0:
+        agent = torch.distributed.TCPStore("127.0.0.1", store_port, 2, is_master=True, wait_for_workers=False)
+        stale = "0" * 32  # an earlier attempt's rank 1 said hello and was answered; this attempt must not read it
+        agent.set("accel_train/hello/1", stale)
+        agent.set(f"accel_train/ack/{stale}", "f" * 32)
+    accelerator = build_accelerator(TrainConfig(output_dir=output_dir, report_to=["none"], ddp_timeout=20))
+    total = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(total)
+    assert accelerator.num_processes == 2 and total.item() == 3.0
+    torch.distributed.barrier()  # the agent's store (rank 0) outlives rank 1's use of it
+    del agent
+
+
+def test_restarted_workers_whose_restart_counts_differ_join_one_group(ranks, tmp_path):
+    """Before: each rank keyed its group by its own node's restart count, so the two never met (20 s timeout)."""
+    ranks.run(join_restarted_beside_another_attempts_keys, free_port(), str(tmp_path / "run"), timeout=120)
 
 
 @pytest.mark.slow

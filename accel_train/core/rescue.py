@@ -1,20 +1,29 @@
-"""An evaluation that fails during training does not cost the steps before it: the training state is saved first.
+"""An error between two optimizer steps does not cost the steps before it: the training state is saved first.
 
-When the metrics function raises (or returns what is not a number) at an evaluation between optimizer steps — on any
-process: evaluation.agreed_metrics raises a MetricsError on every process together — the loop saves a checkpoint of
-the step just taken, as it stood *before* the evaluation: its random number states are put back to the step boundary
-(the evaluation's loader draws a seed from them), and the checkpoint is marked `evaluation_pending`. A run resumed
-from it (`--resume_from_checkpoint latest`, once the metric is fixed) runs that evaluation first — its logging, a
-plateau schedule's step, the best checkpoint, the hooks' on_evaluate — and then the next step: it continues as the
-run that never failed (tests/core/test_rescue.py: bitwise, 1 and 2 processes, with accumulation).
+* A metrics function that raises (or returns what is not a number) at an evaluation during training — on any
+  process: evaluation.agreed_metrics raises a MetricsError on every process together — makes the loop save a
+  checkpoint of the step just taken as it stood *before* the evaluation (its random states put back: the
+  evaluation's loader draws a seed from them), marked `evaluation_pending`. A run resumed from it
+  (`--resume_from_checkpoint latest`, the metric fixed) runs that evaluation first — its log, a plateau schedule's
+  step, the best checkpoint, the hooks' on_evaluate — then the next step, as the run that never failed did.
+* An error in a micro-batch's loss or backward (a loss that fails on the last, short batch of an epoch: a batch of
+  one) on a single process makes the loop save the last step boundary: the weights, optimizer and schedule are still
+  those of the last step, and the data position, the random states and the logging interval are put back to where
+  that step left them (`StepBoundary`, a few kB copied at each window's first micro-batch). The error is re-raised
+  as it was, with a note saying where the state is. Not on several processes: a rank whose loss raised cannot tell
+  whether the others are waiting in the gradient all-reduce, and a checkpoint is a collective. Not for a stream (its
+  saved position is the loader's, past the window's batches), nor before the first step (nothing to keep).
 
-Not saved: under --save_strategy no (no checkpoints asked for). The final evaluation needs nothing of this: finish()
+Neither saves under --save_strategy no. A resumed run ends bitwise where the run that never failed ends
+(tests/core/test_rescue.py: 1 and 2 processes, with accumulation). The final evaluation needs none of this: finish()
 saves the last step before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -85,3 +94,51 @@ def pending_evaluation(session, state) -> bool:
     if stop:  # agreed across ranks, as after_step agrees
         session.accelerator.set_trigger()
     return session.accelerator.check_trigger()
+
+
+class StepBoundary:
+    """The run as the last optimizer step left it, for a micro-batch that fails (module docstring): taken at each
+    accumulation window's first micro-batch, put back and saved if one of the window's micro-batches raises."""
+
+    METER = ("loss_sum", "items", "micro_batches", "samples", "tokens", "data_wait")  # the interval's figures
+
+    def __init__(self, session, state, meter):
+        self.session, self.state, self.meter = session, state, meter
+        self.position: tuple[int, int, int] | None = None
+
+    @contextlib.contextmanager
+    def kept(self, window_starts: bool) -> Iterator[None]:
+        """Around a micro-batch's loss and backward."""
+        if window_starts:
+            state, meter = self.state, self.meter
+            self.position = (state.batch_in_epoch, state.samples_in_epoch, state.samples_seen)
+            self.random = random_states()
+            # references, not copies: the meter replaces its tensors (x = x + loss), it never adds in place
+            self.figures = {name: getattr(meter, name) for name in self.METER} | {"terms": dict(meter.terms)}
+        try:
+            yield
+        except Exception as error:
+            path = self.save()
+            if path is not None:
+                error.add_note(f"accel_train: the training state of step {self.state.step}, the last optimizer step "
+                               f"before this error, was saved first in {path}: fix the cause and resume with "
+                               "--resume_from_checkpoint latest.")
+            raise
+
+    def save(self):
+        """Put the boundary back and save it; the checkpoint's path, or None where nothing is saved."""
+        session, state = self.session, self.state
+        if (self.position is None or state.step == 0 or session.config.save_strategy == "no"
+                or session.accelerator.num_processes > 1 or session.stream is not None):
+            return None
+        path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
+        if session.last_save == state.step:  # that checkpoint is this boundary already
+            return path
+        state.batch_in_epoch, state.samples_in_epoch, state.samples_seen = self.position
+        set_random_states(self.random)
+        for name, value in self.figures.items():
+            setattr(self.meter, name, value)
+        session.optimizer.zero_grad(set_to_none=True)  # the failed window's partial gradients are not the state
+        session.keep_interval(state, self.meter)
+        session.save(state)
+        return path

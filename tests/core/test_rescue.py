@@ -121,3 +121,47 @@ def test_a_metric_error_on_two_processes_saves_once_on_every_rank_and_resumes(tm
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+
+
+def squeezed(model, batch):  # a loss written for batches of several samples: squeeze() drops a batch of one's axis
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).squeeze(), y)
+
+
+def kept_axis(model, batch):  # the fix
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def short_batch_run(out, loss_fn, accumulation: int, resume: bool = False):
+    """2 epochs of 17 samples in batches of 4 (the epoch's last batch holds 1), evaluated every 2 steps, checkpointed
+    every 3."""
+    reset_accelerate()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    config = TrainConfig(output_dir=str(out), num_train_epochs=2, report_to=["none"], disable_tqdm=True,
+                         run_report=False, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
+                         mixed_precision="no", eval_strategy="steps", eval_steps=2, logging_steps=1,
+                         save_strategy="steps", save_steps=3, seed=0,
+                         resume_from_checkpoint="latest" if resume else None)
+    g = torch.Generator().manual_seed(0)
+    samples = TensorDataset(torch.randn(17, 4, generator=g), torch.randint(0, 3, (17,), generator=g))
+    loader = DataLoader(samples, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return train(model, loader, config=config, loss_fn=loss_fn, eval_loader=DataLoader(samples, batch_size=8))
+
+
+@pytest.mark.parametrize("accumulation, boundary", [(1, 4), (2, 2)])
+def test_a_loss_that_fails_on_the_last_short_batch_saves_the_step_before_it(tmp_path, accumulation, boundary):
+    short_batch_run(tmp_path / "whole", kept_axis, accumulation)
+    with pytest.raises(RuntimeError) as failed:  # the user's own error, as it was, with a note
+        short_batch_run(tmp_path / "cut", squeezed, accumulation)
+    path = tmp_path / "cut" / "checkpoints" / checkpoint_name(boundary)
+    assert (f"the training state of step {boundary}, the last optimizer step before this error, was saved first in "
+            f"{path}") in "\n".join(failed.value.__notes__)
+    saved = json.loads((path / "train_state.json").read_text())
+    assert (saved["epoch"], saved["batch_in_epoch"], saved["samples_seen"]) == (0, 4, 16)  # before the short batch
+    short_batch_run(tmp_path / "cut", kept_axis, accumulation, resume=True)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]

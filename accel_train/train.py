@@ -113,7 +113,7 @@ def train(
         raise
     if formats:  # after all_results.json and the weights: a failed export loses neither
         export_formats_at_end(session.accelerator, session.model, session.config.output_dir, formats,
-                              session.processing_class, session.eval_loader)
+                              session.processing_class, session.eval_loader, train_loader=session.train_loader)
         if end_training:
             end_training_safely(session.accelerator)
     return result

@@ -17,7 +17,7 @@ from ..errors import ExportError
 from ..rundir.layout import EXPORT_DIR
 from .factory import ModelFactory, describe_model
 from .formats import FORMATS, SUFFIX, write_artifact
-from .inputs import Sample, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
+from .inputs import Sample, first_samples, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
 from .rebuild import load_trained_model
 from .seq2seq import generation_summary, is_encoder_decoder, seq2seq_plans, verify_generation
 from .targets import export_targets
@@ -141,12 +141,13 @@ def export_run(path: str | Path, fmt: str, output: str | Path | None = None, *,
 
 def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path, formats: Sequence[str],
                           processing_class: Any = None, eval_loader: Any = None,
-                          tolerance: float = DEFAULT_TOLERANCE) -> list[ExportResult]:
+                          tolerance: float = DEFAULT_TOLERANCE, train_loader: Any = None) -> list[ExportResult]:
     """--export_formats: after the final safetensors export, export the trained model in each format into
     ``output_dir/export/FORMAT`` and verify it, on the main process (every process calls this; the others wait).
 
     The example inputs are the first evaluation batch (kept as export/example_inputs.safetensors for later
-    `accel-train export` runs), else made from `processing_class`. A plain module's factory is recorded too.
+    `accel-train export` runs), else made from `processing_class`, else (neither given) the training set's first
+    samples from `train_loader`. A plain module's factory is recorded too.
     Sharded models (FSDP, DeepSpeed) are skipped with a note: export them from the run directory afterwards.
     """
     if not formats:
@@ -159,8 +160,9 @@ def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path,
                   f"`accel-train export {output_dir} --format FORMAT` after training.", flush=True)
         else:
             try:
-                results = _export_at_end(accelerator, model, Path(output_dir), formats, processing_class,
-                                         eval_loader, tolerance)
+                loaders = (eval_loader, train_loader)
+                results = _export_at_end(accelerator, model, Path(output_dir), formats, processing_class, loaders,
+                                         tolerance)
             except Exception as err:  # noqa: BLE001 - raised below, after the barrier every process reaches
                 error = err
     accelerator.wait_for_everyone()  # the other processes must not tear down the group while the main exports
@@ -172,7 +174,7 @@ def export_formats_at_end(accelerator, model: nn.Module, output_dir: str | Path,
     return results
 
 
-def _export_at_end(accelerator, model, output_dir: Path, formats, processing_class, eval_loader, tolerance):
+def _export_at_end(accelerator, model, output_dir: Path, formats, processing_class, loaders, tolerance):
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
     exported = copy.deepcopy(bare).to("cpu", torch.float32).eval()  # a portable fp32 CPU artifact
     # Under mixed precision Accelerate replaces the model's forward with an autocast wrapper (an instance attribute,
@@ -183,7 +185,7 @@ def _export_at_end(accelerator, model, output_dir: Path, formats, processing_cla
     factory = describe_model(exported)
     if factory is not None:
         factory.save(output_dir)
-    sample = _end_sample(eval_loader, processing_class, exported)
+    sample = _end_sample(*loaders, processing_class, exported)
     sample.save(output_dir / EXPORT_DIR / SAMPLE_FILE)
     results = []
     for fmt in formats:
@@ -192,9 +194,10 @@ def _export_at_end(accelerator, model, output_dir: Path, formats, processing_cla
     return results
 
 
-def _end_sample(eval_loader: Any, processing_class: Any, model: nn.Module) -> Sample:
+def _end_sample(eval_loader: Any, train_loader: Any, processing_class: Any, model: nn.Module) -> Sample:
     """The first evaluation batch (read from the loader Accelerate wraps: no collective; a tuple batch's inputs named
-    after `model`'s forward), else made-up inputs."""
+    after `model`'s forward), else made-up inputs, else (nothing to make them from) the training set's first
+    samples."""
     processor = processing_class if hasattr(processing_class, "image_mean") else None
     tokenizer = None if processor is not None else processing_class
     pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
@@ -202,5 +205,8 @@ def _end_sample(eval_loader: Any, processing_class: Any, model: nn.Module) -> Sa
         batch = next(iter(getattr(eval_loader, "base_dataloader", eval_loader)), None)
         if isinstance(batch, (Mapping, tuple, list)):  # a dict, transformers' BatchEncoding, (inputs..., target)
             return sample_from_batch(batch, image_processor=processor, pad_token_id=pad, model=model)
+    batch = first_samples(train_loader) if processing_class is None and train_loader is not None else None
+    if batch is not None:
+        return sample_from_batch(batch, model=model, source="the run's training data (its first samples)")
     size = (processor.size or {}).get("height") if processor is not None else None
     return synthetic_sample(tokenizer, size, 3, processor)

@@ -3,7 +3,9 @@
 A `Sample` holds N rows of what the model's forward takes (``input_ids`` / ``attention_mask`` /
 ``token_type_ids`` for a text model, normalised float ``pixel_values`` for an image model). Where the rows come
 from, best first: the run's evaluation data (the first evaluation batch at the end of training, or a file the
-user gives), else inputs made from the run's saved tokenizer / image processor (`synthetic_sample`).
+user gives), else inputs made from the run's saved tokenizer / image processor (`synthetic_sample`), else (a run
+with neither) the training set's first samples. A tuple batch, ``(inputs, targets)`` or ``(x1, x2, y)``, gives
+every element but the last, named after the parameters of the model's forward they are passed as.
 
 `views` cuts the rows into the example a format traces with and the held-out inputs it is verified on: the
 same shape with other rows, another batch size with a longer (padded) sequence, and one unpadded row. A graph
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from ..errors import ExportError
 
@@ -151,6 +154,15 @@ def sample_from_batch(batch: Mapping[str, Any] | Sequence[Any], names: Sequence[
     if "pixel_values" in tensors:
         tensors["pixel_values"] = normalize_pixels(tensors["pixel_values"], image_processor)
     return Sample(tensors, source, pad_token_id)
+
+
+def first_samples(loader: Any) -> Any:
+    """The first rows of a map-style loader's dataset, collated by the loader's own collate function (read by index:
+    no sampler, no worker, no random number drawn); None for a stream."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or not len(dataset):
+        return None
+    return loader.collate_fn([dataset[i] for i in range(min(SAMPLE_ROWS, len(dataset)))])
 
 
 def positional_inputs(batch: Sequence[Any], model: Any, source: str) -> dict[str, torch.Tensor]:

@@ -46,14 +46,15 @@ def accuracy(outputs):
     return {"accuracy": (outputs["logits"].argmax(-1) == outputs["labels"]).float().mean()}
 
 
-def run(out, data: TensorDataset, **overrides):
+def run(out, data: TensorDataset, evaluated: bool = True, **overrides):
     reset_accelerate()
     torch.manual_seed(0)
     settings = dict(output_dir=str(out), max_steps=3, report_to=["none"], disable_tqdm=True, run_report=False,
                     per_device_train_batch_size=4, mixed_precision="no", save_strategy="no", seed=0)
     model = TwoInputs()
-    result = train(model, DataLoader(data, batch_size=4), config=TrainConfig(**{**settings, **overrides}),
-                   loss_fn=loss_fn, eval_loader=DataLoader(data, batch_size=8), metrics_fn=accuracy)
+    result = train(model, DataLoader(data, batch_size=4, shuffle=True), config=TrainConfig(**{**settings, **overrides}),
+                   loss_fn=loss_fn, eval_loader=DataLoader(data, batch_size=8) if evaluated else None,
+                   metrics_fn=accuracy if evaluated else None)
     return model, result
 
 
@@ -87,3 +88,17 @@ def test_integer_targets_of_a_tuple_batch_get_the_label_range_check(tmp_path):
                                           r"model's output\): valid labels are 0..2"):
         run(tmp_path / "run", dataset(two=False, label_offset=1))
     assert not (tmp_path / "run").exists() or list((tmp_path / "run").iterdir()) == []
+
+
+def test_without_an_evaluation_loader_export_takes_the_training_sets_first_samples(tmp_path):
+    data = dataset(two=True)
+    _, result = run(tmp_path / "run", data, evaluated=False, export_formats=["torchscript"])
+    assert result.state.step == 3  # train() returned to the script
+    meta = json.loads((tmp_path / "run" / "export" / "torchscript" / "export.json").read_text())
+    assert meta["example_inputs"] == "the run's training data (its first samples)"
+    (artifact,) = meta["artifacts"]
+    assert [i["name"] for i in artifact["inputs"]] == ["x", "z"] and artifact["verified"]
+    from safetensors.torch import load_file
+
+    kept = load_file(str(tmp_path / "run" / "export" / "example_inputs.safetensors"))
+    assert torch.equal(kept["x"], data.tensors[0][:8]) and torch.equal(kept["z"], data.tensors[1][:8])

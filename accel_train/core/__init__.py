@@ -6,6 +6,7 @@
     loss.py        the loss contract (means, or sums and counts), default_loss, the exact step gradient
     evaluation.py  gather and evaluate, the confusion matrix
     hooks.py       the hook protocol and EarlyStopping
+    control.py     RunControl: what a hook may steer (stop, save, evaluate), agreed by every rank
     optim.py       optimizer, schedule and the step plan, in optimizer steps
     data.py        loaders, worker seeding, length-grouped batches
     stream.py      a stream's loader position in checkpoints: exact resume without re-reading

@@ -1,13 +1,28 @@
-"""The hook protocol: plain objects with any of six optional methods.
+"""The hook protocol: plain objects with any of these optional methods (docs/hooks.md: every method, when it runs,
+on which ranks, what it may change).
 
-A hook observes the run; it never steers it, except that any method may return ``True`` to ask the loop
-to stop after the current step (the loop agrees the decision across all processes, so every rank stops at
-the same step). A hook with ``state_dict()`` / ``load_state_dict()`` is saved in checkpoints and restored
-on resume.
+    attach(run)                     once at the start: `run` is the RunControl (control.py): the prepared model,
+                                    optimizer, scheduler, plateau, accelerator and config, the trackers' names,
+                                    and request_stop() / request_save() / request_evaluate()
+    on_train_start(state)           before the first step
+    on_log(state, logs)             at each logging step (logs: what metrics.jsonl got)
+    on_evaluate(state, metrics)     after each evaluation
+    on_save(state, checkpoint_dir)  after each checkpoint
+    on_finish(session, metrics)     the finish seam: after the final evaluation and the final model, may add metrics
+    on_train_end(state, metrics)    last
+    state_dict() / load_state_dict(d)   the hook's own state, in every checkpoint
 
-    class PrintEval:
+A hook steers only through its requests, carried out at the next optimizer-step boundary on every rank (the loop
+agrees them across processes, so every rank evaluates, saves and stops at the same step). Returning ``True`` from
+on_train_start, on_log, on_evaluate or on_save asks for a stop too, as hooks did before RunControl.
+
+    class StopAtTarget:
+        def attach(self, run):
+            self.run = run
+
         def on_evaluate(self, state, metrics):
-            print(state.step, metrics)
+            if metrics["eval_accuracy"] >= 0.9:
+                self.run.request_stop()
 """
 
 from __future__ import annotations
@@ -19,6 +34,10 @@ from typing import Any, Protocol, runtime_checkable
 @runtime_checkable
 class Hook(Protocol):
     """All methods are optional; implement the ones you need. Return True to ask the loop to stop."""
+
+    def attach(self, run) -> None:
+        """Once, when the run starts (fresh or resumed), before load_state_dict and on_train_start, on every rank that
+        has the hook: keep `run` (a RunControl) to read the prepared objects and make requests."""
 
     def on_train_start(self, state) -> bool | None: ...
 
@@ -36,7 +55,7 @@ class Hook(Protocol):
     def on_train_end(self, state, metrics: dict[str, float]) -> bool | None: ...
 
 
-HOOK_EVENTS = ("on_train_start", "on_log", "on_evaluate", "on_save", "on_finish", "on_train_end")
+HOOK_EVENTS = ("attach", "on_train_start", "on_log", "on_evaluate", "on_save", "on_finish", "on_train_end")
 
 
 def call_hooks(hooks, event: str, *args) -> bool:

@@ -36,6 +36,7 @@ from ..rundir.run_files import end_attempt
 from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
+from .control import attach_hooks, settle
 from .data import dataset_size, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
@@ -130,6 +131,7 @@ class Session:
         self._prepare_evaluation(spec, loss_fn)
         self.processing_class, self.extra_configs = spec.processing_class, tuple(spec.extra_configs)
         self.hooks: list[Any] = []  # attached by start(), once the run has been checked
+        self.control: Any = None  # start(): what the hooks may steer (control.RunControl)
         self.resume_path: Path | None = None  # the checkpoint start() resumed from
         self.log = RunLog(acc, config.output_dir, plan.total_steps, config.run_name or "accel_train",
                           disable_bar=config.disable_tqdm)
@@ -165,6 +167,7 @@ class Session:
         acc = self.accelerator
         declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
+        self.control = attach_hooks(self)  # attach(run) before a resume's load_state_dict: hooks may build there
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
         if self.resume_path:
             resumed = resume(self)
@@ -190,8 +193,8 @@ class Session:
 
     # --------------------------------------------------------------------------------------- between steps
     def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:
-        """Log, evaluate, save and call the hooks at their intervals; True when the run should stop (agreed by
-        every rank)."""
+        """Log, evaluate, save and call the hooks at their intervals, then what the hooks asked (control.py); True
+        when the run should stop (agreed by every rank)."""
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
         faults.signal_point(state.step)
         faults.peer_fault_point(state.step, self.accelerator.process_index)
@@ -214,11 +217,7 @@ class Session:
             stop |= self.save(state, best=improved)
             acted = True
         meter.pause(time.perf_counter() - started)
-        if not acted:
-            return False
-        if stop:  # agreed across ranks, so that every process stops at the same step
-            self.accelerator.set_trigger()
-        return self.accelerator.check_trigger()
+        return settle(self, state, meter, stop, acted)  # the ranks' requests and stops agreed, the requested work done
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
         record = meter.record()
@@ -302,6 +301,7 @@ class Session:
             ckpt.verify_checkpoint(rollback.checkpoint)
             self.verified.add(rollback.checkpoint.name)
         restore_in_place(self, state, rollback.checkpoint)
+        self.control.forget()  # requests made during the dropped step go with it
         state.excluded_batches, state.spike_rollbacks = excluded, rollbacks
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         if self.last_eval[0] > state.step:

@@ -14,6 +14,7 @@ from typing import Any
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError
 from .layout import HISTORY, MLFLOW_DB, WANDB_DIR
 
 
@@ -33,6 +34,9 @@ class RunLog:
         self.bar: tqdm | None = None
         self.initial_step = self.last_step = 0
         self.replayed = 0  # steps an --on_spike rollback abandoned: the trackers' steps count on past them
+        # a hook's names for the trackers ({"loss": "Loss/train"}, RunControl.tracker_names); metrics.jsonl, the
+        # report and all_results.json keep the loop's names, which they (and accel-train report / compare) read back
+        self.tracker_names: dict[str, str] = {}
 
     def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
         if self.main:
@@ -54,7 +58,7 @@ class RunLog:
                 fh.write(json.dumps(json_safe({"step": step, **record, **({"final": True} if final else {})})) + "\n")
             if any(k.startswith(("eval_", "test_")) for k in record):
                 self.write(evaluation_line(record, step, final))
-        self.accelerator.log(record, step=step + self.replayed)
+        self.to_trackers(record, step)
         if "loss" in record and self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['learning_rate']:.3g}",
                                  samples_s=f"{record.get('samples_per_second', 0):.1f}", refresh=False)
@@ -66,7 +70,18 @@ class RunLog:
         numbers = {k: v for k, v in metrics.items()
                    if k.startswith("train_") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if numbers and self.accelerator.log_with:
-            self.accelerator.log(numbers, step=step + self.replayed)
+            self.to_trackers(numbers, step)
+
+    def to_trackers(self, record: dict[str, Any], step: int) -> None:
+        """`record` to the trackers, under the names of `tracker_names` (the others as they are)."""
+        named: dict[str, Any] = {}
+        for key, value in record.items():
+            name = self.tracker_names.get(key, key)
+            if name in named:  # a tracker would keep one of the two values under that name
+                raise ConfigError(f"tracker_names {self.tracker_names}: two logged names reach the trackers as "
+                                  f"{name!r} (in {sorted(record)}); give each its own name.")
+            named[name] = value
+        self.accelerator.log(named, step=step + self.replayed)
 
     def rewind(self, step: int, record: dict[str, Any]) -> None:
         """--on_spike rollback: the run goes on from `step`, with `record` marking where and why. metrics.jsonl keeps

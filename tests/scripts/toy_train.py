@@ -103,7 +103,8 @@ def train_loader(toy: ToyArgs, config: TrainConfig) -> DataLoader:
                       num_workers=config.dataloader_num_workers or 0)
 
 
-def main(argv=None):
+def main(argv=None, hooks=()):
+    """`hooks`: more hooks, after the one that stops at --stop_at_step (tests of the hook API add theirs)."""
     quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False}
     config, toy = parse_config((TrainConfig, ToyArgs), argv, defaults=quiet)
     accelerator = build_accelerator(config)
@@ -131,7 +132,7 @@ def main(argv=None):
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,
         config=config,
-        hooks=[StopAt(toy.stop_at_step, seen)],
+        hooks=[StopAt(toy.stop_at_step, seen), *hooks],
         accelerator=accelerator,
         extra_configs=[toy],
     )

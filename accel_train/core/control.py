@@ -39,6 +39,7 @@ class RunControl:
         self.session = session
         self.pending: set[str] = set()  # this rank's requests since the last agreement
         self.steering = False  # some rank has a hook that attached: the requests are agreed at every step boundary
+        self.closed = False  # the loop is over: no step boundary is left to carry out a request
 
     # ------------------------------------------------------------------------------------- the prepared objects
     @property
@@ -81,12 +82,12 @@ class RunControl:
     # ------------------------------------------------------------------------------------------- the requests
     def request_stop(self) -> None:
         """Stop at the next step boundary (every rank), then finish as usual: final evaluation, checkpoint, model."""
-        self.pending.add("stop")
+        self.ask("stop")
 
     def request_save(self) -> None:
         """A checkpoint at the next step boundary (every rank), a real one: resumable, rotated by --save_total_limit,
         written even with --save_strategy no. Nothing more when that step is saved anyway."""
-        self.pending.add("save")
+        self.ask("save")
 
     def request_evaluate(self) -> None:
         """An evaluation at the next step boundary (every rank), as a due one: logged, on_evaluate called, the weight
@@ -95,9 +96,22 @@ class RunControl:
         if self.session.eval_loader is None:
             raise ConfigError("request_evaluate(): this run has no evaluation loader; pass eval_loader= to train() "
                               "(evaluations follow --eval_strategy; a request adds one).")
-        self.pending.add("evaluate")
+        self.ask("evaluate")
+
+    def ask(self, request: str) -> None:
+        if self.closed:
+            raise ConfigError(f"request_{request}() after the last step: training is over, nothing is left to "
+                              f"{request} (the final evaluation and checkpoint follow --eval_strategy and "
+                              "--save_strategy). Ask from attach, on_train_start, on_log, on_evaluate or on_save; "
+                              "in on_finish, work on session.model directly.")
+        self.pending.add(request)
 
     # --------------------------------------------------------------------------------------------- the loop's
+    def close(self) -> None:
+        """The loop ended: later requests are refused (a request pending now, made with no step left, is dropped)."""
+        self.closed = True
+        self.pending.clear()
+
     def agree(self, stop: bool = False) -> set[str]:
         """Every rank's requests since the last agreement (and `stop`, a hook's returned True), the same set on every
         rank; this rank's are then cleared. A collective on several processes: every rank calls it at the same

@@ -22,7 +22,7 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .objects import steps_each_epoch, steps_each_optimizer_step
-from .rescue import StepBoundary, after_step_saving_on_error, pending_evaluation
+from .rescue import StepBoundary, pending_evaluation
 from .session import Session
 from .state import TrainState
 
@@ -39,17 +39,17 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                        state.spike_losses) if session.config.spike_window else None
     restored = session.position_restored  # a stream's loader that starts at its saved position skips nothing
     stop = pending_evaluation(session, state) or stop  # resumed where a failed evaluation saved the step (rescue.py)
-    boundary = StepBoundary(session, state, meter)  # a micro-batch that raises saves the last step first (rescue.py)
+    boundary = StepBoundary(session, state, meter)  # an error between steps saves the last step first (rescue.py)
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:
+            boundary.take()  # an epoch's start, or a rollback's: the next window's first batch is not fetched yet
             skip = 0 if restored else state.batch_in_epoch
             restored = False  # later epochs, and a rollback's replay, start where their state says
             with closing(epoch_batches(session, state, skip)) as batches:  # closed: Accelerate's pass ends
                 for batch, waited in batches:
                     n = take_examples(batch, batch_size_of(batch))  # a padding-free row holds several examples
                     tokens = take_real_tokens(batch)  # before the loss: a packed batch's count is no model input
-                    with boundary.kept(window.micro_batches == 0), acc.accumulate(model), \
-                            meter.flops.measure(n, _positions(batch)):  # MFU: counted once
+                    with boundary.kept(), acc.accumulate(model), meter.flops.measure(n, _positions(batch)):  # MFU once
                         out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
                         acc.backward(out["objective"])  # Accelerate divides by the accumulation count
                     window.add(out)
@@ -71,11 +71,12 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     epoch_end = acc.gradient_state.end_of_dataloader  # the loader's real end, whatever its __len__
                     if epoch_end:
                         _next_epoch(session, state)
-                    stop = after_step_saving_on_error(session, state, meter, epoch_end, grad_norm)
+                    stop = boundary.after_step(epoch_end, grad_norm)  # session.after_step: log, evaluate, save
                     if verdict.preempt:
                         session.preempt(state, meter)
                     if stop or state.step >= plan.total_steps:
                         break
+    session.control.close()  # no step boundary is left: a request from now on (on_finish, on_train_end) is refused
 
 
 def optimizer_step(session: Session, state: TrainState, window: Window, guard: StepGuard, probe: Any | None):

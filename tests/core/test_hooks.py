@@ -19,7 +19,7 @@ import toy_train
 from conftest import ROOT, read_jsonl, reset_accelerate, toy_records
 from safetensors.torch import load_file
 
-from accel_train import ConfigError, TrainConfig, train
+from accel_train import ConfigError, FinishError, TrainConfig, train
 from accel_train.rundir.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,6 +183,20 @@ def test_request_evaluate_without_an_evaluation_loader_says_what_to_pass(tmp_pat
 
     with pytest.raises(ConfigError, match="no evaluation loader; pass eval_loader="):
         regression_run(tmp_path / "run", [], hooks=[AskAtOnce()], evaluate=False)
+
+
+def test_a_request_after_the_last_step_is_refused_not_ignored(tmp_path):
+    class AskAtTheEnd:
+        def attach(self, run):
+            self.run = run
+
+        def on_finish(self, session, metrics):
+            self.run.request_save()
+
+    with pytest.raises(FinishError) as refused:
+        toy(tmp_path / "run", "--max_steps", "2", hooks=[AskAtTheEnd()])
+    assert "request_save() after the last step" in str(refused.value.__cause__)
+    assert (tmp_path / "run" / "model.safetensors").exists(), "the trained model was written before the seam"
 
 
 # ------------------------------------------------------------------------------------- docs/hooks.md's examples

@@ -1,0 +1,108 @@
+"""The three ports of docs/ports.md, run as their `main(argv)` in this process at tiny sizes: the tutorial loop
+(SGD, StepLR per epoch + ReduceLROnPlateau, early stopping, TorchScript), Accelerate's complete_nlp_example (AdamW,
+linear warmup per step, accuracy/F1, a checkpoint per epoch, tracking) and a two-input research model (parameter
+groups, an auxiliary loss, a stream of (x1, x2, y) tuples). Each test reads the run directory and the printed
+start-up report: every behaviour is the user's or stated, and each program, cut by SIGTERM and resumed with
+--resume_from_checkpoint latest, ends bitwise equal to its uninterrupted run."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import read_jsonl, reset_accelerate
+from safetensors.torch import load_file
+
+from accel_train import Preempted
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs" / "ports"))
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUIET = ["--disable_tqdm", "--run_report", "false"]
+
+
+def run(program: str, out: Path, *flags: str) -> dict[str, float]:
+    reset_accelerate()
+    return importlib.import_module(program).main(["--output_dir", str(out), "--tiny", *QUIET, *flags])
+
+
+def cut_and_resume(monkeypatch, program: str, out: Path, after_step: int, *flags: str) -> None:
+    """SIGTERM after `after_step` (the loop checkpoints the next step boundary and stops), then resume latest."""
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", f"sigterm_after_step:{after_step}")
+    with pytest.raises(Preempted):
+        run(program, out, *flags)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    run(program, out, *flags, "--resume_from_checkpoint", "latest")
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def evaluations(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["eval_loss"]) for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r]
+
+
+def logged_lr(out: Path) -> dict[int, float]:
+    """metrics.jsonl's learning_rate at each logged step: the rate *after* that step's schedule step (the
+    Trainer's convention), i.e. the rate the next step runs with."""
+    return {r["step"]: r["learning_rate"] for r in read_jsonl(out / "metrics.jsonl") if "learning_rate" in r}
+
+
+def what_ran(out: Path) -> dict:
+    return yaml.safe_load((out / "config.yaml").read_text())["what_ran"]
+
+
+# ------------------------------------------------------------------------------------------- the tutorial loop
+TUTORIAL = ["--num_train_epochs", "3", "--logging_steps", "1"]
+
+
+def test_tutorial_loop_runs_the_users_objects_on_their_clocks_exports_and_resumes_bitwise(tmp_path, capsys,
+                                                                                         monkeypatch):
+    run("tutorial_loop", tmp_path / "whole", *TUTORIAL)
+    report = capsys.readouterr().out
+    assert ("schedule         yours, StepLR, stepped each epoch; beside it ReduceLROnPlateau, stepped at each "
+            "evaluation, on eval_loss") in report
+    assert "optimizer        SGD (yours): lr 0.1, weight decay 0" in report
+    assert "clipping         global grad norm clipped to 1 (the default; --max_grad_norm 0 turns it off)" in report
+    assert "seed             1" in report and "precision        fp32" in report
+    assert "[warning]" not in report  # the port's rate is --learning_rate: nothing to reconcile
+    assert what_ran(tmp_path / "whole") == {
+        "optimizer": {"class": "SGD", "given": "yours", "groups": [{"lr": 0.1, "weight_decay": 0.0}]},
+        "scheduler": {"class": "StepLR", "given": "yours", "stepped": "each epoch"},
+        "plateau": {"class": "ReduceLROnPlateau", "given": "yours", "stepped": "at each evaluation, on eval_loss"},
+        "clipping": {"max_grad_norm": 1.0}}
+    lr = logged_lr(tmp_path / "whole")  # 4 steps an epoch; epoch 0 ran at 0.1, epoch 1 at 0.01, epoch 2 at 0.001
+    assert [lr[s] for s in range(1, 12)] == pytest.approx([0.1] * 3 + [0.01] * 4 + [0.001] * 4)
+    # the TorchScript file loads without the Python class and gives the trained model's outputs, as a tuple
+    # (docs/deploy.md: an artifact returns a tuple of tensors)
+    meta = json.loads((tmp_path / "whole" / "export" / "torchscript" / "export.json").read_text())
+    (artifact,) = meta["artifacts"]
+    assert artifact["verified"] and artifact["max_abs_diff"] <= 1e-5
+    scripted = torch.jit.load(str(tmp_path / "whole" / "export" / "torchscript" / "model.pt"))
+    trained = importlib.import_module("tutorial_loop").Net(channels=4)
+    trained.load_state_dict(load_file(tmp_path / "whole" / "model.safetensors"))
+    x = torch.randn(3, 1, 28, 28)
+    (logits,) = scripted(x)
+    assert torch.allclose(logits, trained.eval()(x), atol=1e-5)
+    cut_and_resume(monkeypatch, "tutorial_loop", tmp_path / "cut", 5, *TUTORIAL)  # in epoch 1
+    assert same_weights(tmp_path / "whole", tmp_path / "cut")
+    assert evaluations(tmp_path / "cut")[-3:] == evaluations(tmp_path / "whole")[-3:]
+    assert logged_lr(tmp_path / "cut") == logged_lr(tmp_path / "whole")  # both schedules' states came back
+
+
+def test_tutorial_loop_early_stopping_stops_and_the_best_model_is_kept_and_said(tmp_path, capsys):
+    """Any evaluation must beat the best by 1.0 to count: the second one does not, patience 1 stops the run there."""
+    metrics = run("tutorial_loop", tmp_path / "run", "--num_train_epochs", "3", "--early_stopping_patience", "1",
+                  "--early_stopping_threshold", "1.0", "--run_report", "true")
+    assert metrics["train_steps"] == 8  # of 12 planned
+    assert "| status | stopped early at step 8 of 12 |" in (tmp_path / "run" / "report.md").read_text()
+    (best_step, best_loss) = min(evaluations(tmp_path / "run")[:2], key=lambda e: e[1])
+    printed = capsys.readouterr().out
+    assert f"restored the best checkpoint {tmp_path / 'run' / 'checkpoints' / f'step-{best_step:08d}'}" in printed
+    assert metrics["eval_loss"] == pytest.approx(best_loss)  # the final evaluation is the best model's

@@ -9,7 +9,7 @@
 * An error in a micro-batch's loss or backward (a loss that fails on the last, short batch of an epoch: a batch of
   one) on a single process makes the loop save the last step boundary: the weights, optimizer and schedule are still
   those of the last step, and the data position, the random states and the logging interval are put back to where
-  that step left them (`StepBoundary`, a few kB copied at each window's first micro-batch). The error is re-raised
+  that step left them (`StepBoundary`: a few kB copied at each step boundary). The error is re-raised
   as it was, with a note saying where the state is. Not on several processes: a rank whose loss raised cannot tell
   whether the others are waiting in the gradient all-reduce, and a checkpoint is a collective. Not for a stream (its
   saved position is the loader's, past the window's batches), nor before the first step (nothing to keep).
@@ -47,16 +47,6 @@ def set_random_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def after_step_saving_on_error(session, state, meter, epoch_end: bool, grad_norm=None) -> bool:
-    """`session.after_step`; a MetricsError there saves this step's training state first (module docstring)."""
-    state.evaluation_pending = False  # a rollback to a checkpoint saved by a failed evaluation must not carry it on
-    before = random_states()  # a few kB copied per optimizer step: the evaluation draws from them
-    try:
-        return session.after_step(state, meter, epoch_end, grad_norm)
-    except MetricsError as error:
-        raise saved_before(session, state, meter, before, error) from error
 
 
 def saved_before(session, state, meter, before: dict, error: MetricsError) -> MetricsError:
@@ -97,24 +87,41 @@ def pending_evaluation(session, state) -> bool:
 
 
 class StepBoundary:
-    """The run as the last optimizer step left it, for a micro-batch that fails (module docstring): taken at each
-    accumulation window's first micro-batch, put back and saved if one of the window's micro-batches raises."""
+    """The run as the last optimizer step left it: the data position, the random states and the logging interval,
+    taken at each step boundary (after the step's log, evaluation and checkpoint, before the next batch is fetched:
+    a transform in the loader may draw random numbers), for a micro-batch that fails (module docstring). Its
+    `after_step` is the session's, with a failed evaluation's rescue around it."""
 
     METER = ("loss_sum", "items", "micro_batches", "samples", "tokens", "data_wait")  # the interval's figures
 
     def __init__(self, session, state, meter):
         self.session, self.state, self.meter = session, state, meter
-        self.position: tuple[int, int, int] | None = None
+        self.take()
+
+    def take(self) -> None:
+        """Where the run stands now is a step boundary (the loop's start, an epoch's, a rollback's, a step's end)."""
+        state, meter = self.state, self.meter
+        self.position = (state.batch_in_epoch, state.samples_in_epoch, state.samples_seen)
+        self.random = random_states()  # a few kB copied per step
+        # references, not copies: the meter replaces its tensors (x = x + loss), it never adds in place
+        self.figures = {name: getattr(meter, name) for name in self.METER} | {"terms": dict(meter.terms)}
+
+    def after_step(self, epoch_end: bool, grad_norm=None) -> bool:
+        """`session.after_step`; a MetricsError there saves this step's training state first, as it was before the
+        evaluation (module docstring). True when the run should stop."""
+        session, state = self.session, self.state
+        state.evaluation_pending = False  # a rollback to a checkpoint a failed evaluation saved must not carry it on
+        before = random_states()  # the evaluation draws from them
+        try:
+            stop = session.after_step(state, self.meter, epoch_end, grad_norm)
+        except MetricsError as error:
+            raise saved_before(session, state, self.meter, before, error) from error
+        self.take()
+        return stop
 
     @contextlib.contextmanager
-    def kept(self, window_starts: bool) -> Iterator[None]:
-        """Around a micro-batch's loss and backward."""
-        if window_starts:
-            state, meter = self.state, self.meter
-            self.position = (state.batch_in_epoch, state.samples_in_epoch, state.samples_seen)
-            self.random = random_states()
-            # references, not copies: the meter replaces its tensors (x = x + loss), it never adds in place
-            self.figures = {name: getattr(meter, name) for name in self.METER} | {"terms": dict(meter.terms)}
+    def kept(self) -> Iterator[None]:
+        """Around a micro-batch's loss and backward: an error there saves the last step boundary first."""
         try:
             yield
         except Exception as error:
@@ -128,8 +135,8 @@ class StepBoundary:
     def save(self):
         """Put the boundary back and save it; the checkpoint's path, or None where nothing is saved."""
         session, state = self.session, self.state
-        if (self.position is None or state.step == 0 or session.config.save_strategy == "no"
-                or session.accelerator.num_processes > 1 or session.stream is not None):
+        if (state.step == 0 or session.config.save_strategy == "no" or session.accelerator.num_processes > 1
+                or session.stream is not None):
             return None
         path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
         if session.last_save == state.step:  # that checkpoint is this boundary already

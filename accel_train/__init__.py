@@ -15,6 +15,7 @@ and `errors.py` at the bottom. Nothing inside the package imports this module.
 
 from .config import TrainConfig, parse_config, parse_with_defaults, save_config
 from .core.accelerator import build_accelerator, precision_in_effect
+from .core.control import RunControl
 from .core.data import (
     LengthGroupedSampler,
     SeededItems,
@@ -92,6 +93,7 @@ __all__ = [
     "SeededItems",
     "seed_worker",
     "Hook",
+    "RunControl",
     "EarlyStopping",
     "save_final_model",
     "list_checkpoints",

@@ -49,7 +49,7 @@ def set_random_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def saved_before(session, state, meter, before: dict, error: MetricsError) -> MetricsError:
+def saved_before(session, state, meter, before: dict | None, error: MetricsError) -> MetricsError:
     """Save the step's state as it was before the failed evaluation (collective: every process raised it); the
     error to raise, saying where it is."""
     config = session.config
@@ -57,7 +57,8 @@ def saved_before(session, state, meter, before: dict, error: MetricsError) -> Me
         return MetricsError(f"{error} Nothing was saved (--save_strategy no): the run stops at step {state.step}.")
     path = checkpoints_dir(config.output_dir) / checkpoint_name(state.step)
     if session.last_save != state.step:
-        set_random_states(before)
+        if before is not None:
+            set_random_states(before)
         session.keep_interval(state, meter)
         state.evaluation_pending = True
         try:
@@ -111,7 +112,7 @@ class StepBoundary:
         evaluation (module docstring). True when the run should stop."""
         session, state = self.session, self.state
         state.evaluation_pending = False  # a rollback to a checkpoint a failed evaluation saved must not carry it on
-        before = random_states()  # the evaluation draws from them
+        before = random_states() if session.eval_loader is not None else None  # the evaluation draws from them
         try:
             stop = session.after_step(state, self.meter, epoch_end, grad_norm)
         except MetricsError as error:

@@ -111,3 +111,15 @@ def test_a_metric_that_raises_on_one_batch_is_a_warning_and_the_run_goes_on(tmp_
     assert warning["level"] == "warning"
     assert warning["message"].startswith("the metrics function every_class_recall raised ValueError: recall needs "
                                          "every class")
+
+
+def refused_on_this_rank(out: str) -> None:
+    with pytest.raises(ConfigError, match=r"the loss function per_sample returned a loss of shape \[4\]"):
+        fly(__import__("pathlib").Path(out), loss_fn=per_sample)
+
+
+def test_two_processes_refuse_the_same_start(tmp_path, ranks):
+    """Every rank runs the check on the same first samples (read by index), and the findings are merged: both refuse
+    before anything is written."""
+    ranks.run(refused_on_this_rank, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists() or list((tmp_path / "run").iterdir()) == []

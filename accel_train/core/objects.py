@@ -85,13 +85,18 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
     return ran
 
 
-def report_lines(ran: dict[str, Any], config: TrainConfig) -> tuple[str | None, list[str]]:
-    """The start-up report's words for `what_ran`: the schedule line for a scheduler of the user's (None: the
-    report's own line, built from the config, is true) and the optimizer and clipping lines. Each thing the user did
-    not choose is named as a default."""
+def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0) -> tuple[str | None, list[str]]:
+    """The start-up report's words for `what_ran`: the schedule line for a scheduler of the user's, or for one built
+    over the user's optimizer (None: the report's own line, built from the config, is true) and the optimizer and
+    clipping lines. Each thing the user did not choose is named as a default."""
     opt, sched = ran["optimizer"], ran["scheduler"]
     schedule = None
-    if sched["given"] == "yours":
+    if sched["given"] != "yours" and opt["given"] == "yours":
+        # a built schedule multiplies each group's own rate: --learning_rate is not its peak
+        rates = ", ".join(f"{g['lr']:g}" for g in opt["groups"][:4]) + (", ..." if len(opt["groups"]) > 4 else "")
+        schedule = (f"{config.lr_scheduler_type}, peak lr {rates} (your optimizer's rates, each group's own; "
+                    f"--learning_rate does not apply), {warmup_steps} warmup step(s)")
+    elif sched["given"] == "yours":
         default = (" (--scheduler_interval step, the default; epoch steps it at each epoch's end)"
                    if sched["stepped"] == "each optimizer step" else "")
         beside = f"; beside it {ran['plateau']['class']}, stepped {ran['plateau']['stepped']}" if "plateau" in ran \

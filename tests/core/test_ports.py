@@ -106,3 +106,64 @@ def test_tutorial_loop_early_stopping_stops_and_the_best_model_is_kept_and_said(
     printed = capsys.readouterr().out
     assert f"restored the best checkpoint {tmp_path / 'run' / 'checkpoints' / f'step-{best_step:08d}'}" in printed
     assert metrics["eval_loss"] == pytest.approx(best_loss)  # the final evaluation is the best model's
+
+
+# ----------------------------------------------------------------------------------- complete_nlp_example
+NLP = ["--num_train_epochs", "2", "--warmup_steps", "2", "--logging_steps", "1"]  # 64 sentences: 4 steps an epoch
+
+
+def test_complete_nlp_example_states_its_schedule_checkpoints_each_epoch_tracks_and_resumes_bitwise(
+        tmp_path, capsys, monkeypatch):
+    metrics = run("complete_nlp_example", tmp_path / "whole", *NLP)
+    report = capsys.readouterr().out
+    assert ("schedule         yours, LambdaLR, stepped each optimizer step (--scheduler_interval step, the default; "
+            "epoch steps it at each epoch's end)") in report
+    assert "optimizer        AdamW (yours): lr 2e-05, weight decay 0.01" in report  # torch's AdamW default, stated
+    assert "clipping         global grad norm clipped to 1 (the default" in report
+    assert "seed             42" in report and "[warning]" not in report
+    ran = what_ran(tmp_path / "whole")
+    assert ran["scheduler"] == {"class": "LambdaLR", "given": "yours", "stepped": "each optimizer step"}
+    assert ran["optimizer"]["groups"] == [{"lr": 2e-05, "weight_decay": 0.01}]
+    lr = logged_lr(tmp_path / "whole")  # warmup 2 steps to 2e-5, then linear to 0 at step 8: one schedule step each
+    assert [lr[s] for s in range(1, 9)] == pytest.approx([1e-5, 2e-5, *(2e-5 * k / 6 for k in range(5, -1, -1))])
+    assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == ["step-00000004",
+                                                                                      "step-00000008"]
+    assert {"eval_accuracy", "eval_f1"} <= set(metrics)
+    assert list((tmp_path / "whole" / "runs").rglob("events.out.tfevents.*"))  # --report_to tensorboard
+    cut_and_resume(monkeypatch, "complete_nlp_example", tmp_path / "cut", 5, *NLP)
+    assert same_weights(tmp_path / "whole", tmp_path / "cut")
+    assert evaluations(tmp_path / "cut")[-1] == evaluations(tmp_path / "whole")[-1]
+
+
+# ----------------------------------------------------------------------------------- the two-input research model
+RESEARCH = ["--max_steps", "12", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "2"]
+
+
+def test_two_input_research_states_its_groups_logs_the_auxiliary_loss_and_resumes_a_stream_bitwise(
+        tmp_path, capsys, monkeypatch):
+    run("two_input_research", tmp_path / "whole", *RESEARCH)
+    report = capsys.readouterr().out
+    assert "optimizer        AdamW (yours): lr 0.003, weight decay 0.05; lr 0.001, weight decay 0" in report
+    # the built schedule multiplies each group's own rate: its peaks are the groups', not --learning_rate's 5e-05
+    assert ("schedule         cosine, peak lr 0.003, 0.001 (your optimizer's rates, each group's own; "
+            "--learning_rate does not apply), 2 warmup step(s)") in report
+    ran = what_ran(tmp_path / "whole")
+    assert ran["optimizer"]["groups"] == [{"lr": 0.003, "weight_decay": 0.05}, {"lr": 0.001, "weight_decay": 0.0}]
+    assert ran["scheduler"] == {"class": "LambdaLR", "given": "built: --lr_scheduler_type cosine",
+                                "stepped": "each optimizer step"}
+    logs = [r for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in logs] == [2, 4, 6, 8, 10, 12]
+    for r in logs:  # each term logged beside the total; the total is main + 0.3 aux (the port's --aux_weight)
+        assert r["loss"] == pytest.approx(r["main_loss"] + 0.3 * r["aux_loss"], rel=1e-5)
+    # evaluations judge the main task only (loss_fn.evaluation_loss): eval_loss is the final model's cross-entropy
+    research = importlib.import_module("two_input_research")
+    model = research.TwoInputNet(width=8)
+    model.load_state_dict(load_file(tmp_path / "whole" / "model.safetensors"))
+    x1, x2, y = research.teacher(1, 128)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x1, x2), y).item()
+    assert evaluations(tmp_path / "whole")[-1][1] == pytest.approx(expected, rel=1e-5)
+    cut_and_resume(monkeypatch, "two_input_research", tmp_path / "cut", 5, *RESEARCH)
+    assert "the training stream resumes by re-reading, not from a saved position" in capsys.readouterr().out
+    assert same_weights(tmp_path / "whole", tmp_path / "cut")
+    assert evaluations(tmp_path / "cut")[-2:] == evaluations(tmp_path / "whole")[-2:]

@@ -336,15 +336,23 @@ def kill_then_resume(toy, full: Path, cut: Path, step: int, checkpoint: str, pro
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
-def stop_then_resume(run, full: Path, cut: Path, step: int) -> None:
-    """`run(out, *flags)` whole into `full`; into `cut` stopped with --stop_at_step at `step` (its newest checkpoint
-    must then be that step's) and resumed with latest. kill_then_resume's twin for a test whose subject is a state the
-    checkpoint keeps, not the kill (the caller compares the two)."""
+def stop_then_resume(run, full: Path, cut: Path, step: int, resume_at: int) -> None:
+    """`run(out, *flags)` whole into `full`; into `cut` stopped with --stop_at_step at `step`, then resumed with latest
+    from the earlier checkpoint `resume_at`, as a SIGKILL after `step` leaves a run: the stop's own checkpoint is
+    removed, so the resume replays the steps after `resume_at` over what the cut run already wrote (records, logged
+    lines). kill_then_resume's twin for a test whose subject is a state the checkpoint keeps, not the process's death
+    (tests/rundir/test_reliability.py kills for real). The caller compares the two."""
+    import shutil
+
     from accel_train.rundir.checkpoint import list_checkpoints
 
     run(full)
     run(cut, "--stop_at_step", str(step))
-    assert list_checkpoints(cut)[-1].name == f"step-{step:08d}"
+    saved = list_checkpoints(cut)
+    assert saved[-1].name == f"step-{step:08d}" and f"step-{resume_at:08d}" in [p.name for p in saved], saved
+    for later in saved:
+        if int(later.name.split("-")[1]) > resume_at:
+            shutil.rmtree(later)
     run(cut, "--resume_from_checkpoint", "latest")
 
 

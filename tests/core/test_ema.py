@@ -112,11 +112,12 @@ def averaging(out, processes, *extra):
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_with_an_average_resumes_bitwise(tmp_path, ranks, processes):
-    """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut at step 10 (inside
-    the first epoch of 24 steps; its newest checkpoint is step 10's) then resumed with latest. What is under test is
-    the average's state in the checkpoint; a SIGKILL's resume is tests/rundir/test_reliability.py's."""
+    """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut after step 10
+    (inside the first epoch of 24 steps) then resumed with latest from step 8's checkpoint, as after a SIGKILL: steps 9
+    and 10 are trained again. What is under test is the average's state in the checkpoint, and that the average the
+    cut run went on to build is not the one resumed; a SIGKILL itself is tests/rundir/test_reliability.py's."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    stop_then_resume(lambda out, *more: toy_on(ranks, averaging(out, processes, *more), processes), full, cut, 10)
+    stop_then_resume(lambda out, *more: toy_on(ranks, averaging(out, processes, *more), processes), full, cut, 10, 8)
     assert [r["step"] for r in toy_records(cut)[0]] == [10, 72], "cut at 10, resumed to the end of 72 steps"
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0, "the final average differs after the resume"

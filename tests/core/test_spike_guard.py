@@ -89,11 +89,13 @@ CUT = 14  # inside the second epoch of 12 steps, and a spike judged within 5 ste
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_guard_agrees_across_ranks_and_resumes_with_its_window_bitwise(tmp_path, ranks, processes):
-    """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut at step CUT then
-    resumed with latest. A resume that forgot the window could judge nothing until 5 new losses filled it, and would
-    take the spike after CUT. What is under test is the window's state; a SIGKILL's resume is test_reliability's."""
+    """In this process (1) or on the session's two gloo ranks (2): the whole run, and the run cut after step CUT then
+    resumed with latest from step 12's checkpoint, as after a SIGKILL: steps 13 and 14 are trained again. A resume
+    that forgot the window (or kept the one the cut run went on to fill) could judge nothing until 5 new losses
+    filled it, and would take the spike after CUT. What is under test is the window's state; a SIGKILL itself is
+    test_reliability's."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    stop_then_resume(lambda out, *more: toy_on(ranks, skipping(out, processes, *more), processes), full, cut, CUT)
+    stop_then_resume(lambda out, *more: toy_on(ranks, skipping(out, processes, *more), processes), full, cut, CUT, 12)
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     steps = [[r["spike_skipped_step"] for r in read_jsonl(d / "metrics.jsonl") if "spike_skipped_step" in r]

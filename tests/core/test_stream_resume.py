@@ -42,13 +42,15 @@ def compare(full, cut, step):
 # workers, at the start of the second (24 batches an epoch: the new epoch's shard order must come back, not the first
 # epoch's); the 2-process test below restores 2 workers' positions inside an epoch. The workers read ahead of the
 # batches trained: the position saved is that of the batches trained.
-@pytest.mark.parametrize("workers,shuffle,step", [(0, "1", 8), (2, "-1", 24)])
-def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle, step):
+@pytest.mark.parametrize("workers,shuffle,cut,step", [(0, "1", 10, 8), (2, "-1", 27, 24)])
+def test_a_stream_resumes_where_its_checkpoint_was_with_bitwise_the_same_weights(tmp_path, workers, shuffle, cut, step):
+    """Cut after step `cut` and resumed from the checkpoint at `step`, as after a SIGKILL: the batches between are
+    read and trained again, from the position the checkpoint saved, not the one the cut run's loader reached."""
     data = tmp_path / "data"
     toy_train.write_stream_shards(data, 96, 8)
     flags = stream_flags(data, "--dataloader_num_workers", str(workers), "--stream_shuffle", shuffle)
     stop_then_resume(lambda out, *more: toy_main(["--output_dir", str(out), *flags, *more]), tmp_path / "full",
-                     tmp_path / "cut", step)
+                     tmp_path / "cut", cut, step)
     compare(tmp_path / "full", tmp_path / "cut", step)
     assert (tmp_path / "cut" / "checkpoints" / f"step-{step:08d}" / "stream_position_rank0.pt").is_file()
 

@@ -37,7 +37,7 @@ from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
-from .data import dataset_size, random_item_notes
+from .data import dataset_size, own_generator_notes, random_item_notes
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn
 from .guard import Rollback, refuse_rollback_on_a_stream
@@ -141,6 +141,7 @@ class Session:
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
         self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
+        self.notes += own_generator_notes(spec.train_loader, self.config)
         self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
         self.throughput: list[tuple[float, float]] = []  # (model FLOP/s, MFU) of each logged interval
 

@@ -72,6 +72,9 @@ def test_tutorial_loop_runs_the_users_objects_on_their_clocks_exports_and_resume
     assert "clipping         global grad norm clipped to 1 (the default; --max_grad_norm 0 turns it off)" in report
     assert "seed             1" in report and "precision        fp32" in report
     assert "[warning]" not in report  # the port's rate is --learning_rate: nothing to reconcile
+    # the tutorial's DataLoader(shuffle=True, generator=...) is reshuffled by the seedable sampler: said, not silent
+    assert ("note             the training DataLoader's own generator is not used: its shuffled order comes from "
+            "--seed 1 and the epoch") in report
     assert what_ran(tmp_path / "whole") == {
         "optimizer": {"class": "SGD", "given": "yours", "groups": [{"lr": 0.1, "weight_decay": 0.0}]},
         "scheduler": {"class": "StepLR", "given": "yours", "stepped": "each epoch"},
@@ -167,3 +170,32 @@ def test_two_input_research_states_its_groups_logs_the_auxiliary_loss_and_resume
     assert "the training stream resumes by re-reading, not from a saved position" in capsys.readouterr().out
     assert same_weights(tmp_path / "whole", tmp_path / "cut")
     assert evaluations(tmp_path / "cut")[-2:] == evaluations(tmp_path / "whole")[-2:]
+
+
+def test_a_loaders_own_generator_is_said_to_be_replaced_by_the_seed(tmp_path, capsys):
+    """Two DataLoaders shuffled by generators of different seeds give the same first batch (the order is --seed's,
+    so that a resume replays it), and the start-up report says so; make_loader's loader (no generator) gets no note."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel_train import TrainConfig, make_loader, train
+
+    firsts = []
+    for seed in (1, 2, None):
+        reset_accelerate()
+        data = TensorDataset(torch.arange(16.0).unsqueeze(1), torch.zeros(16))
+        config = TrainConfig(output_dir=str(tmp_path / f"run{seed}"), max_steps=1, report_to=["none"],
+                             disable_tqdm=True, run_report=False, per_device_train_batch_size=4, save_strategy="no",
+                             mixed_precision="no", seed=7)
+        loader = (make_loader(data, config, train=True) if seed is None else
+                  DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed)))
+        seen = []
+
+        def loss_fn(model, batch, seen=seen):
+            seen.append(batch[0].flatten().tolist())
+            return torch.nn.functional.mse_loss(model(batch[0]).squeeze(-1), batch[1])
+
+        train(torch.nn.Linear(1, 1), loader, config=config, loss_fn=loss_fn)
+        firsts.append(seen[-1])
+        noted = "the training DataLoader's own generator is not used" in capsys.readouterr().out
+        assert noted == (seed is not None)
+    assert firsts[0] == firsts[1] == firsts[2]

@@ -3,7 +3,8 @@ resume, early stopping and bf16 on the session's 2 spawned gloo ranks, and every
 (`main(argv)`): the launcher is not what they test.
 
 5b  2 processes x batch B == 1 process x batch 2B: parameters, learning rate at every step, gathered evaluation.
-5c  stop at step K, resume in a fresh process, continue to 2K == uninterrupted 2K, bitwise, with 1 and 2 processes.
+5c  stop at step K, resume with latest (a new run of main() in the same process or on the same pooled ranks: a
+    fresh process is the kill tests' subject), continue to 2K == uninterrupted 2K, bitwise, with 1 and 2 processes.
 5d  early stopping stops every rank at the same step; the best checkpoint is kept and restorable.
 """
 

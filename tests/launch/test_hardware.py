@@ -15,8 +15,11 @@ from conftest import (
     free_port,
     kill_tree,
     launch,
+    printed_per_rank,
+    printing_to_a_file,
     run_process_tree,
     subprocess_env,
+    toy_main,
     toy_on,
     toy_records,
 )
@@ -136,9 +139,9 @@ def test_two_nodes_equal_one_process_with_the_same_global_batch(tmp_path, ranks)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_checkpoint_moves_between_world_sizes(tmp_path, before, after, ranks):
-    """Same global batch (8 = 4 x 2 = 8 x 1): the data position is re-derived from the samples consumed (2 processes:
-    the session's spawned gloo ranks; the launcher is not what this tests)."""
+def test_checkpoint_moves_between_world_sizes(tmp_path, before, after, ranks, capsys):
+    """Same global batch (8 = 4 x 2 = 8 x 1): the data position is re-derived from the samples consumed, and the
+    resume says so (2 processes: the session's spawned gloo ranks; the launcher is not what this tests)."""
     common = ["--num_train_epochs", "3", "--gradient_accumulation_steps", "2", "--learning_rate", "0.05",
               "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "5", "--eval_strategy", "no", *QUIET]
     bs = {1: "8", 2: "4"}
@@ -146,8 +149,15 @@ def test_checkpoint_moves_between_world_sizes(tmp_path, before, after, ranks):
            after)
     cut = ["--output_dir", str(tmp_path / "cut")]
     toy_on(ranks, [*common, *cut, "--per_device_train_batch_size", bs[before], "--stop_at_step", "7"], before)
-    toy_on(ranks, [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint", "latest"],
-           after)
+    resume = [*common, *cut, "--per_device_train_batch_size", bs[after], "--resume_from_checkpoint", "latest"]
+    capsys.readouterr()
+    if after == 2:
+        ranks.run(printing_to_a_file, toy_main, resume)
+        printed = printed_per_rank(tmp_path / "cut")[0]
+    else:
+        toy_main(resume)
+        printed = capsys.readouterr().out
+    assert f"was written by {before} process(es), resuming on {after}; the data position is re-derived" in printed
     manifests = [json.loads((p / "manifest.json").read_text()) for p in sorted((tmp_path / "cut").glob(
         "checkpoints/step-*"))]
     assert [m["world_size"] for m in manifests][-1] == after and manifests[0]["world_size"] == before

@@ -258,7 +258,7 @@ def recipe(out, data, *extra):
                           "--max_target_length", "12", "--packing", "--max_seq_length", "64", *extra])
 
 
-def test_a_packed_run_killed_and_resumed_ends_with_the_same_weights_bitwise(tmp_path, capsys, monkeypatch):
+def test_a_packed_run_cut_by_sigterm_and_resumed_ends_with_the_same_weights_bitwise(tmp_path, capsys, monkeypatch):
     """The whole run, the cut and the resume in this process. The cut: a SIGTERM after step 6, so the loop
     checkpoints step 7 (between the every-2-steps saves, inside epoch 2 of 5 steps each) and stops; a SIGKILL is the
     reliability tests' subject (tests/rundir/test_reliability.py)."""

@@ -26,6 +26,7 @@ from ...core.accelerator import holds_whole_model
 from ...core.evaluation import loss_outputs, one_number
 from ...core.guard import fetch_batch
 from ...core.loss import as_loss_output, tuple_target
+from ...errors import ConfigError
 from .findings import Finding, loader_batch
 
 
@@ -100,9 +101,13 @@ def _metric_findings(f, model, batch) -> list[Finding]:
     name = name_of(f.declared_metrics)
     try:
         outputs = loss_outputs(f.eval_loss_fn, model, batch)
-    except Exception as err:  # noqa: BLE001 - a per_sample_loss of the wrong length, named by loss_outputs
+    except ConfigError as err:  # a per_sample_loss of the wrong length, named by loss_outputs
         return [Finding("functions", "error", f"evaluating the first training batch: {err}", "fix the evaluation "
                         "loss's per-sample outputs.")]
+    except Exception as err:  # noqa: BLE001 - a training batch may differ from an evaluation batch: not proven wrong
+        return [Finding("functions", "warning", f"the evaluation loss could not run on the first training batch "
+                        f"({type(err).__name__}: {err}); the metrics were not checked.", "if evaluation batches "
+                        "differ from training batches, ignore this; else fix the evaluation loss.")]
     labels = batch.get("labels") if isinstance(batch, Mapping) else tuple_target(batch)
     if labels is not None and "labels" not in outputs:
         outputs["labels"] = labels

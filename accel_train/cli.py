@@ -8,6 +8,9 @@
                                                     export the trained model for inference, verified against it
     accel-train sweep --space SPACE.yaml [--trials N] [--metric NAME] [--study_dir DIR] -- SCRIPT [script flags]
                                                     a hyperparameter search with Optuna (a SQLite study, resumable)
+    accel-train verify [--checks determinism,resume,accumulation] [--steps N] [--output_dir DIR] -- SCRIPT [flags]
+                                                    check the script's own run is deterministic, resumes bitwise and
+                                                    accumulates exactly; writes DIR/verify.json (docs/verify.md)
 
 `launch` is `accelerate launch` without the CPU traps: `--cpu --num_processes N` (N > 1) starts N processes
 joined in one gloo group (plain `accelerate launch --cpu` starts one), and every process is told how many
@@ -223,7 +226,14 @@ def _sweep(argv: Sequence[str]) -> int:
     return sweep_main(argv)
 
 
-COMMANDS = {"launch": _launch, "report": _report, "compare": _compare, "export": _export, "sweep": _sweep}
+def _verify(argv: Sequence[str]) -> int:
+    from .verify import main as verify_main
+
+    return verify_main(argv)
+
+
+COMMANDS = {"launch": _launch, "report": _report, "compare": _compare, "export": _export, "sweep": _sweep,
+            "verify": _verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

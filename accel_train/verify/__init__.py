@@ -1,0 +1,13 @@
+"""`accel-train verify`: the exactness checks, run on the user's own script and flags (usage: command.py).
+
+    command.py    the command line, the order of the checks, the certificate (verify.json) and the summary
+    runs.py       the variants: the user's command with verify's flags, each run as processes of its own
+    checks.py     determinism, resume, accumulation: which variants each compares, and how
+    evidence.py   what is compared, read from the variants' run directories
+    diagnose.py   the paragraph a failed check gets: the likely cause and what to change
+"""
+
+from .command import CERTIFICATE, main, parse_args
+from .runs import CHECKS, Verify, VerifyError
+
+__all__ = ["CERTIFICATE", "CHECKS", "Verify", "VerifyError", "main", "parse_args"]

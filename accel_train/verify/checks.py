@@ -1,0 +1,178 @@
+"""The checks of `accel-train verify`, each a comparison of variants of the user's run (docs/verify.md).
+
+Each returns a result: status (passed / failed / not applicable), what was measured, the tolerance and why, the
+variants it ran, and for a failure one paragraph: the likely cause and what to change in the user's code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..rundir.layout import CONFIG
+from ..sweep.trial import Interrupts
+from ..testing.faults import VARIABLE as FAULT_VARIABLE
+from .diagnose import accumulation_cause, determinism_cause, resume_cause
+from .evidence import (
+    checkpoint_dir,
+    final_weights,
+    first_loss_difference,
+    optimizer_tensors,
+    random_states,
+    relative_difference,
+    tensor_differences,
+    train_records,
+)
+from .runs import Variant, Verify, killed, require_finished, run_variant
+
+PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+# k micro-batches against one batch add the same float32 numbers in another order: about 1e-7 relative per sum, and
+# a loss or gradient norm sums thousands of terms at most in a short run's first step. 1e-5 leaves room for that;
+# the bugs meant (a loss scaled by 1/k, a mean over another denominator) move them by a percent or more.
+ACCUMULATION_RTOL = 1e-5
+
+
+@dataclass
+class Result:
+    status: str
+    measured: dict = field(default_factory=dict)
+    tolerance: dict = field(default_factory=dict)
+    variants: list[str] = field(default_factory=list)
+    cause: str | None = None  # the cause class of a failure
+    diagnosis: str | None = None  # one paragraph: the likely cause and what to change
+
+    def as_dict(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if value is not None}
+
+
+class Runs:
+    """The variants run so far, by name: a check reuses those another check ran (the reference run)."""
+
+    def __init__(self, verify: Verify, interrupts: Interrupts):
+        self.verify, self.interrupts = verify, interrupts
+        self.done: dict[str, Variant] = {}
+
+    def finished(self, name: str, **more: object) -> Variant:
+        if name not in self.done:
+            self.done[name] = run_variant(self.verify, name, self.interrupts, **more)
+            require_finished(self.done[name], self.verify)
+        return self.done[name]
+
+
+def bitwise_comparison(a: Path, b: Path, after: int = 0) -> dict:
+    """Two runs' logged losses (steps > after) and final weights, compared bitwise."""
+    records_a, records_b = train_records(a), train_records(b)
+    first = first_loss_difference(records_a, records_b, after)
+    weights_a, weights_b = final_weights(a), final_weights(b)
+    differing = tensor_differences(weights_a, weights_b) if weights_a is not None and weights_b is not None else None
+    return {"steps_compared": len([s for s in records_a if s > after]), "first_loss_difference": first,
+            "weights_compared": differing is not None, "tensors_differing": len(differing or []),
+            "weights_max_abs": max((row["max_abs"] for row in differing or []), default=0.0),
+            "largest_differences": (differing or [])[:3]}
+
+
+def states_differ(a: Path, b: Path) -> list[str]:
+    """The generators whose states differ between two checkpoints (python random, numpy, torch)."""
+    states_a, states_b = random_states(a), random_states(b)
+    if states_a is None or states_b is None:
+        return []
+    return [name for name in states_a if states_a.get(name) != states_b.get(name)]
+
+
+def determinism(runs: Runs) -> Result:
+    """The same run twice: logged losses and final weights bitwise equal."""
+    verify = runs.verify
+    a, b = runs.finished("reference"), runs.finished("repeat")
+    measured = bitwise_comparison(a.output_dir, b.output_dir)
+    step = verify.save_steps
+    measured["generators_differing_at_checkpoint"] = states_differ(checkpoint_dir(a.output_dir, step),
+                                                                   checkpoint_dir(b.output_dir, step))
+    result = Result(PASSED, measured, {"loss": "bitwise", "weights": "bitwise"}, ["reference", "repeat"])
+    if measured["first_loss_difference"] or measured["tensors_differing"]:
+        result.status = FAILED
+        result.cause, result.diagnosis = determinism_cause(measured)
+    return result
+
+
+def resume(runs: Runs, determinism_result: Result | None) -> Result:
+    """Killed (SIGKILL) after step K, past a checkpoint at S < K, resumed from it: equal to the uninterrupted run."""
+    verify = runs.verify
+    tolerance = {"loss": f"bitwise, steps after {verify.save_steps}", "weights": "bitwise",
+                 "optimizer_state": "bitwise", "generators": "equal"}
+    if determinism_result is not None and determinism_result.status == FAILED:
+        return Result(NOT_APPLICABLE, {"reason": "the run is not deterministic (see determinism): a resumed run "
+                                       "cannot be compared with it bitwise; fix determinism first"}, tolerance)
+    reference = runs.finished("reference")
+    fault = f"kill_after_step:{verify.kill_step}"
+    cut = run_variant(verify, "resumed", runs.interrupts, env={FAULT_VARIABLE: fault})
+    if not killed(cut):
+        require_finished(cut, verify)
+        return Result(NOT_APPLICABLE, {"reason": f"{FAULT_VARIABLE}={fault} did not stop the run (it ended by "
+                                       "itself): the script does not train with accel_train.train()"}, tolerance)
+    if not checkpoint_dir(cut.output_dir, verify.save_steps).is_dir():
+        return Result(FAILED, {"reason": f"no checkpoint at step {verify.save_steps} before the kill"}, tolerance,
+                      ["resumed"], "no checkpoint", f"The run was asked to save every {verify.save_steps} steps "
+                      "(--save_strategy steps) and wrote no checkpoint before the kill: nothing can resume it. "
+                      "Check that the script passes the parsed TrainConfig to train() unchanged.")
+    again = run_variant(verify, "resumed", runs.interrupts, resume=True)
+    cut.attempts += again.attempts
+    cut.returncode = again.returncode
+    runs.done["resumed"] = cut
+    require_finished(cut, verify)
+    measured = bitwise_comparison(reference.output_dir, cut.output_dir, after=verify.save_steps)
+    measured.update(_final_checkpoints(reference.output_dir, cut.output_dir, verify.steps))
+    measured["killed_after_step"], measured["resumed_from_step"] = verify.kill_step, verify.save_steps
+    result = Result(PASSED, measured, tolerance, ["reference", "resumed"])
+    if (measured["first_loss_difference"] or measured["tensors_differing"] or measured["optimizer_differing"]
+            or measured["generators_differing"]):
+        result.status = FAILED
+        result.cause, result.diagnosis = resume_cause(measured)
+    return result
+
+
+def _final_checkpoints(a: Path, b: Path, step: int) -> dict:
+    """The optimizer state and generator states of both runs' checkpoints at the last step."""
+    optimizer_a = optimizer_tensors(checkpoint_dir(a, step))
+    optimizer_b = optimizer_tensors(checkpoint_dir(b, step))
+    compared = optimizer_a is not None and optimizer_b is not None
+    differing = tensor_differences(optimizer_a, optimizer_b) if compared else []
+    return {"optimizer_compared": compared, "optimizer_differing": [row["tensor"] for row in differing[:5]],
+            "generators_differing": states_differ(checkpoint_dir(a, step), checkpoint_dir(b, step))}
+
+
+def accumulation(runs: Runs) -> Result:
+    """k micro-batches of B (accumulated) against one batch of kB: the same first step, within ACCUMULATION_RTOL."""
+    verify = runs.verify
+    k = verify.accumulation
+    micro = runs.finished("accumulation-micro", max_steps=1, gradient_accumulation_steps=k)
+    config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
+    batch = int(config.get("per_device_train_batch_size", 0))
+    tolerance = {"loss": f"relative {ACCUMULATION_RTOL:g}", "grad_norm": f"relative {ACCUMULATION_RTOL:g}",
+                 "why": "the same float32 numbers added in another order differ by about 1e-7 relative; the "
+                        "weights after one step are reported, not judged: Adam's first update is about "
+                        "lr * sign(gradient), blind to a gradient's scale"}
+    if config.get("gradient_accumulation_steps") != k or batch < 1 or config.get("auto_find_batch_size"):
+        return Result(NOT_APPLICABLE, {"reason": "the run changed its micro-batch or accumulation by itself "
+                                       "(--auto_find_batch_size, or the script sets them)"}, tolerance)
+    full = runs.finished("accumulation-full", max_steps=1, per_device_train_batch_size=k * batch,
+                         gradient_accumulation_steps=1)
+    first_micro = train_records(micro.output_dir).get(1, {})
+    first_full = train_records(full.output_dir).get(1, {})
+    measured = {"micro_batch": batch, "accumulation_steps": k, "compared_at_step": 1,
+                "loss": [first_micro.get("loss"), first_full.get("loss")],
+                "grad_norm": [first_micro.get("grad_norm"), first_full.get("grad_norm")]}
+    measured["loss_relative"] = relative_difference(*measured["loss"])
+    measured["grad_norm_relative"] = relative_difference(*measured["grad_norm"])
+    weights_micro, weights_full = final_weights(micro.output_dir), final_weights(full.output_dir)
+    if weights_micro is not None and weights_full is not None:
+        rows = tensor_differences(weights_micro, weights_full)
+        measured["weights_max_abs"] = max((row["max_abs"] for row in rows), default=0.0)
+    result = Result(PASSED, measured, tolerance, ["accumulation-micro", "accumulation-full"])
+    worst = max(measured["loss_relative"], measured["grad_norm_relative"])
+    if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst):
+        result.status = FAILED
+        result.cause, result.diagnosis = accumulation_cause(measured)
+    return result

@@ -1,0 +1,151 @@
+"""`accel-train verify`: the project's exactness checks, run on the user's own script and flags.
+
+    accel-train verify [--checks determinism,resume,accumulation] [--steps N] [--launch_args '...']
+                       [--output_dir DIR] -- SCRIPT [script flags]
+
+Each check runs short variants of the user's run (--max_steps N, logging every step, a checkpoint in mid-run), each
+in its own directory under --output_dir, and compares them:
+
+    determinism    the same run twice: logged losses and final weights bitwise equal          2 runs of N steps
+    resume         SIGKILLed after step N-1 (past a checkpoint at N//2), resumed from it: the
+                   uninterrupted run's losses after the resume, weights, optimizer state and
+                   generator states, bitwise                                                  +2 runs (1 killed)
+    accumulation   k micro-batches of B against one batch of kB: step 1's loss and gradient
+                   norm within 1e-5 relative                                                  2 runs of 1 step
+
+It writes DIR/verify.json (the certificate: each check passed / failed / not applicable, measured differences,
+tolerances, the commands run) and a summary; exit code 0 when every check passed (or was not applicable), 1 when one
+failed, 2 on bad input. docs/verify.md says what each check proves and what it cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..sweep.trial import Interrupts, SweepInterrupted
+from .checks import FAILED, NOT_APPLICABLE, Result, Runs, accumulation, determinism, resume
+from .runs import CHECKS, Verify
+
+CERTIFICATE = "verify.json"
+# What verify sets on every variant: the user's flags may not name them.
+OWN_FLAGS = ("output_dir", "max_steps", "resume_from_checkpoint", "logging_steps", "logging_strategy", "save_steps",
+             "save_strategy")
+
+
+def parse_args(argv: Sequence[str]) -> Verify:
+    """The Verify of an `accel-train verify` argv: its own flags, `--`, the script and its flags."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise ConfigError("accel-train verify: put the script and its flags after `--`, e.g. accel-train verify "
+                          "--steps 6 -- recipes/nlp_finetune.py --max_train_samples 64")
+    split = argv.index("--")
+    own, user = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="accel-train verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checks", default=",".join(CHECKS), help="comma-separated, of: " + ", ".join(CHECKS))
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each full variant (>= 3)")
+    parser.add_argument("--accumulation_steps", type=int, default=2, help="k of the accumulation check (>= 2)")
+    parser.add_argument("--output_dir", default="verify", help="where the variants' run directories and "
+                        f"{CERTIFICATE} go")
+    parser.add_argument("--launch_args", action="append", default=[], help="flags for accel-train launch, as one "
+                        "word: --launch_args '--cpu' (repeated, they add up); without it, each variant is "
+                        "`python SCRIPT`")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one variant may run")
+    args = parser.parse_args(_launch_args_joined(own))
+    checks = tuple(name.strip() for name in args.checks.split(",") if name.strip())
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown or not checks:
+        raise ConfigError(f"--checks {args.checks}: unknown {', '.join(unknown) or '(none given)'}; choose among "
+                          f"{', '.join(CHECKS)}.")
+    if args.steps < 3:
+        raise ConfigError(f"--steps {args.steps}: at least 3 (a checkpoint at steps//2, a kill after steps-1).")
+    if args.accumulation_steps < 2:
+        raise ConfigError(f"--accumulation_steps {args.accumulation_steps}: at least 2.")
+    if not user or not Path(user[0]).is_file() or not user[0].endswith(".py"):
+        raise ConfigError(f"accel-train verify: {user[0] if user else '(nothing)'} after `--` is not a Python "
+                          "script file; give the script verify runs, then its flags.")
+    named = [flag for flag in OWN_FLAGS if any(a == f"--{flag}" or a.startswith(f"--{flag}=") for a in user[1:])]
+    if named:
+        raise ConfigError(f"accel-train verify: the script's flags name {', '.join('--' + n for n in named)}, which "
+                          "verify sets on each variant; drop them (give verify's --output_dir and --steps instead).")
+    return Verify(script=user[0], script_args=user[1:], output_dir=Path(args.output_dir),
+                  checks=tuple(name for name in CHECKS if name in checks), steps=args.steps,
+                  accumulation=args.accumulation_steps,
+                  launch_args=[a for given in args.launch_args for a in shlex.split(given)], timeout=args.timeout)
+
+
+def _launch_args_joined(own: list[str]) -> list[str]:
+    """`--launch_args VALUE` as `--launch_args=VALUE`: argparse takes a value starting with '-' for a flag."""
+    out = []
+    words = iter(own)
+    for word in words:
+        value = next(words, None) if word == "--launch_args" else None
+        out.append(word if value is None else f"--launch_args={value}")
+    return out
+
+
+def run_checks(verify: Verify, interrupts: Interrupts) -> tuple[dict[str, Result], Runs]:
+    runs = Runs(verify, interrupts)
+    results: dict[str, Result] = {}
+    if "determinism" in verify.checks:
+        results["determinism"] = determinism(runs)
+    if "resume" in verify.checks:
+        results["resume"] = resume(runs, results.get("determinism"))
+    if "accumulation" in verify.checks:
+        results["accumulation"] = accumulation(runs)
+    return results, runs
+
+
+def certificate(verify: Verify, results: dict[str, Result], runs: Runs) -> dict:
+    failed = [name for name, result in results.items() if result.status == FAILED]
+    return {"script": verify.script, "script_args": verify.script_args, "launch_args": verify.launch_args,
+            "steps": verify.steps, "save_steps": verify.save_steps, "accumulation_steps": verify.accumulation,
+            "passed": not failed, "exit_code": 1 if failed else 0,
+            "checks": {name: result.as_dict() for name, result in results.items()},
+            "variants": {name: variant.record() for name, variant in runs.done.items()}}
+
+
+def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
+    lines = [f"accel-train verify: {verify.script} ({verify.steps} steps per run)"]
+    for name, result in results.items():
+        detail = result.measured.get("reason", "") if result.status == NOT_APPLICABLE else _figure(name, result)
+        lines.append(f"  {name:<13} {result.status.upper():<15} {detail}")
+    for name, result in results.items():
+        if result.diagnosis:
+            lines += ["", f"{name} failed ({result.cause}): {result.diagnosis}"]
+    lines += ["", f"certificate: {path}"]
+    return "\n".join(lines)
+
+
+def _figure(name: str, result: Result) -> str:
+    measured = result.measured
+    if name == "accumulation":
+        return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
+                f"(tolerance {result.tolerance['loss']})")
+    first = measured.get("first_loss_difference")
+    losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
+    return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
+
+
+def main(argv: Sequence[str]) -> int:
+    """`accel-train verify ... -- SCRIPT [flags]`: 0 all passed, 1 a check failed, 2 bad input (run_cli / cli.main),
+    128 + the signal's number when SIGINT / SIGTERM stopped it."""
+    verify = parse_args(argv)
+    verify.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with Interrupts() as interrupts:
+            results, runs = run_checks(verify, interrupts)
+    except SweepInterrupted as stop:
+        print(f"accel-train verify: {stop}", file=sys.stderr)
+        return 128 + stop.signum
+    path = verify.output_dir / CERTIFICATE
+    document = certificate(verify, results, runs)
+    path.write_text(json.dumps(document, indent=2, default=str))
+    print(summary(verify, results, path))
+    return document["exit_code"]

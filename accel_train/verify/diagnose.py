@@ -1,0 +1,121 @@
+"""The paragraph each failed check gets: from what was measured, the likely cause class and what to change in the
+user's code. The classes are read from the size and place of the first difference, which is evidence, not proof:
+each paragraph says what it rests on.
+"""
+
+from __future__ import annotations
+
+import math
+
+# A first difference this small (relative) is floating-point reduction order, not other data or other numbers: a
+# sample or a dropout mask changes a step's loss by far more.
+KERNEL_NOISE = 1e-4
+
+DATA_OR_OWN_RNG = (
+    "Likely cause: data order or random numbers the library does not seed. The seeded generators (Python's random, "
+    "numpy's and torch's global ones) were in the same state in both runs at the checkpoint, so the difference "
+    "comes from what the script draws or orders by itself: a dataset built by iterating a set or dict of strings "
+    "(their order changes with each process: PYTHONHASHSEED), files in os.listdir / glob order, an order or noise "
+    "taken from time, or augmentation from a generator made without a seed (random.Random(), "
+    "np.random.default_rng(), torch.Generator() seeded from the clock). What to change: sort what you iterate "
+    "(sorted(set(...))); draw random augmentation from the global generators inside a dataset wrapped in "
+    "accel_train.SeededItems(dataset, config.seed), or seed your own generator from config.seed.")
+FIRST_STEP = (
+    " The first step differs already, so the initial weights may be what differs: a model built before the "
+    "generators are seeded (build it after build_accelerator(config), which seeds them from --seed, or let train() "
+    "build the accelerator) or initialised from a generator of its own.")
+SEEDED_RNG = (
+    "Likely cause: dropout / RNG. The seeded generators were in different states in the two runs at the checkpoint "
+    "({generators}): the script reseeds them from something that changes (time, os.urandom, a process id), or draws "
+    "from them a number of times that changes between runs. What to change: let train() seed them (--seed); do not "
+    "call torch.manual_seed / np.random.seed / random.seed with a changing value.")
+KERNEL = (
+    "Likely cause: a nondeterministic kernel. The first difference is {relative:.1e} relative, the size of "
+    "floating-point reduction order, not of other data or other random numbers. What to change: on a GPU call "
+    "torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 (an error then names the op "
+    "without a deterministic version: index_add_, scatter_add_, an embedding's backward ...); avoid "
+    "torch.backends.cudnn.benchmark; a compiled model (--torch_compile) may choose other kernels per process.")
+
+
+def _where(measured: dict) -> str:
+    first = measured.get("first_loss_difference")
+    tensors = ", ".join(f"{row['tensor']} (max |difference| {row['max_abs']:.3g})"
+                        for row in measured.get("largest_differences", []))
+    if first:
+        where = f"The logged losses first differ at step {first['step']} ({first['loss'][0]} against " \
+                f"{first['loss'][1]}, {first['relative']:.2e} relative)"
+    else:
+        where = "The logged losses are equal"
+    return f"{where}; the final weights differ most in {tensors or '(no tensor)'}."
+
+
+def determinism_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for two runs of the same command that differ."""
+    first = measured.get("first_loss_difference")
+    generators = measured.get("generators_differing_at_checkpoint") or []
+    where = _where(measured)
+    if generators:
+        return "dropout / RNG", f"{where} {SEEDED_RNG.format(generators=', '.join(generators))}"
+    relative = first["relative"] if first else 0.0
+    if relative <= KERNEL_NOISE:
+        return "nondeterministic kernel", f"{where} {KERNEL.format(relative=relative)}"
+    start = FIRST_STEP if first and first["step"] == 1 else ""
+    return "data order / unseeded RNG", f"{where} {DATA_OR_OWN_RNG}{start}"
+
+
+def resume_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for a resumed run that differs from the uninterrupted one (which is deterministic)."""
+    first = measured.get("first_loss_difference")
+    resumed_from = measured.get("resumed_from_step")
+    parts = [_where(measured)]
+    if measured.get("optimizer_differing"):
+        parts.append(f"The optimizer state at the last checkpoint differs in "
+                     f"{', '.join(measured['optimizer_differing'])}.")
+    if measured.get("generators_differing"):
+        parts.append(f"The generators' states at the last checkpoint differ: "
+                     f"{', '.join(measured['generators_differing'])}.")
+    if first and first["step"] == resumed_from + 1:
+        parts.append(
+            f"The first step after the resume (step {first['step']}) already differs: the resumed run fed other "
+            "data or other random numbers than the uninterrupted run did there. Likely cause: random augmentation "
+            "drawn in the dataset from the global generators (the loader fetches ahead, so the items after a "
+            "checkpoint draw other numbers once resumed), or a sampler / iterable dataset whose position the "
+            "checkpoint does not hold. What to change: wrap the dataset in accel_train.SeededItems(dataset, "
+            "config.seed) so each item's numbers come from (seed, epoch, index); use the loader's own shuffling or a "
+            "sampler with set_epoch.")
+        return "data / RNG after resume", " ".join(parts)
+    if measured.get("optimizer_differing") and not first:
+        parts.append("Likely cause: state the checkpoint does not hold: an optimizer, scheduler or a module's "
+                     "buffers changed outside what train() saves. Pass the optimizer and scheduler to train() and "
+                     "keep state in registered buffers.")
+        return "state outside the checkpoint", " ".join(parts)
+    parts.append("Likely cause: state outside the checkpoint that the steps after the resume depend on (a counter, "
+                 "a cache or a generator of the script's own, kept in a module-level variable). What to change: "
+                 "derive it from the training state (the step), or keep it in the model's buffers.")
+    return "state outside the checkpoint", " ".join(parts)
+
+
+def accumulation_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for k accumulated micro-batches that do not make the step one batch of kB makes."""
+    k = measured["accumulation_steps"]
+    loss_micro, loss_full = measured["loss"]
+    norm_micro, norm_full = measured["grad_norm"]
+    ratio = norm_micro / norm_full if norm_micro is not None and norm_full else math.nan
+    where = (f"With {k} micro-batches of {measured['micro_batch']} accumulated, step 1 logs loss {loss_micro} and "
+             f"grad_norm {norm_micro}; with one batch of {k * measured['micro_batch']}, loss {loss_full} and grad_norm "
+             f"{norm_full} (gradient ratio {ratio:.4g}).")
+    if math.isclose(ratio, 1 / k, rel_tol=0.02):
+        return "loss scaled by the accumulation count", (
+            f"{where} The accumulated gradient is 1/{k} of the batch's: the loss is divided by the accumulation "
+            "count by hand, and the loop already averages the micro-batches' losses. What to change: return the "
+            "micro-batch's mean loss, without dividing by gradient_accumulation_steps.")
+    if math.isclose(ratio, k, rel_tol=0.02):
+        return "loss summed over micro-batches", (
+            f"{where} The accumulated gradient is {k} times the batch's: the loss is multiplied by the accumulation "
+            "count, or summed where it should be averaged. What to change: return the micro-batch's mean loss.")
+    return "normalisation per micro-batch", (
+        f"{where} Likely cause: a loss normalised per micro-batch over a count that changes with the split (a token "
+        "mean over variable-length rows: return a token sum and a count, which the loop divides over the whole "
+        "window), a BatchNorm whose statistics depend on the micro-batch, or dropout (each micro-batch draws its "
+        "own masks: rerun with dropout 0 to tell). What to change: a per-token loss returns {'loss_sum': sum, "
+        "'num_items': count}.")

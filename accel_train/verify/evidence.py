@@ -1,0 +1,126 @@
+"""What the checks compare, read from the variants' run directories: the logged training records (metrics.jsonl),
+the final weights, and a checkpoint's optimizer state and random-generator states. Every figure of the
+certificate can be derived again from these files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from pathlib import Path
+
+import torch
+
+from ..rundir.layout import CHECKPOINTS_DIR, HISTORY, checkpoint_name
+from ..rundir.weights import read_weights, weights_file
+
+OPTIMIZER_FILE = "optimizer.bin"  # Accelerate's name for the first optimizer's state in a checkpoint
+RANDOM_STATES = "random_states_0.pkl"  # the main process's generators (Accelerate's name)
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    """The training log records (with a "loss") by optimizer step. A resumed run appends to the history: the last
+    record of a step is the one of the run that went on."""
+    records: dict[int, dict] = {}
+    path = Path(run_dir) / HISTORY
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if "loss" in record and "step" in record and not record.get("final"):
+            records[int(record["step"])] = record
+    return records
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor] | None:
+    """The run's final weights (model.safetensors), else those of its newest checkpoint, else None."""
+    run_dir = Path(run_dir)
+    if weights_file(run_dir) is not None:
+        return read_weights(run_dir)
+    checkpoints = sorted((run_dir / CHECKPOINTS_DIR).glob("step-*"))
+    for checkpoint in reversed(checkpoints):
+        if weights_file(checkpoint) is not None:
+            return read_weights(checkpoint)
+    return None
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
+
+
+def optimizer_tensors(checkpoint: Path) -> dict[str, torch.Tensor] | None:
+    """The optimizer's per-parameter state in a checkpoint as flat names (`state.3.exp_avg`), or None."""
+    path = checkpoint / OPTIMIZER_FILE
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    flat = {}
+    for index, values in state.get("state", {}).items():
+        for key, value in values.items():
+            if torch.is_tensor(value):
+                flat[f"state.{index}.{key}"] = value
+    return flat
+
+
+def random_states(checkpoint: Path) -> dict[str, object] | None:
+    """The main process's generator states saved in a checkpoint (python, numpy, torch), comparable with ==.
+    The file is Accelerate's pickle, written by the variants verify itself ran."""
+    path = checkpoint / RANDOM_STATES
+    if not path.is_file():
+        return None
+    with open(path, "rb") as fh:
+        states = torch.load(fh, weights_only=False) if _is_torch_file(path) else pickle.load(fh)
+    out = {}
+    for name in ("random_state", "numpy_random_seed", "torch_manual_seed"):
+        value = states.get(name)
+        if value is not None:
+            out[name] = _plain(value)
+    return out
+
+
+def _plain(value):
+    """A generator state as nested lists (numpy's repr would summarise its 624 words with '...')."""
+    if torch.is_tensor(value) or hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _is_torch_file(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(2) == b"PK"  # torch.save's zip format
+
+
+def tensor_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[dict]:
+    """Each tensor that differs (or is in one only), largest relative difference first: max |a - b| and that over
+    max |a|."""
+    rows = []
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b or a[name].shape != b[name].shape:
+            rows.append({"tensor": name, "max_abs": math.inf, "relative": math.inf, "note": "missing or reshaped"})
+            continue
+        x, y = a[name].double(), b[name].double()
+        if torch.equal(x, y):
+            continue
+        diff = (x - y).abs().max().item()
+        scale = x.abs().max().item()
+        rows.append({"tensor": name, "max_abs": diff, "relative": diff / scale if scale else math.inf})
+    return sorted(rows, key=lambda row: -row["relative"])
+
+
+def first_loss_difference(a: dict[int, dict], b: dict[int, dict], after: int = 0) -> dict | None:
+    """The first logged step (> after) where the losses of two runs are not bitwise equal (or one lacks it)."""
+    for step in sorted(s for s in set(a) | set(b) if s > after):
+        x, y = a.get(step, {}).get("loss"), b.get(step, {}).get("loss")
+        if x != y:
+            relative = abs(x - y) / abs(x) if x and y is not None else math.inf
+            return {"step": step, "loss": [x, y], "relative": relative}
+    return None
+
+
+def relative_difference(x: float | None, y: float | None) -> float:
+    if x is None or y is None:
+        return math.inf
+    return abs(x - y) / max(abs(x), abs(y), 1e-30)

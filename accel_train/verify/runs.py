@@ -1,0 +1,163 @@
+"""The variants `accel-train verify` runs: the user's own command, with a small step budget, each in its own run
+directory under the verify directory, as processes of their own (a SIGKILL and a process start are what the checks
+are about).
+
+A variant's command is the user's script and flags, then verify's flags (the last of a repeated flag wins):
+`--max_steps N --logging_strategy steps --logging_steps 1 --save_strategy steps --save_steps S --report_to none
+--output_dir DIR`. Without --launch_args it is `python SCRIPT ...` (one process); with them, `accel-train launch
+LAUNCH_ARGS SCRIPT ...`, as `accel-train sweep` launches its trials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError, UserError
+from ..rundir.layout import HISTORY
+from ..sweep.trial import Interrupts, end_process_tree
+
+CHECKS = ("determinism", "resume", "accumulation")
+STATUS_FILE = "status.json"  # beside each variant's log: how its run ended (run_cli's ACCEL_TRAIN_STATUS_FILE)
+LOGS_DIR = "logs"
+
+
+class VerifyError(UserError):
+    """A variant of the user's run could not be run or read: the message names the variant, its log and what to do."""
+
+    kind = "verify error"
+
+
+@dataclass
+class Verify:
+    """What `accel-train verify` runs: the user's command, the checks, the step budget, where it writes."""
+
+    script: str
+    script_args: list[str]
+    output_dir: Path
+    checks: tuple[str, ...] = CHECKS
+    steps: int = 6
+    accumulation: int = 2  # k: k micro-batches of B against one of kB
+    launch_args: list[str] = field(default_factory=list)
+    timeout: float = 1800.0  # seconds one variant may run before it is ended
+    poll_seconds: float = 0.2
+
+    @property
+    def save_steps(self) -> int:
+        """A checkpoint in mid-run, before the step the resume check's run is killed at."""
+        return max(1, self.steps // 2)
+
+    @property
+    def kill_step(self) -> int:
+        """After the mid-run checkpoint, before the end: the resumed run replays steps save_steps+1 .. kill_step."""
+        return self.steps - 1
+
+    def flags(self, output_dir: Path, **more: object) -> list[str]:
+        values = {"max_steps": self.steps, "logging_strategy": "steps", "logging_steps": 1, "save_strategy": "steps",
+                  "save_steps": self.save_steps, "report_to": "none", **more, "output_dir": output_dir}
+        return [word for name, value in values.items() for word in (f"--{name}", str(value))]
+
+    def command(self, output_dir: Path, **more: object) -> list[str]:
+        head = [sys.executable, "-m", "accel_train.cli", "launch", *self.launch_args] if self.launch_args else \
+            [sys.executable]
+        return [*head, self.script, *self.script_args, *self.flags(output_dir, **more)]
+
+
+@dataclass
+class Variant:
+    """One run of the user's script: its name (its directory under the verify directory), command and how it ended."""
+
+    name: str
+    command: list[str]
+    output_dir: Path
+    env: dict[str, str] = field(default_factory=dict)  # what verify adds to the environment
+    returncode: int | None = None
+    attempts: list[dict] = field(default_factory=list)  # each process started in this run directory
+
+    def record(self) -> dict:
+        return {"output_dir": str(self.output_dir), "attempts": self.attempts}
+
+
+def run_variant(verify: Verify, name: str, interrupts: Interrupts, env: dict[str, str] | None = None,
+                resume: bool = False, **more: object) -> Variant:
+    """Run one variant to its end (or, resume=True, resume the variant `name` from its latest checkpoint)."""
+    out = verify.output_dir / name
+    extra = {"resume_from_checkpoint": "latest"} if resume else {}
+    variant = Variant(name, verify.command(out, **more, **extra), out, dict(env or {}))
+    if not resume and out.exists():
+        shutil.rmtree(out)  # verify's own variant directory, from an earlier verify
+    logs = verify.output_dir / LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}.from-checkpoint" if resume else name
+    log, status = logs / f"{stem}.log", logs / f"{stem}.{STATUS_FILE}"
+    status.unlink(missing_ok=True)
+    full_env = {**os.environ, **variant.env, "ACCEL_TRAIN_STATUS_FILE": str(status)}
+    print(f"accel-train verify: {stem}: {' '.join(variant.command)}", file=sys.stderr, flush=True)
+    with open(log, "w") as fh, interrupts.deferred():  # a signal here would leave the process behind
+        proc = subprocess.Popen(variant.command, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=full_env)
+    try:
+        _wait(proc, verify, interrupts)
+    finally:
+        if proc.poll() is None:  # interrupted or timed out: the run's whole tree goes (SIGTERM, then SIGKILL)
+            end_process_tree(proc, 30.0, interrupts)
+    variant.returncode = proc.returncode
+    variant.attempts.append({"command": variant.command, "env": variant.env, "returncode": proc.returncode,
+                             "log": str(log), "status": _read_status(status)})
+    return variant
+
+
+def _wait(proc: subprocess.Popen, verify: Verify, interrupts: Interrupts) -> None:
+    deadline = time.monotonic() + verify.timeout
+    while proc.poll() is None:
+        interrupts.check()
+        if time.monotonic() > deadline:
+            raise VerifyError(f"a variant ran longer than --timeout {verify.timeout:g} s and was ended; "
+                              f"see its log in {verify.output_dir / LOGS_DIR}. Lower --steps or raise --timeout.")
+        time.sleep(verify.poll_seconds)
+
+
+def _read_status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def require_finished(variant: Variant, verify: Verify) -> None:
+    """A variant that should have trained to its end did, and wrote its history; else the reason, as an error."""
+    attempt = variant.attempts[-1]
+    status, log = attempt["status"], attempt["log"]
+    if status.get("exit") == 2 or (variant.returncode == 2 and not status):
+        said = status.get("message") or _tail(Path(log))
+        raise ConfigError(f"{verify.script} refused the flags verify gives each variant ({variant.name}: "
+                          f"{' '.join(verify.flags(variant.output_dir))}). verify needs a script that reads its "
+                          "TrainConfig from flags (accel_train.parse_config) and passes it to train(). The run said: "
+                          f"{said.strip()}")
+    if variant.returncode != 0:
+        raise VerifyError(f"variant {variant.name} of {verify.script} failed with exit code {variant.returncode} "
+                          f"(see {log}): a run that fails cannot be verified; run it once on its own to see why.")
+    if not (variant.output_dir / HISTORY).is_file():
+        raise VerifyError(f"variant {variant.name} wrote no {HISTORY} in the --output_dir verify gave it "
+                          f"({variant.output_dir}): does {verify.script} pass the TrainConfig parse_config returns "
+                          "to train() (not an output_dir of its own)?")
+
+
+def killed(variant: Variant) -> bool:
+    """The variant's last process died of SIGKILL (directly, or its launcher reported a failure)."""
+    code = variant.returncode
+    return code is not None and (code == -signal.SIGKILL or code == 128 + signal.SIGKILL or code != 0)
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

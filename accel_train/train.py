@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from .config import TrainConfig
+from .core.control import any_rank
 from .core.evaluation import MetricsFn, check_monitored_metric
 from .core.hooks import EarlyStopping, call_hooks
 from .core.loop import run_loop
@@ -96,7 +97,8 @@ def train(
     meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside
     try:
         # set-up, not training time: what hooks do before the first step (the observer's run facts, schedule plot)
-        stop = call_hooks(session.hooks, "on_train_start", state)
+        # agreed: a stop asked on one rank only would leave the others training into their first collective
+        stop = any_rank(session.accelerator, call_hooks(session.hooks, "on_train_start", state))
         started = time.perf_counter()
         with observer.probe(state.step) as probe:
             run_loop(session, state, meter, probe, stop)

@@ -141,11 +141,16 @@ def attach_hooks(session: Any) -> RunControl:
         if method is not None:
             method(control)
             attached = True
-    acc = session.accelerator
-    if acc.num_processes > 1:
-        attached = bool(acc.reduce(torch.tensor([float(attached)], device=acc.device), reduction="sum").item() > 0)
-    control.steering = attached
+    control.steering = any_rank(session.accelerator, attached)
     return control
+
+
+def any_rank(accelerator: Any, flag: bool) -> bool:
+    """`flag` agreed across ranks: True on every rank when it is True on any (one all-reduce; none on one process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    total = accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum")
+    return bool(total.item() > 0)
 
 
 def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool) -> bool:

@@ -144,6 +144,20 @@ def test_a_request_made_on_rank_1_alone_is_carried_out_on_both_ranks_at_the_same
     assert [records[rank][-1]["step"] for rank in (0, 1)] == [5, 5]
 
 
+class StopAtStart:
+    def on_train_start(self, state):
+        return True
+
+
+def test_a_stop_asked_at_train_start_on_rank_1_alone_stops_both_ranks_before_the_first_step(tmp_path, ranks):
+    """Before, rank 1 trained no step while rank 0 trained alone into its first collective: a hang."""
+    out = tmp_path / "two"
+    ranks.run(toy_with_hook_on_rank, ["--output_dir", str(out), *BASE, "--per_device_train_batch_size", "4"],
+              StopAtStart(), 1, timeout=90)
+    records = toy_records(out)
+    assert [records[rank][-1]["step"] for rank in (0, 1)] == [0, 0]
+
+
 def test_a_requested_evaluation_is_a_due_one_weight_average_included(tmp_path):
     due, asked, plain = tmp_path / "due", tmp_path / "asked", tmp_path / "plain"
     toy(due, "--ema_decay", "0.9", "--max_steps", "3", "--eval_strategy", "steps", "--eval_steps", "2")

@@ -30,11 +30,11 @@ from accelerate.utils import gather_object
 from ...errors import ConfigError
 from .findings import Finding, PreflightResult
 from .function_checks import check_functions
-from .model_checks import check_labels, check_optimizer, check_schedule, run_schedule, schedule_record
+from .model_checks import check_labels, check_optimizer, check_plateau, check_schedule, run_schedule, schedule_record
 from .run_checks import check_batch, check_loaders, check_precision, check_steps, check_world_size
 
-CHECKS = (check_world_size, check_precision, check_batch, check_steps, check_schedule, check_optimizer, check_loaders,
-          check_labels, check_functions)
+CHECKS = (check_world_size, check_precision, check_batch, check_steps, check_schedule, check_plateau, check_optimizer,
+          check_loaders, check_labels, check_functions)
 
 __all__ = ["run_preflight", "Finding", "PreflightResult", "CHECKS"]
 

@@ -106,6 +106,23 @@ def schedule_record(lrs: list[list[float]], plan) -> dict:
             "total_steps": total}
 
 
+def check_plateau(f) -> list[Finding]:
+    """The loop steps a ReduceLROnPlateau on --metric_for_best_model (eval_loss when unset), whatever the metric the
+    user built it for: a `mode` against that metric's direction cuts the rate each time the metric improves."""
+    cfg, out = f.config, []
+    for schedule in (base_of(f.scheduler), base_of(getattr(f, "plateau", None))):
+        if not isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            continue
+        better = "greater" if cfg.best_is_greater else "lower"
+        if schedule.mode != ("max" if cfg.best_is_greater else "min"):
+            out.append(Finding("plateau", "warning", f"your ReduceLROnPlateau(mode={schedule.mode!r}) is stepped on "
+                               f"{cfg.monitored_metric} at each evaluation (--metric_for_best_model), where {better} "
+                               f"is better: it cuts the learning rate each time {cfg.monitored_metric} improves.",
+                               f"build it with mode={'max' if cfg.best_is_greater else 'min'!r}, or set "
+                               "--metric_for_best_model (and --greater_is_better) to the metric it is meant for."))
+    return out
+
+
 def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
     """`lrs`: run_schedule(f), when the caller has it already."""
     cfg, plan, total = f.config, f.plan, f.plan.total_steps

@@ -11,10 +11,10 @@ model_factory.json for plain modules, `factory.py`), traced or exported with exa
 evaluation data where it kept them (`inputs.py`), with the batch and sequence axes dynamic, written with an
 export.json, loaded back the way a serving stack loads it, and compared with the model on held-out inputs at
 other shapes (`verify.py`); a difference above the tolerance is an `ExportError`. A dual encoder is exported
-as a text tower and a vision tower (`targets.py`); an encoder-decoder as an encoder and a decoder whose greedy
-decoding loop must give the tokens of the model's `generate()` (`seq2seq.py`). `export_formats_at_end` is what
-`--export_formats` runs. Submodules: api, formats, targets, seq2seq, inputs, rebuild, factory, factories, verify,
-explain.
+as a text tower and a vision tower (`targets.py`); an encoder-decoder as an encoder, a decoder and a decoder with
+past, whose greedy decoding loops must give the tokens of the model's `generate()` (`seq2seq.py`, `decoding.py`).
+`export_formats_at_end` is what `--export_formats` runs. Submodules: api, formats, targets, seq2seq, decoding,
+inputs, rebuild, factory, factories, verify, explain.
 """
 
 from .api import DEFAULT_TOLERANCE, ExportResult, export_formats_at_end, export_model_artifacts, export_run

@@ -15,11 +15,12 @@ from torch import nn
 
 from ..errors import ExportError
 from ..rundir.layout import EXPORT_DIR
+from .decoding import generation_summary, verify_generation
 from .factory import ModelFactory, describe_model
 from .formats import FORMATS, SUFFIX, write_artifact
 from .inputs import Sample, first_samples, sample_from_batch, sample_from_file, shape_text, synthetic_sample, views
 from .rebuild import load_trained_model
-from .seq2seq import generation_summary, is_encoder_decoder, seq2seq_plans, verify_generation
+from .seq2seq import is_encoder_decoder, seq2seq_plans
 from .targets import export_targets
 from .verify import verify_artifact
 
@@ -61,7 +62,7 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
     output_dir = Path(output_dir)
     training = model.training
     model.eval()
-    results, records = [], []
+    results, records, inputs = [], [], {}
     generation = None
     try:
         plans = (seq2seq_plans(model, sample) if is_encoder_decoder(model)
@@ -74,10 +75,11 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
             result = ExportResult(fmt, target.name, path, path.stat().st_size, verdict["max_abs_diff"],
                                   verdict["verified"])
             results.append(result)
+            inputs[target.name] = target.input_names
             records.append(_record(target, example, result, verdict, info))
             print(f"accel-train export: {result.summary()}", flush=True)
-        if is_encoder_decoder(model):  # the two artifacts together: their decoding loop against generate()
-            generation = verify_generation(fmt, {r.name: r.path for r in results}, model, sample)
+        if is_encoder_decoder(model):  # the artifacts together: their decoding loops against generate()
+            generation = verify_generation(fmt, {r.name: r.path for r in results}, inputs, model, sample)
             print(f"accel-train export: {generation_summary(generation)}", flush=True)
     finally:
         model.train(training)

@@ -1,23 +1,29 @@
 """An encoder-decoder (EncoderDecoderModel, T5, BART: `config.is_encoder_decoder`) exported as the ONNX ecosystem
-exports seq2seq models (Optimum's encoder_model / decoder_model): two artifacts, run by a decoding loop.
+exports seq2seq models (Optimum's encoder_model / decoder_model / decoder_with_past_model): three artifacts, run by
+a decoding loop (`decoding.py`).
 
 * ``encoder``: ``input_ids``, ``attention_mask`` [batch, encoder_sequence] -> ``encoder_hidden_states``
-  [batch, encoder_sequence, hidden]; run once per source.
+  [batch, encoder_sequence, hidden] (zero at padding); run once per source.
 * ``decoder``: ``decoder_input_ids`` [batch, decoder_sequence] (the decoder start token, then the tokens chosen so
   far), ``encoder_hidden_states``, ``encoder_attention_mask`` (the source's mask) -> ``logits``
-  [batch, decoder_sequence, vocabulary]; run once per new token on the whole prefix (no past key values: each step
-  recomputes the prefix, so a step costs O(prefix) instead of O(1); the tokens are the same).
+  [batch, decoder_sequence, vocabulary] and, per decoder layer i, ``present.i.decoder.key`` / ``.value`` (its
+  self-attention keys and values) and ``present.i.encoder.key`` / ``.value`` (its cross-attention's, computed once
+  from the source). The first step of a cached loop, or every step of a loop without a cache (the whole prefix).
+* ``decoder_with_past``: ``decoder_input_ids`` [batch, 1] (the last chosen token), ``encoder_hidden_states``,
+  ``encoder_attention_mask`` and ``past_key_values.i.decoder.key`` ... ``past_key_values.i.encoder.value`` (the
+  presents so far) -> ``logits`` [batch, 1, vocabulary] and ``present.i.decoder.key`` / ``.value`` (one position
+  longer); each later step.
 
-Each artifact is verified like any other (its outputs against the model's at other shapes), and then the two
-together: `greedy_decode` over the loaded artifacts must give exactly the token ids of the model's own
-`generate()` (greedy, the same number of new tokens) on the example rows. A disagreement is an ExportError
-naming the row and the step.
+Each artifact is verified like any other (its outputs against the model's at other shapes), and then together: the
+greedy loops over the loaded artifacts must give exactly the token ids of the model's own `generate()`.
+A model whose cache is not transformers' EncoderDecoderCache gets the encoder and the decoder (logits only).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +31,12 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
-from .formats import load_artifact
 from .inputs import Sample, views
 from .targets import ExportTarget, Positional
 
 ENCODER_INPUTS = ["input_ids", "attention_mask"]
 DECODER_INPUTS = ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask"]
-DECODE_NEW_TOKENS = 16  # the generation check's length: enough steps to pass the first few, short enough to be cheap
-EncodedViews = tuple[tuple[torch.Tensor, ...], list[tuple[str, tuple[torch.Tensor, ...]]]]
+PREFIXES = [3, 3, 5, 1]  # the decoder's prefix lengths: the example, then each check (1: the first step)
 
 
 def is_encoder_decoder(model: nn.Module) -> bool:
@@ -67,20 +71,91 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The whole model's forward with the encoder's output given: what `generate()` calls at each step (the
-    projection between encoder and decoder widths, when a model has one, included), without a cache."""
+    """The whole model's forward with the encoder's output given: what `generate()` calls at its first step (the
+    projection between encoder and decoder widths, when a model has one, included); with `cache`, the keys and
+    values of each layer come out too."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cache: bool):
         super().__init__()
         self.model = without_encoder(model)
+        self.cache = cache
 
     def forward(self, decoder_input_ids, encoder_hidden_states, encoder_attention_mask):
         # an all-ones decoder mask made from the input: a traced tensor keeps transformers from dropping the causal
         # mask for SDPA's is_causal (which it decides from the prefix length, a decision torch.jit.trace would freeze)
         out = self.model(encoder_outputs=(encoder_hidden_states,), attention_mask=encoder_attention_mask,
                          decoder_input_ids=decoder_input_ids, decoder_attention_mask=torch.ones_like(decoder_input_ids),
-                         use_cache=False)
-        return {"logits": out.logits}
+                         use_cache=self.cache)
+        return {"logits": out.logits, **(presents(cache_of(out), cross=True) if self.cache else {})}
+
+
+class DecoderWithPast(nn.Module):
+    """One step on the cache: the last token, and each layer's keys and values so far (`past_key_values.i.*`, as
+    keyword arguments) rebuilt into transformers' EncoderDecoderCache -> logits and the layers' self-attention keys
+    and values one position longer (the cross-attention's do not change)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = without_encoder(model)
+        self.cache_argument = cache_argument(model)
+
+    def forward(self, decoder_input_ids, encoder_hidden_states, encoder_attention_mask, **past):
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        own, cross = DynamicCache(), DynamicCache()
+        for i in range(len(past) // 4):
+            own.update(past[f"past_key_values.{i}.decoder.key"], past[f"past_key_values.{i}.decoder.value"], i)
+            cross.update(past[f"past_key_values.{i}.encoder.key"], past[f"past_key_values.{i}.encoder.value"], i)
+        # the decoder's mask covers the cached positions and the new one (its length from a tensor, for the tracer)
+        cached = past["past_key_values.0.decoder.key"][:, 0, :, 0]
+        mask = torch.cat([torch.ones_like(cached, dtype=decoder_input_ids.dtype), torch.ones_like(decoder_input_ids)],
+                         dim=1)
+        out = self.model(encoder_outputs=(encoder_hidden_states,), attention_mask=encoder_attention_mask,
+                         decoder_input_ids=decoder_input_ids, decoder_attention_mask=mask, use_cache=True,
+                         **{self.cache_argument: EncoderDecoderCache(own, cross)})
+        return {"logits": out.logits, **presents(cache_of(out), cross=False)}
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The forward's name for the cache: `cache` since transformers 5.x (`past_key_values` deprecated, to be removed
+    in 5.40), `past_key_values` before."""
+    try:
+        return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    """The cache a forward returned (`cache` or, before transformers renamed it, `past_key_values`)."""
+    found = out.get("cache") if hasattr(out, "get") else None
+    return found if found is not None else getattr(out, "past_key_values", None)
+
+
+def presents(cache: Any, cross: bool) -> dict[str, torch.Tensor]:
+    """{present.i.decoder.key: ..., [present.i.encoder.key: ...]} of an EncoderDecoderCache, layer by layer."""
+    found = {}
+    for i, layer in enumerate(cache.self_attention_cache.layers):
+        found[f"present.{i}.decoder.key"], found[f"present.{i}.decoder.value"] = layer.keys, layer.values
+        if cross:
+            other = cache.cross_attention_cache.layers[i]
+            found[f"present.{i}.encoder.key"], found[f"present.{i}.encoder.value"] = other.keys, other.values
+    return found
+
+
+def past_names(layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{side}.{kind}" for i in range(layers) for side in ("decoder", "encoder")
+            for kind in ("key", "value")]
+
+
+def cached_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> int:
+    """How many decoder layers an EncoderDecoderCache holds after one step; 0 when the model keeps another kind of
+    cache (the export then has no decoder_with_past)."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    prefix, hidden, mask = inputs
+    out = model(encoder_outputs=(hidden,), attention_mask=mask, decoder_input_ids=prefix, use_cache=True)
+    cache = cache_of(out)
+    return len(cache.self_attention_cache.layers) if isinstance(cache, EncoderDecoderCache) else 0
 
 
 def without_encoder(model: nn.Module) -> nn.Module:
@@ -124,8 +199,9 @@ def start_token(model: nn.Module) -> int:
 
 
 def seq2seq_plans(model: nn.Module, sample: Sample) -> list[tuple[ExportTarget, Any, list]]:
-    """[(target, example, checks)] for the encoder and the decoder; the decoder's inputs are the encoder's real
-    outputs on the same rows, with prefixes of 3, 5 and 1 tokens (1: the first decoding step)."""
+    """[(target, example, checks)] for the encoder, the decoder and the decoder with past: the decoders' inputs are
+    the encoder's real outputs on the same rows, with prefixes of 3, 5 and 1 tokens (1: the first decoding step),
+    and for the decoder with past the decoder's own keys and values of those prefixes."""
     missing = [k for k in ENCODER_INPUTS if k not in sample.tensors]
     if missing:
         raise ExportError(f"{type(model).__name__} (an encoder-decoder): the example inputs ({sample.source}) have no "
@@ -136,20 +212,37 @@ def seq2seq_plans(model: nn.Module, sample: Sample) -> list[tuple[ExportTarget, 
     example, checks = views(source)
     encoder = ExportTarget("encoder", Positional(Encoder(model), ENCODER_INPUTS, ["encoder_hidden_states"]),
                            ENCODER_INPUTS, ["encoder_hidden_states"], source, f"{name}.encoder")
-    decoder_axes = {"decoder_input_ids": {0: "batch", 1: "decoder_sequence"},
-                    "encoder_hidden_states": {0: "batch", 1: "encoder_sequence"},
-                    "encoder_attention_mask": {0: "batch", 1: "encoder_sequence"}}
-    steps = [3, 3, 5, 1]
+    texts = [f"{text}, decoder prefix of {length}" for (text, _), length in zip(checks, PREFIXES[1:], strict=True)]
     with torch.no_grad():
-        decoder_views = [_decoder_inputs(encoder.module, rows, length, start_token(model))
-                         for rows, length in zip([example, *[c for _, c in checks]], steps, strict=True)]
-    decoder_sample = AxesSample(dict(zip(DECODER_INPUTS, decoder_views[0], strict=True)), sample.source,
-                                sample.pad_token_id, axes=decoder_axes)
-    decoder = ExportTarget("decoder", Positional(Decoder(model), DECODER_INPUTS, ["logits"]), DECODER_INPUTS,
-                           ["logits"], decoder_sample, f"{name}.decoder")
-    decoder_checks = [(f"{text}, decoder prefix of {length}", inputs)
-                      for (text, _), inputs, length in zip(checks, decoder_views[1:], steps[1:], strict=True)]
-    return [(encoder, example, checks), (decoder, decoder_views[0], decoder_checks)]
+        rows = [_decoder_inputs(encoder.module, r, n, start_token(model))
+                for r, n in zip([example, *[c for _, c in checks]], PREFIXES, strict=True)]
+        layers = cached_layers(model, rows[0])
+    axes = {"decoder_input_ids": {0: "batch", 1: "decoder_sequence"},
+            "encoder_hidden_states": {0: "batch", 1: "encoder_sequence"},
+            "encoder_attention_mask": {0: "batch", 1: "encoder_sequence"}}
+    decoder = _target("decoder", Decoder(model, cache=bool(layers)), DECODER_INPUTS, rows[0], axes, sample, name)
+    plans = [(encoder, example, checks), (decoder, rows[0], list(zip(texts, rows[1:], strict=True)))]
+    if layers:
+        with torch.no_grad():
+            stepped = [_step_inputs(decoder.module, inputs) for inputs in rows]
+        axes = {**axes, "decoder_input_ids": {0: "batch"},
+                **{n: {0: "batch", 2: "past_sequence" if ".decoder." in n else "encoder_sequence"}
+                   for n in past_names(layers)}}
+        step = _target("decoder_with_past", DecoderWithPast(model), [*DECODER_INPUTS, *past_names(layers)],
+                       stepped[0], axes, sample, name)
+        plans.append((step, stepped[0], [(t.replace("decoder prefix", "past"), s)
+                                         for t, s in zip(texts, stepped[1:], strict=True)]))
+    return plans
+
+
+def _target(label: str, module: nn.Module, names: list[str], example: Sequence[torch.Tensor],
+            axes: dict[str, dict[int, str]], sample: Sample, model_name: str) -> ExportTarget:
+    """An ExportTarget whose outputs are the ones the module returns on the example (logits, then the presents)."""
+    with torch.no_grad():
+        outputs = list(module(**dict(zip(names, example, strict=True))))
+    tensors = dict(zip(names, example, strict=True))
+    return ExportTarget(label, Positional(module, names, outputs), names, outputs,
+                        AxesSample(tensors, sample.source, sample.pad_token_id, axes=axes), f"{model_name}.{label}")
 
 
 def _decoder_inputs(encoder: Positional, rows: Sequence[torch.Tensor], length: int, start: int):
@@ -160,95 +253,8 @@ def _decoder_inputs(encoder: Positional, rows: Sequence[torch.Tensor], length: i
     return prefix, hidden, attention_mask
 
 
-Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
-
-
-def greedy_decode(encoder: Runner, decoder: Runner, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  start: int, eos: Sequence[int], pad: int, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding over the two artifacts, as `generate(num_beams=1, do_sample=False)` does it: the start token,
-    then each step's most likely token; a finished row (it produced an end token) gets `pad` afterwards; stops when
-    every row has finished or after `max_new_tokens`. Returns [batch, 1 + new tokens], the start token first."""
-    (hidden,) = encoder([input_ids, attention_mask])
-    tokens = torch.full((input_ids.shape[0], 1), start, dtype=torch.long)
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    ends = torch.tensor(list(eos), dtype=torch.long)
-    for _ in range(max_new_tokens):
-        (logits,) = decoder([tokens, hidden, attention_mask])
-        chosen = logits[:, -1].argmax(-1).long()
-        chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
-        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-        done |= torch.isin(chosen, ends)
-        if bool(done.all()):
-            break
-    return tokens
-
-
-def verify_generation(fmt: str, paths: dict[str, Any], model: nn.Module, sample: Sample,
-                      max_new_tokens: int = DECODE_NEW_TOKENS) -> dict[str, Any]:
-    """Load the encoder and decoder artifacts (`paths`: name -> file) back and decode the sample's rows greedily with
-    them; the token ids must equal the model's `generate()` (greedy, no logits processors, `max_new_tokens`).
-    Returns export.json's "generation_check"; raises ExportError naming the first row and step that differ."""
-    runners = {name: load_artifact(fmt, paths[name], names)
-               for name, names in (("encoder", ENCODER_INPUTS), ("decoder", DECODER_INPUTS))}
-    if any(run is None for run in runners.values()):
-        return {"verified": False, "note": "onnxruntime is not installed: the decoding loop was not run"}
-    input_ids, attention_mask = (sample.tensors[k] for k in ENCODER_INPUTS)
-    settings = _greedy_settings(model, max_new_tokens)
-    with torch.no_grad():
-        expected = _generate(model, input_ids, attention_mask, settings)
-        got = greedy_decode(runners["encoder"], runners["decoder"], input_ids, attention_mask,
-                            settings["decoder_start_token_id"], settings["eos_token_id"], settings["pad_token_id"],
-                            max_new_tokens)
-    record = {"verified": True, "items": int(input_ids.shape[0]), "max_new_tokens": max_new_tokens,
-              "decoding": "greedy, no past key values", **{k: v for k, v in settings.items() if k.endswith("_id")},
-              "generated_tokens": int(expected.shape[1] - 1)}
-    if got.shape == expected.shape and torch.equal(got, expected):
-        return {**record, "tokens_equal": True}
-    row, step = _first_difference(got, expected)
-    raise ExportError(
-        f"--format {fmt}: greedy decoding with the exported encoder and decoder gives other tokens than the model's "
-        f"generate() on example row {row} (of {input_ids.shape[0]}), from new token {step}: "
-        f"{got[row, 1:].tolist()} vs {expected[row, 1:].tolist()}. The decoder artifact's logits differ where two "
-        "tokens are nearly tied, or the graph froze a shape: see the decoder's checks above.")
-
-
-def _greedy_settings(model: nn.Module, max_new_tokens: int) -> dict[str, Any]:
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    eos = model.config.eos_token_id if eos is None else eos
-    pad = getattr(generation, "pad_token_id", None)
-    pad = model.config.pad_token_id if pad is None else pad
-    ends = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return {"decoder_start_token_id": start_token(model), "eos_token_id": ends,
-            "pad_token_id": int(pad if pad is not None else (ends[0] if ends else 0)),
-            "max_new_tokens": max_new_tokens}
-
-
-def _generate(model: nn.Module, input_ids, attention_mask, settings: dict[str, Any]) -> torch.Tensor:
-    """`generate()` greedy with only these settings: the model's generation config may name logits processors
-    (forced or suppressed tokens, repetition penalties) that are decoding choices, not part of the artifacts."""
-    from transformers import GenerationConfig
-
-    kept = model.generation_config
-    model.generation_config = GenerationConfig(do_sample=False, num_beams=1, **{
-        k: (v or None) if k == "eos_token_id" else v for k, v in settings.items()})
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask)
-    finally:
-        model.generation_config = kept
-
-
-def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[int, int]:
-    length = min(got.shape[1], expected.shape[1])
-    unequal = (got[:, :length] != expected[:, :length]).int()
-    if got.shape[0] == expected.shape[0] and unequal.any():
-        row = int(unequal.any(1).int().argmax())
-        return row, int(unequal[row].argmax())
-    return 0, length
-
-
-def generation_summary(check: dict[str, Any]) -> str:
-    if not check.get("verified"):
-        return f"decoding loop not verified ({check.get('note')})"
-    return (f"greedy decoding with encoder + decoder: the same {check['generated_tokens']} new tokens as generate() "
-            f"on all {check['items']} example rows")
+def _step_inputs(decoder: Positional, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The decoder with past's inputs after the decoder ran `inputs`: a next token, and the decoder's presents."""
+    prefix, hidden, mask = inputs
+    _, *cache = decoder(*inputs)
+    return (prefix[:, -1:].flip(0).clone(), hidden, mask, *cache)

@@ -1,8 +1,9 @@
-"""Encoder-decoders export as the ONNX ecosystem exports seq2seq models: an encoder artifact and a decoder artifact
-(no past key values), and greedy decoding over the two loaded artifacts gives exactly the token ids of the model's
-own `generate()`. Tiny bert2bert and T5 models from configs, in this process; the text-generation recipe's run
-directories (a warm-started encoder-decoder, resumed, in bf16, exported at the end of training and afterwards;
-and the recipe's no-flag default, slow: it warm-starts the real MiniLM) run in this process too (`main(argv)`).
+"""Encoder-decoders export as the ONNX ecosystem exports seq2seq models: an encoder, a decoder and a decoder with
+past, and greedy decoding over the loaded artifacts (the decoder alone, and the decoder with past on the cache)
+gives exactly the token ids of the model's own `generate()`. Tiny bert2bert and T5 models from configs, in this
+process; the text-generation recipe's run directories (a warm-started encoder-decoder, resumed, in bf16, exported
+at the end of training and afterwards; and the recipe's no-flag default, slow: it warm-starts the real MiniLM) run
+in this process too (`main(argv)`).
 """
 
 import json
@@ -15,11 +16,16 @@ from test_export import FORMAT_CASES, HAS_ONNX
 
 from accel_train.cli import main as cli
 from accel_train.deploy import Sample, export_model_artifacts, export_run
-from accel_train.deploy.seq2seq import verify_generation
+from accel_train.deploy.decoding import verify_generation
 from accel_train.errors import ExportError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = ["--report_to", "none", "--disable_tqdm", "--no_preflight", "--run_report", "false", "--cpu_threads", "1"]
+INPUTS = {"encoder": ["input_ids", "attention_mask"],
+          "decoder": ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask"],
+          "decoder_with_past": ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask",
+                                *[f"past_key_values.0.{side}.{kind}" for side in ("decoder", "encoder")
+                                  for kind in ("key", "value")]]}
 LOADERS = {
     "torchscript": lambda path: torch.jit.load(str(path)),
     "exported_program": lambda path: torch.export.load(str(path)).module(),
@@ -61,68 +67,87 @@ def source_rows() -> Sample:
     return Sample({"input_ids": ids, "attention_mask": mask}, "test rows")
 
 
-def decode_with_artifacts(fmt, folder, input_ids, attention_mask, start, eos, steps):
-    """The user's loop, written apart from the library's: encoder once, then the decoder on the growing prefix."""
+def artifact(fmt, folder, name, input_names):
+    """run({input name: tensor}) -> [outputs], loaded as a serving stack loads it (ONNX: by input name)."""
     if fmt == "onnx":
         import onnxruntime
 
-        encoder, decoder = (onnxruntime.InferenceSession(str(folder / f"{n}.onnx"), providers=["CPUExecutionProvider"])
-                            for n in ("encoder", "decoder"))
-        (hidden,) = encoder.run(None, {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})
-        hidden_states = torch.from_numpy(hidden)
-        step = lambda prefix: torch.from_numpy(decoder.run(None, {  # noqa: E731
-            "decoder_input_ids": prefix.numpy(), "encoder_hidden_states": hidden,
-            "encoder_attention_mask": attention_mask.numpy()})[0])
-    else:
-        suffix = ".pt" if fmt == "torchscript" else ".pt2"
-        encoder, decoder = (LOADERS[fmt](folder / f"{n}{suffix}") for n in ("encoder", "decoder"))
-        (hidden,) = encoder(input_ids, attention_mask)
-        hidden_states = hidden
-        step = lambda prefix: decoder(prefix, hidden, attention_mask)[0]  # noqa: E731
+        session = onnxruntime.InferenceSession(str(folder / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        used = {i.name for i in session.get_inputs()}
+        return lambda feed: [torch.from_numpy(out) for out in session.run(
+            None, {k: v.numpy() for k, v in feed.items() if k in used})]
+    module = LOADERS[fmt](folder / f"{name}{'.pt' if fmt == 'torchscript' else '.pt2'}")
+    return lambda feed: list(module(*[feed[n] for n in input_names]))
+
+
+def decode_with_cache(fmt, folder, input_ids, attention_mask, start, eos, steps):
+    """The user's loop, written apart from the library's from export.json's names: the encoder once, the decoder
+    on the start token, then the decoder with past on each chosen token and the presents so far."""
+    meta = json.loads((folder / "export.json").read_text())
+    names = {a["name"]: ([i["name"] for i in a["inputs"]], a["outputs"]) for a in meta["artifacts"]}
+    run = {name: artifact(fmt, folder, name, inputs) for name, (inputs, _) in names.items()}
+    (hidden,) = run["encoder"]({"input_ids": input_ids, "attention_mask": attention_mask})
     tokens = torch.full((input_ids.shape[0], 1), start)
+    source = {"encoder_hidden_states": hidden, "encoder_attention_mask": attention_mask}
+    out = dict(zip(names["decoder"][1], run["decoder"]({"decoder_input_ids": tokens, **source}), strict=True))
+    past = {}
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    for _ in range(steps):
-        chosen = step(tokens)[:, -1].argmax(-1)
+    for step in range(steps):
+        if step:
+            feed = {"decoder_input_ids": tokens[:, -1:], **source, **past}
+            out = dict(zip(names["decoder_with_past"][1], run["decoder_with_past"](feed), strict=True))
+        past.update({k.replace("present", "past_key_values"): v for k, v in out.items() if k != "logits"})
+        chosen = out["logits"][:, -1].argmax(-1)
         chosen[done] = 0  # the pad token of both tiny models
         tokens = torch.cat([tokens, chosen[:, None]], 1)
         done |= chosen == eos
         if done.all():
             break
-    return tokens, hidden_states
+    return tokens, hidden
 
 
 @pytest.mark.parametrize("fmt", FORMAT_CASES)
 @pytest.mark.parametrize("family", ["bert2bert", "t5"])
-def test_an_encoder_decoder_exports_two_artifacts_whose_greedy_loop_gives_generates_tokens(family, fmt, tmp_path):
+def test_an_encoder_decoder_exports_artifacts_whose_greedy_loops_give_generates_tokens(family, fmt, tmp_path):
     model = tiny_seq2seq(family)
     sample = source_rows()
     results = export_model_artifacts(model, fmt, tmp_path, sample)
-    assert [r.name for r in results] == ["encoder", "decoder"]
+    assert [r.name for r in results] == ["encoder", "decoder", "decoder_with_past"]
     assert all(r.verified and r.max_abs_diff <= 1e-4 for r in results), [r.summary() for r in results]
     meta = json.loads((tmp_path / "export.json").read_text())
+    source = ["encoder_hidden_states", "encoder_attention_mask"]
+    past = [f"past_key_values.0.{side}.{kind}" for side in ("decoder", "encoder") for kind in ("key", "value")]
     assert [[i["name"] for i in a["inputs"]] for a in meta["artifacts"]] == [
-        ["input_ids", "attention_mask"], ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask"]]
-    assert [a["outputs"] for a in meta["artifacts"]] == [["encoder_hidden_states"], ["logits"]]
-    decoder_axes = meta["artifacts"][1]["inputs"]
-    assert [i["dynamic_axes"] for i in decoder_axes] == [{"0": "batch", "1": "decoder_sequence"},
-                                                         {"0": "batch", "1": "encoder_sequence"},
-                                                         {"0": "batch", "1": "encoder_sequence"}]
-    # the decoder's checks include the first decoding step (a prefix of one token)
+        ["input_ids", "attention_mask"], ["decoder_input_ids", *source], ["decoder_input_ids", *source, *past]]
+    assert [a["outputs"] for a in meta["artifacts"]] == [
+        ["encoder_hidden_states"], ["logits", *[n.replace("past_key_values", "present") for n in past]],
+        ["logits", "present.0.decoder.key", "present.0.decoder.value"]]
+    axes = {i["name"]: i["dynamic_axes"] for a in meta["artifacts"][1:] for i in a["inputs"]}
+    assert axes == {"decoder_input_ids": {"0": "batch"},
+                    "encoder_hidden_states": {"0": "batch", "1": "encoder_sequence"},
+                    "encoder_attention_mask": {"0": "batch", "1": "encoder_sequence"},
+                    past[0]: {"0": "batch", "2": "past_sequence"}, past[1]: {"0": "batch", "2": "past_sequence"},
+                    past[2]: {"0": "batch", "2": "encoder_sequence"}, past[3]: {"0": "batch", "2": "encoder_sequence"}}
+    assert meta["artifacts"][1]["inputs"][0]["dynamic_axes"] == {"0": "batch", "1": "decoder_sequence"}
+    # the checks include the first decoding step (a prefix of one token) and the first step on the cache (past of 1)
     assert any("decoder prefix of 1" in c["inputs"] for c in meta["artifacts"][1]["checks"])
+    assert any("past of 1" in c["inputs"] for c in meta["artifacts"][2]["checks"])
     check = meta["generation_check"]
     assert check["tokens_equal"] and check["items"] == 8 and check["max_new_tokens"] == 16
+    assert check["loops"] == ["decoder", "decoder_with_past"]
     start, eos = model.generation_config.decoder_start_token_id, model.generation_config.eos_token_id
     ids, mask = sample.tensors["input_ids"], sample.tensors["attention_mask"]
     with torch.no_grad():
         expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1, max_new_tokens=16)
-        got, hidden = decode_with_artifacts(fmt, tmp_path, ids, mask, start, eos, 16)
+        got, hidden = decode_with_cache(fmt, tmp_path, ids, mask, start, eos, 16)
     assert got.shape[1] > 2 and torch.equal(got, expected)
     assert (hidden[mask == 0] == 0).all() and (hidden[mask == 1] != 0).any()  # padding rows: zeros, nothing reads them
     assert check["generated_tokens"] == expected.shape[1] - 1
-    if fmt != "onnx":  # the decoder carries the decoder's weights, not the encoder's a second time
-        decoder = LOADERS[fmt](results[1].path)
-        names = [n for n, _ in decoder.named_parameters()] + [n for n, _ in decoder.named_buffers()]
-        assert names and not any(".encoder." in f".{n}" and "decoder" not in n for n in names), names
+    if fmt != "onnx":  # the decoders carry the decoder's weights, not the encoder's a second time
+        for result in results[1:]:
+            decoder = LOADERS[fmt](result.path)
+            names = [n for n, _ in decoder.named_parameters()] + [n for n, _ in decoder.named_buffers()]
+            assert names and not any(".encoder." in f".{n}" and "decoder" not in n for n in names), names
 
 
 def test_a_decoding_loop_that_differs_from_generate_is_an_error_naming_the_row_and_step(tmp_path):
@@ -135,9 +160,9 @@ def test_a_decoding_loop_that_differs_from_generate_is_an_error_naming_the_row_a
     with torch.no_grad():
         for parameter in other.decoder.parameters():
             parameter.add_(torch.randn_like(parameter))
-    with pytest.raises(ExportError, match=r"gives other tokens than the model's generate\(\) on example row \d+ "
-                                          r"\(of 8\), from new token \d+"):
-        verify_generation("torchscript", {r.name: r.path for r in results}, other, sample)
+    with pytest.raises(ExportError, match=r"encoder and decoder gives other tokens than the model's generate\(\) on "
+                                          r"example row \d+ \(of 8\), from new token \d+"):
+        verify_generation("torchscript", {r.name: r.path for r in results}, INPUTS, other, sample)
 
 
 def warm_start_run(out, tiny_bert, pairs, *extra):
@@ -165,13 +190,14 @@ def test_a_resumed_bf16_warm_started_run_exports_at_the_end_and_afterwards(tmp_p
                    "--export_formats", "torchscript")
     assert json.loads((out / "all_results.json").read_text())["train_steps"] == 2
     at_end = json.loads((out / "export" / "torchscript" / "export.json").read_text())
-    assert [a["name"] for a in at_end["artifacts"]] == ["encoder", "decoder"]
+    assert [a["name"] for a in at_end["artifacts"]] == ["encoder", "decoder", "decoder_with_past"]
     assert at_end["generation_check"]["tokens_equal"] and at_end["example_inputs"] == "the run's evaluation data"
     later = export_run(out, "exported_program", tmp_path / "later")
     checkpoint = sorted((out / "checkpoints").glob("step-*"))[-1]
-    from_checkpoint = export_run(checkpoint, "exported_program", tmp_path / "from_checkpoint")
+    from_checkpoint = export_run(checkpoint, "torchscript", tmp_path / "from_checkpoint")
     for folder, results in ((tmp_path / "later", later), (tmp_path / "from_checkpoint", from_checkpoint)):
-        assert all(r.verified for r in results) and [r.name for r in results] == ["encoder", "decoder"]
+        assert all(r.verified for r in results)
+        assert [r.name for r in results] == ["encoder", "decoder", "decoder_with_past"]
         meta = json.loads((folder / "export.json").read_text())
         assert meta["generation_check"]["tokens_equal"] and meta["generation_check"]["items"] == 8
         # fp32 artifacts from a bf16 run: the master weights are fp32, autocast was the run's precision
@@ -192,7 +218,7 @@ def test_the_no_flag_text_generation_run_directory_exports_to_onnx_and_decodes_a
     reset_accelerate()
     assert cli(["export", str(out), "--format", "onnx"]) == 0
     meta = json.loads((out / "export" / "onnx" / "export.json").read_text())
-    assert [a["name"] for a in meta["artifacts"]] == ["encoder", "decoder"]
+    assert [a["name"] for a in meta["artifacts"]] == ["encoder", "decoder", "decoder_with_past"]
     assert all(a["verified"] and a["max_abs_diff"] <= 1e-4 for a in meta["artifacts"])
     # the encoder's output at padding positions is zero: ONNX Runtime differed there by 9e-5 (the tolerance is 1e-4)
     assert meta["artifacts"][0]["max_abs_diff"] <= 2e-5

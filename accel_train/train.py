@@ -91,7 +91,7 @@ def train(
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)
     factory = _factory_hook(model, spec, session.accelerator.is_main_process)
-    state = session.start([*spec.hooks, *_builtin_hooks(session.config), *factory, observer])
+    state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer])
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
     meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside
@@ -129,8 +129,8 @@ def _factory_hook(model: torch.nn.Module, spec: RunSpec, main_process: bool) -> 
     return [RecordModelFactory(model, spec.config.output_dir, main_process)]
 
 
-def _builtin_hooks(config: TrainConfig) -> list:
+def _builtin_hooks(config: TrainConfig, say: Callable[[str], None]) -> list:
     if config.early_stopping_patience is None:
         return []
     return [EarlyStopping(config.best_metric_name, "max" if config.best_is_greater else "min",
-                          config.early_stopping_patience, config.early_stopping_threshold)]
+                          config.early_stopping_patience, config.early_stopping_threshold, say=say)]

@@ -96,10 +96,12 @@ class EarlyStopping:
     and takes the same decision; the loop additionally agrees the stop across ranks.
     """
 
-    def __init__(self, metric: str = "eval_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+    def __init__(self, metric: str = "eval_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 say=None):
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping mode must be 'min' or 'max', not {mode!r}")
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.say = say  # say(message): where the stop is announced (train() passes the run's log; None: silent)
         self.best: float | None = None
         self.bad_evaluations = 0
         self.stopped_at: int | None = None
@@ -124,6 +126,10 @@ class EarlyStopping:
             self.bad_evaluations += 1
         if self.bad_evaluations >= self.patience:
             self.stopped_at = state.step
+            if self.say is not None:
+                self.say(f"early stopping: {self.metric} has not improved by more than {self.min_delta:g} for "
+                         f"{self.bad_evaluations} evaluation(s) (best {self.best:.6g}, last {value:.6g}); the run "
+                         f"stops at step {state.step}")
             return True
         return False
 

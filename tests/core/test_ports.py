@@ -107,6 +107,9 @@ def test_tutorial_loop_early_stopping_stops_and_the_best_model_is_kept_and_said(
     assert "| status | stopped early at step 8 of 12 |" in (tmp_path / "run" / "report.md").read_text()
     (best_step, best_loss) = min(evaluations(tmp_path / "run")[:2], key=lambda e: e[1])
     printed = capsys.readouterr().out
+    (_, first), (_, second) = evaluations(tmp_path / "run")[:2]  # the first counts as the stopper's best
+    assert (f"early stopping: eval_loss has not improved by more than 1 for 1 evaluation(s) (best {first:.6g}, last "
+            f"{second:.6g}); the run stops at step 8") in printed
     assert f"restored the best checkpoint {tmp_path / 'run' / 'checkpoints' / f'step-{best_step:08d}'}" in printed
     assert metrics["eval_loss"] == pytest.approx(best_loss)  # the final evaluation is the best model's
 

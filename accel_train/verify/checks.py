@@ -108,7 +108,7 @@ def resume(runs: Runs, determinism_result: Result | None) -> Result:
     reference = runs.finished("reference")
     fault = f"kill_after_step:{verify.kill_step}"
     cut = run_variant(verify, "resumed", runs.interrupts, env={FAULT_VARIABLE: fault})
-    if not killed(cut):
+    if not killed(cut, verify):
         require_finished(cut, verify)
         return Result(NOT_APPLICABLE, {"reason": f"{FAULT_VARIABLE}={fault} did not stop the run (it ended by "
                                        "itself): the script does not train with accel_train.train()"}, tolerance)

@@ -150,10 +150,13 @@ def require_finished(variant: Variant, verify: Verify) -> None:
                           "to train() (not an output_dir of its own)?")
 
 
-def killed(variant: Variant) -> bool:
-    """The variant's last process died of SIGKILL (directly, or its launcher reported a failure)."""
+def killed(variant: Variant, verify: Verify) -> bool:
+    """The variant's last process died of SIGKILL: its exit says so, or (under a launcher, which reports any failure
+    as 1) it ended with an error and wrote no status, which every other end through run_cli does."""
     code = variant.returncode
-    return code is not None and (code == -signal.SIGKILL or code == 128 + signal.SIGKILL or code != 0)
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return True
+    return bool(verify.launch_args) and code not in (0, 2, None) and not variant.attempts[-1]["status"]
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -18,6 +18,7 @@ from accel_train import ConfigError
 from accel_train.cli import main as cli_main
 from accel_train.verify import CERTIFICATE, main, parse_args
 from accel_train.verify.diagnose import accumulation_cause, determinism_cause, resume_cause
+from accel_train.verify.runs import Variant, killed
 
 BUGS = SCRIPTS / "verify"
 TOY = SCRIPTS / "toy_train.py"
@@ -142,3 +143,18 @@ def test_the_cause_paragraph_follows_what_was_measured():
         "data / RNG after resume"
     assert resume_cause({"first_loss_difference": None, "optimizer_differing": ["state.0.exp_avg"],
                          "resumed_from_step": 3})[0] == "state outside the checkpoint"
+
+
+def test_a_cut_run_is_killed_only_when_sigkill_ended_it(tmp_path):
+    """A run that crashed before the kill point (exit 1 from a traceback: no status) is not taken for the cut run;
+    under a launcher, which reports any failure as 1, the status run_cli writes at every other end tells them apart."""
+    direct = parse_args(["--", str(TOY)])
+    launched = parse_args(["--launch_args", "--cpu", "--", str(TOY)])
+
+    def ended(code, status=None):
+        return Variant("resumed", [], tmp_path, returncode=code, attempts=[{"status": status or {}}])
+
+    assert killed(ended(-9), direct) and killed(ended(137), launched)
+    assert not killed(ended(1), direct) and not killed(ended(0), direct)
+    assert killed(ended(1), launched)  # accelerate launch: its child was killed
+    assert not killed(ended(1, {"exit": 2, "kind": "config error"}), launched) and not killed(ended(2), launched)

@@ -27,7 +27,16 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from accel_train import TrainConfig, build_accelerator, load_metric, make_loader, parse_config, run_cli, train
+from accel_train import (
+    TrainConfig,
+    build_accelerator,
+    load_metric,
+    make_loader,
+    make_plan,
+    parse_config,
+    run_cli,
+    train,
+)
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sentence-classification"
 DEFAULTS = {
@@ -91,8 +100,10 @@ def main(argv=None) -> dict[str, float]:
     dev_loader = make_loader(dev_set, config, train=False, collate_fn=collator)
     model = build_model(args.tiny, tokenizer, path)
     optimizer = torch.optim.AdamW(params=model.parameters(), lr=config.learning_rate)
-    steps = len(train_loader) * int(config.num_train_epochs) // config.gradient_accumulation_steps
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(config.warmup_steps), steps)
+    # the run's optimizer steps (epochs or --max_steps, accumulation, each process's share of the batches): the loop
+    # steps this schedule once per optimizer step, whatever the number of processes
+    plan = make_plan(config, -(-len(train_loader) // accelerator.num_processes), accelerator.num_processes)
+    scheduler = get_linear_schedule_with_warmup(optimizer, plan.warmup_steps, plan.total_steps)
     result = train(model, train_loader, config=config, eval_loader=dev_loader, metrics_fn=metrics_fn,
                    optimizer=optimizer, scheduler=scheduler, accelerator=accelerator, processing_class=tokenizer)
     return result.metrics

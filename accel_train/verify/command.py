@@ -41,10 +41,7 @@ OWN_FLAGS = ("output_dir", "max_steps", "resume_from_checkpoint", "logging_steps
 def parse_args(argv: Sequence[str]) -> Verify:
     """The Verify of an `accel-train verify` argv: its own flags, `--`, the script and its flags."""
     argv = list(argv)
-    if "--" not in argv:
-        raise ConfigError("accel-train verify: put the script and its flags after `--`, e.g. accel-train verify "
-                          "--steps 6 -- recipes/nlp_finetune.py --max_train_samples 64")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     own, user = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(prog="accel-train verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +54,13 @@ def parse_args(argv: Sequence[str]) -> Verify:
                         "word: --launch_args '--cpu' (repeated, they add up); without it, each variant is "
                         "`python SCRIPT`")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one variant may run")
-    args = parser.parse_args(_launch_args_joined(own))
+    args, unknown_words = parser.parse_known_args(_launch_args_joined(own))  # --help exits here
+    if split == len(argv):
+        raise ConfigError("accel-train verify: put the script and its flags after `--`, e.g. accel-train verify "
+                          "--steps 6 -- recipes/nlp_finetune.py --max_train_samples 64")
+    if unknown_words:
+        raise ConfigError(f"accel-train verify: unknown flags before `--`: {' '.join(unknown_words)} (the script's "
+                          "flags go after `--`; accel-train verify --help lists verify's).")
     checks = tuple(name.strip() for name in args.checks.split(",") if name.strip())
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown or not checks:

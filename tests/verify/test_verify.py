@@ -110,6 +110,8 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)  # where the default --output_dir (verify) would be made
     with pytest.raises(ConfigError, match="after `--`"):
         parse_args(["--steps", "4", str(TOY)])
+    with pytest.raises(ConfigError, match="unknown flags before `--`: --hidden 8"):
+        parse_args(["--hidden", "8", "--", str(TOY)])
     with pytest.raises(ConfigError, match="not a Python script file"):
         parse_args(["--", str(tmp_path / "missing.py")])
     with pytest.raises(ConfigError, match="drop them"):

@@ -153,6 +153,7 @@ def test_two_input_research_states_its_groups_logs_the_auxiliary_loss_and_resume
     # the built schedule multiplies each group's own rate: its peaks are the groups', not --learning_rate's 5e-05
     assert ("schedule         cosine, peak lr 0.003, 0.001 (your optimizer's rates, each group's own; "
             "--learning_rate does not apply), 2 warmup step(s)") in report
+    assert "[warning] schedule" not in report  # no advice to build the groups "with lr=config.learning_rate"
     ran = what_ran(tmp_path / "whole")
     assert ran["optimizer"]["groups"] == [{"lr": 0.003, "weight_decay": 0.05}, {"lr": 0.001, "weight_decay": 0.0}]
     assert ran["scheduler"] == {"class": "LambdaLR", "given": "built: --lr_scheduler_type cosine",

@@ -166,7 +166,10 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
         out.append(Finding("schedule", "warning", f"the learning rate reaches its peak after {peak_step} step(s), "
                            f"but the warmup is {plan.warmup_steps} step(s).", "build the schedule with the config's "
                            f"warmup ({plan.warmup_steps} steps), or set --warmup_steps to what it is."))
-    if not math.isclose(peak, cfg.learning_rate * plan.lr_scale, rel_tol=1e-6):
+    # your optimizer's groups at rates of their own (the start-up report names each): no one --learning_rate could be
+    # their peak, and building them "with lr=config.learning_rate" is no advice
+    own_rates = getattr(f, "own_optimizer", False) and len({round(max(g[:total]), 12) for g in lrs}) > 1
+    if not own_rates and not math.isclose(peak, cfg.learning_rate * plan.lr_scale, rel_tol=1e-6):
         out.append(Finding("schedule", "warning", f"the schedule peaks at {peak:.3g}, --learning_rate is "
                            f"{cfg.learning_rate:g}{plan.peak_lr_note}.", "build the optimizer with "
                            "lr=config.learning_rate, or set --learning_rate to the value used."))

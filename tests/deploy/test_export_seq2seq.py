@@ -3,7 +3,7 @@ past, and greedy decoding over the loaded artifacts (the decoder alone, and the 
 gives exactly the token ids of the model's own `generate()`. Tiny bert2bert and T5 models from configs, in this
 process; the text-generation recipe's run directories (a warm-started encoder-decoder, resumed, in bf16, exported
 at the end of training and afterwards; and the recipe's no-flag default, slow: it warm-starts the real MiniLM) run
-in this process too (`main(argv)`).
+in this process too (`main(argv)`), and on 2 processes on the session's spawned gloo ranks (conftest's `ranks`).
 """
 
 import json
@@ -165,24 +165,33 @@ def test_a_decoding_loop_that_differs_from_generate_is_an_error_naming_the_row_a
         verify_generation("torchscript", {r.name: r.path for r in results}, INPUTS, other, sample)
 
 
+def warm_start_argv(out, tiny_bert, pairs, *extra):
+    return ["--encoder_decoder_from", str(tiny_bert), "--decoder_layers", "1", "--train_file", str(pairs),
+            "--text_column", "text", "--summary_column", "summary", "--validation_split", "8", "--max_source_length",
+            "16", "--max_target_length", "8", "--output_dir", str(out), "--max_generate_samples", "2",
+            "--generation_max_new_tokens", "4", "--mixed_precision", "bf16", "--per_device_train_batch_size", "8",
+            *QUIET, *extra]
+
+
 def warm_start_run(out, tiny_bert, pairs, *extra):
     reset_accelerate()
-    text_generation.main(["--encoder_decoder_from", str(tiny_bert), "--decoder_layers", "1", "--train_file",
-                          str(pairs), "--text_column", "text", "--summary_column", "summary", "--validation_split",
-                          "8", "--max_source_length", "16", "--max_target_length", "8", "--output_dir", str(out),
-                          "--max_generate_samples", "2", "--generation_max_new_tokens", "4", "--mixed_precision",
-                          "bf16", "--per_device_train_batch_size", "8", *QUIET, *extra])
+    text_generation.main(warm_start_argv(out, tiny_bert, pairs, *extra))
     reset_accelerate()
+
+
+def write_pairs(folder):
+    words = [*POSITIVE, *NEGATIVE, *FILLER]
+    pairs = folder / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text": " ".join(words[i % len(words):][:6]), "summary": words[i % 9]})
+                             + "\n" for i in range(32)))
+    return pairs
 
 
 def test_a_resumed_bf16_warm_started_run_exports_at_the_end_and_afterwards(tmp_path, tiny_bert):
     """The recipe's default kind of model (an encoder-decoder warm-started from a BERT, here a tiny one): trained
     in bf16, cut after step 1 and resumed; `--export_formats` at the end and `accel-train export` of the run
     directory and of its checkpoint each give two verified artifacts whose decoding matches generate()."""
-    words = [*POSITIVE, *NEGATIVE, *FILLER]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"text": " ".join(words[i % len(words):][:6]), "summary": words[i % 9]})
-                             + "\n" for i in range(32)))
+    pairs = write_pairs(tmp_path)
     out = tmp_path / "run"
     saving = ["--save_strategy", "steps", "--save_steps", "1"]
     warm_start_run(out, tiny_bert, pairs, *saving, "--max_steps", "1")
@@ -202,6 +211,20 @@ def test_a_resumed_bf16_warm_started_run_exports_at_the_end_and_afterwards(tmp_p
         assert meta["generation_check"]["tokens_equal"] and meta["generation_check"]["items"] == 8
         # fp32 artifacts from a bf16 run: the master weights are fp32, autocast was the run's precision
         assert {i["dtype"] for i in meta["artifacts"][1]["inputs"]} == {"int64", "float32"}
+
+
+def test_a_warm_started_run_on_two_processes_exports_at_the_end_and_afterwards(tmp_path, tiny_bert, ranks):
+    """The same kind of run on the session's 2 spawned gloo ranks: the main process exports at the end while the other
+    waits, and the saved run directory exports afterwards; both decode as generate() does."""
+    pairs = write_pairs(tmp_path)
+    out = tmp_path / "ddp"
+    ranks.run(text_generation.main, warm_start_argv(out, tiny_bert, pairs, "--max_steps", "2", "--save_strategy",
+                                                    "no", "--export_formats", "torchscript"))
+    at_end = json.loads((out / "export" / "torchscript" / "export.json").read_text())
+    assert at_end["generation_check"]["tokens_equal"]
+    results = export_run(out, "torchscript", tmp_path / "later")
+    assert [r.name for r in results] == ["encoder", "decoder", "decoder_with_past"] and all(r.verified for r in results)
+    assert json.loads((tmp_path / "later" / "export.json").read_text())["generation_check"]["tokens_equal"]
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
 from .checks import FAILED, NOT_APPLICABLE, Result, Runs, accumulation, determinism, resume
 from .runs import CHECKS, Verify
@@ -93,25 +93,30 @@ def _launch_args_joined(own: list[str]) -> list[str]:
     return out
 
 
-def run_checks(verify: Verify, interrupts: Interrupts) -> tuple[dict[str, Result], Runs]:
-    runs = Runs(verify, interrupts)
-    results: dict[str, Result] = {}
-    if "determinism" in verify.checks:
+def run_checks(runs: Runs, results: dict[str, Result]) -> None:
+    """The checks asked, in order, each result added to `results` as it is known."""
+    checks = runs.verify.checks
+    if "determinism" in checks:
         results["determinism"] = determinism(runs)
-    if "resume" in verify.checks:
+    if "resume" in checks:
         results["resume"] = resume(runs, results.get("determinism"))
-    if "accumulation" in verify.checks:
+    if "accumulation" in checks:
         results["accumulation"] = accumulation(runs)
-    return results, runs
 
 
-def certificate(verify: Verify, results: dict[str, Result], runs: Runs) -> dict:
+def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: str | None = None,
+                exit_code: int | None = None) -> dict:
+    """verify.json. `error`: why verify stopped before its checks were done (what it had is kept)."""
     failed = [name for name, result in results.items() if result.status == FAILED]
-    return {"script": verify.script, "script_args": verify.script_args, "launch_args": verify.launch_args,
-            "steps": verify.steps, "save_steps": verify.save_steps, "accumulation_steps": verify.accumulation,
-            "passed": not failed, "exit_code": 1 if failed else 0,
-            "checks": {name: result.as_dict() for name, result in results.items()},
-            "variants": {name: variant.record() for name, variant in runs.done.items()}}
+    document = {"script": verify.script, "script_args": verify.script_args, "launch_args": verify.launch_args,
+                "steps": verify.steps, "save_steps": verify.save_steps, "accumulation_steps": verify.accumulation,
+                "passed": not failed and error is None,
+                "exit_code": exit_code if exit_code is not None else 1 if failed else 0,
+                "checks": {name: result.as_dict() for name, result in results.items()},
+                "variants": {name: variant.record() for name, variant in runs.done.items()}}
+    if error is not None:
+        document["error"] = error
+    return document
 
 
 def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
@@ -138,17 +143,28 @@ def _figure(name: str, result: Result) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """`accel-train verify ... -- SCRIPT [flags]`: 0 all passed, 1 a check failed, 2 bad input (run_cli / cli.main),
-    128 + the signal's number when SIGINT / SIGTERM stopped it."""
+    128 + the signal's number when SIGINT / SIGTERM stopped it. verify.json is written in every case but bad flags:
+    a run that fails or an interrupt keeps the checks done before it, with the reason."""
     verify = parse_args(argv)
     verify.output_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        with Interrupts() as interrupts:
-            results, runs = run_checks(verify, interrupts)
-    except SweepInterrupted as stop:
-        print(f"accel-train verify: {stop}", file=sys.stderr)
-        return 128 + stop.signum
     path = verify.output_dir / CERTIFICATE
+    results: dict[str, Result] = {}
+    with Interrupts() as interrupts:
+        runs = Runs(verify, interrupts)
+        try:
+            run_checks(runs, results)
+        except SweepInterrupted as stop:
+            _write(path, certificate(verify, results, runs, f"interrupted: {stop}", 128 + stop.signum))
+            print(f"accel-train verify: {stop} What was done is in {path}.", file=sys.stderr)
+            return 128 + stop.signum
+        except UserError as err:
+            _write(path, certificate(verify, results, runs, f"{err.kind}: {err}", 2))
+            raise
     document = certificate(verify, results, runs)
-    path.write_text(json.dumps(document, indent=2, default=str))
+    _write(path, document)
     print(summary(verify, results, path))
     return document["exit_code"]
+
+
+def _write(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=2, default=str))

@@ -104,6 +104,10 @@ def test_a_script_that_refuses_the_flags_is_bad_input(tmp_path, variant_env, cap
     err = capsys.readouterr().err
     assert code == 2 and "refused the flags verify gives" in err and "unrecognized arguments: --max_steps" in err
     assert "parse_config" in err
+    certificate = json.loads((tmp_path / "v" / CERTIFICATE).read_text())  # kept, with why verify stopped
+    assert (certificate["exit_code"], certificate["passed"], certificate["checks"]) == (2, False, {})
+    assert certificate["error"].startswith("config error:") and "--max_steps" in certificate["error"]
+    assert certificate["variants"]["reference"]["attempts"][0]["returncode"] == 2
 
 
 def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):

@@ -113,6 +113,15 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
         return "loss summed over micro-batches", (
             f"{where} The accumulated gradient is {k} times the batch's: the loss is multiplied by the accumulation "
             "count, or summed where it should be averaged. What to change: return the micro-batch's mean loss.")
+    if abs(ratio - 1) < 0.01:
+        return "dropout or per-micro-batch normalisation", (
+            f"{where} A difference this small (under 1 %) is what dropout makes: each micro-batch draws its own "
+            "masks, so k micro-batches never match one batch while dropout is on. What to change: nothing, if the "
+            "model has dropout; to check the accumulation itself, rerun verify with the dropout off for its "
+            "accumulation runs only (--accumulation_args '--config_overrides hidden_dropout_prob=0,"
+            "attention_probs_dropout_prob=0' for the recipes' transformers models). If it still fails, a loss "
+            "normalised per micro-batch over a count that changes with the split (a token mean over variable-length "
+            "rows) returns {'loss_sum': sum, 'num_items': count} instead.")
     return "normalisation per micro-batch", (
         f"{where} Likely cause: a loss normalised per micro-batch over a count that changes with the split (a token "
         "mean over variable-length rows: return a token sum and a count, which the loop divides over the whole "

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Verify:
     checks: tuple[str, ...] = CHECKS
     steps: int = 6
     accumulation: int = 2  # k: k micro-batches of B against one of kB
+    accumulation_args: list[str] = field(default_factory=list)  # script flags of the accumulation variants only
     launch_args: list[str] = field(default_factory=list)
     timeout: float = 1800.0  # seconds one variant may run before it is ended
     poll_seconds: float = 0.2
@@ -64,10 +66,11 @@ class Verify:
                   "save_steps": self.save_steps, "report_to": "none", **more, "output_dir": output_dir}
         return [word for name, value in values.items() for word in (f"--{name}", str(value))]
 
-    def command(self, output_dir: Path, **more: object) -> list[str]:
+    def command(self, output_dir: Path, script_args: Sequence[str] = (), **more: object) -> list[str]:
+        """`script_args`: more of the script's own flags, after the user's (--accumulation_args)."""
         head = [sys.executable, "-m", "accel_train.cli", "launch", *self.launch_args] if self.launch_args else \
             [sys.executable]
-        return [*head, self.script, *self.script_args, *self.flags(output_dir, **more)]
+        return [*head, self.script, *self.script_args, *script_args, *self.flags(output_dir, **more)]
 
 
 @dataclass
@@ -86,11 +89,11 @@ class Variant:
 
 
 def run_variant(verify: Verify, name: str, interrupts: Interrupts, env: dict[str, str] | None = None,
-                resume: bool = False, **more: object) -> Variant:
+                resume: bool = False, script_args: Sequence[str] = (), **more: object) -> Variant:
     """Run one variant to its end (or, resume=True, resume the variant `name` from its latest checkpoint)."""
     out = verify.output_dir / name
     extra = {"resume_from_checkpoint": "latest"} if resume else {}
-    variant = Variant(name, verify.command(out, **more, **extra), out, dict(env or {}))
+    variant = Variant(name, verify.command(out, script_args, **more, **extra), out, dict(env or {}))
     if not resume and out.exists():
         shutil.rmtree(out)  # verify's own variant directory, from an earlier verify
     logs = verify.output_dir / LOGS_DIR

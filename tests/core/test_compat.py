@@ -95,3 +95,27 @@ def test_a_datasets_stream_whose_shuffle_buffer_cannot_be_read_resumes_by_re_rea
 
     # it may be shuffled: a saved position could lose the buffer, re-reading cannot
     assert stream.StreamPosition.of(loader, Config(), 1) is None
+
+
+def test_unwrapping_asks_for_deepspeed_only_once_it_is_imported(monkeypatch):
+    """Accelerate's unwrap imported DeepSpeed wherever it is installed (2.4 s of every run's start-up); after a
+    run's build_accelerator it asks only once deepspeed is imported, as it is when DeepSpeed is the engine."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import accelerate.utils.other as other
+    from accelerate.utils import is_deepspeed_available
+
+    from accel_train.core.accelerator import defer_deepspeed_probe
+
+    defer_deepspeed_probe()
+    defer_deepspeed_probe()  # once: not wrapped twice
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    assert other.is_deepspeed_available() is False
+    model = torch.nn.Linear(2, 2)
+    assert other.extract_model_from_parallel(model) is model and "deepspeed" not in sys.modules
+    imported = types.ModuleType("deepspeed")  # what `import deepspeed` leaves, without its 2.4 s
+    imported.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed", imported)
+    assert other.is_deepspeed_available() == is_deepspeed_available()

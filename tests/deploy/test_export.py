@@ -345,7 +345,8 @@ def test_the_docs_load_each_artifact_without_accel_train(text_run, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "deploy.md").read_text(), re.S)
     script = ["import sys", "sys.modules['accel_train'] = None  # the snippets must not need it"]
     for fmt in formats:  # each snippet as the docs show it, in one process (one torch import)
-        code = next(b for b in blocks if f"export/{fmt}/" in b).replace("outputs/nlp_finetune", str(out))
+        code = next(b for b in blocks if f"export/{fmt}/" in b and "outputs/nlp_finetune" in b)  # the classifier's
+        code = code.replace("outputs/nlp_finetune", str(out))
         script += [f"def load_{fmt}():", *("    " + line for line in code.splitlines()), "    return logits",
                    f"print({fmt!r}, tuple(load_{fmt}().shape))"]
     (tmp_path / "snippets.py").write_text("\n".join(script) + "\n")

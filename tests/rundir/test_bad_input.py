@@ -66,9 +66,14 @@ def test_overwrite_output_dir_leaves_nothing_of_the_replaced_run(tmp_path, capsy
         (out / name).parent.mkdir(parents=True, exist_ok=True)  # what other recipes and exports leave there
         (out / name).write_text("{}")
     assert (out / "model.safetensors").is_file() and (out / "all_results.json").is_file()
-    # the replacing run stops before it writes a model: nothing of the old run may pass for its output
-    fails(capsys, ["--output_dir", str(out), *QUIET, "--overwrite_output_dir", "--poison_index", "0",
-                   "--per_device_train_batch_size", "96"], "non-finite")
+    poisoned = ["--output_dir", str(out), *QUIET, "--overwrite_output_dir", "--poison_index", "0",
+                "--per_device_train_batch_size", "96"]
+    # refused by the pre-flight (the loss is nan on the first batch) before anything is replaced: the old run stays
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    fails(capsys, poisoned, "the pre-flight check refused to start this run", "returned nan on the first training")
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    # a replacing run that starts and stops before it writes a model: nothing of the old run may pass for its output
+    fails(capsys, [*poisoned, "--no_preflight"], "non-finite")
     left = sorted(p.name for p in out.iterdir())
     assert not {"model.safetensors", "export", "adapter", "predictions.jsonl", "predict_results.jsonl",
                 "model_factory.json", "all_results.json", "report.md"} & set(left), left

@@ -96,11 +96,11 @@ def points_run(tmp_path, metrics_values, **overrides):
     torch.manual_seed(0)
     x = torch.randn(32, 6)
     data = TensorDataset(x, (x[:, 0] > 0).long())
-    values = iter(metrics_values)
+    values = iter(metrics_values)  # one per evaluation: no pre-flight call of metrics_fn (preflight=False)
     settings = dict(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8, learning_rate=0.01,
                     eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=["none"],
                     disable_tqdm=True, run_report=False, metric_for_best_model="score", greater_is_better=True,
-                    load_best_model_at_end=True, logging_steps=2)
+                    load_best_model_at_end=True, logging_steps=2, preflight=False)
     config = TrainConfig(**{**settings, **overrides})
 
     def loss_fn(model, batch):

@@ -211,7 +211,7 @@ def test_bad_input_stops_the_sweep_with_a_message(tmp_path, trial_env):
     # a trial that crashes is failed and the sweep goes on, until --max_failures of them
     with pytest.raises(UserError, match=r"2 trials failed in this sweep \(--max_failures 2\)"):
         sweep(tmp_path / "crashing", {"learning_rate": {"choices": [0.1]}}, "--trials", "5", "--max_failures", "2",
-              recipe=["--poison_index", "3", "--on_nonfinite", "stop", "--num_train_epochs", "1"])
+              recipe=["--poison_index", "3", "--on_nonfinite", "stop", "--num_train_epochs", "1", "--no_preflight"])
     assert [t.state.name for t in study(tmp_path / "crashing").trials] == ["FAIL", "FAIL"]
     with pytest.raises(ConfigError, match="each trial gets its own"):
         sweep(out, {"learning_rate": {"choices": [0.1]}}, "--trials", "1", recipe=["--output_dir", "x"])

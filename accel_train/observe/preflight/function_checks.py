@@ -52,6 +52,9 @@ def check_functions(f) -> list[Finding]:
     if isinstance(loader.dataset, IterableDataset) or not holds_whole_model(f.accelerator):
         return [Finding("functions", "ok", "loss_fn and metrics_fn not run before training (a stream, or a sharded "
                         "model): the first step runs them.")]
+    if getattr(f.loss_fn, "hooks", ()):
+        return [Finding("functions", "ok", "loss_fn and metrics_fn not run before training: the loss declares hooks "
+                        "(its state comes from the run, set from on_train_start); the first step runs them.")]
     size = min(loader_batch(loader) or 1, len(loader.dataset))
     batch = send_to_device(fetch_batch(loader, list(range(size))), f.accelerator.device)  # no sampler, no RNG
     model = f.accelerator.unwrap_model(f.model)

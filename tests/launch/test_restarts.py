@@ -3,6 +3,7 @@ torchrun's elastic agent restarting workers killed at random steps, and a hung p
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -79,6 +80,10 @@ def join_restarted_beside_another_attempts_keys(store_port: int, output_dir: str
         stale = "0" * 32  # an earlier attempt's rank 1 said hello and was answered; this attempt must not read it
         agent.set("accel_train/hello/1", stale)
         agent.set(f"accel_train/ack/{stale}", "f" * 32)
+        agent.set("test/earlier_attempt_over", "1")
+    else:  # an earlier attempt's keys are written before this attempt starts, never while it says hello
+        torch.distributed.TCPStore("127.0.0.1", store_port, 2, is_master=False,
+                                   timeout=datetime.timedelta(seconds=60)).get("test/earlier_attempt_over")
     accelerator = build_accelerator(TrainConfig(output_dir=output_dir, report_to=["none"], ddp_timeout=20))
     total = torch.tensor([rank + 1.0])
     torch.distributed.all_reduce(total)

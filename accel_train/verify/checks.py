@@ -21,6 +21,7 @@ from .evidence import (
     checkpoint_dir,
     final_weights,
     first_loss_difference,
+    largest_loss_difference,
     optimizer_tensors,
     random_states,
     relative_difference,
@@ -71,6 +72,7 @@ def bitwise_comparison(a: Path, b: Path, after: int = 0) -> dict:
     weights_a, weights_b = final_weights(a), final_weights(b)
     differing = tensor_differences(weights_a, weights_b) if weights_a is not None and weights_b is not None else None
     return {"steps_compared": len([s for s in records_a if s > after]), "first_loss_difference": first,
+            "largest_loss_relative": largest_loss_difference(records_a, records_b, after),
             "weights_compared": differing is not None, "tensors_differing": len(differing or []),
             "weights_max_abs": max((row["max_abs"] for row in differing or []), default=0.0),
             "largest_differences": (differing or [])[:3]}

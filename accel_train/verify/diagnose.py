@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-# A first difference this small (relative) is floating-point reduction order, not other data or other numbers: a
-# sample or a dropout mask changes a step's loss by far more.
+# A difference this small (relative, the largest over the compared steps) is floating-point reduction order, not
+# other data or other numbers: a sample or a dropout mask changes a step's loss by far more.
 KERNEL_NOISE = 1e-4
 
 DATA_OR_OWN_RNG = (
@@ -30,7 +30,7 @@ SEEDED_RNG = (
     "from them a number of times that changes between runs. What to change: let train() seed them (--seed); do not "
     "call torch.manual_seed / np.random.seed / random.seed with a changing value.")
 KERNEL = (
-    "Likely cause: a nondeterministic kernel. The first difference is {relative:.1e} relative, the size of "
+    "Likely cause: a nondeterministic kernel. The losses differ by at most {relative:.1e} relative, the size of "
     "floating-point reduction order, not of other data or other random numbers. What to change: on a GPU call "
     "torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 (an error then names the op "
     "without a deterministic version: index_add_, scatter_add_, an embedding's backward ...); avoid "
@@ -56,7 +56,9 @@ def determinism_cause(measured: dict) -> tuple[str, str]:
     where = _where(measured)
     if generators:
         return "dropout / RNG", f"{where} {SEEDED_RNG.format(generators=', '.join(generators))}"
-    relative = first["relative"] if first else 0.0
+    # the largest difference over the compared steps, not the first alone: a step of other data may by chance move
+    # the loss by little, but not every step does
+    relative = measured.get("largest_loss_relative", first["relative"] if first else 0.0)
     if relative <= KERNEL_NOISE:
         return "nondeterministic kernel", f"{where} {KERNEL.format(relative=relative)}"
     start = FIRST_STEP if first and first["step"] == 1 else ""

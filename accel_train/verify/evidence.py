@@ -120,6 +120,13 @@ def first_loss_difference(a: dict[int, dict], b: dict[int, dict], after: int = 0
     return None
 
 
+def largest_loss_difference(a: dict[int, dict], b: dict[int, dict], after: int = 0) -> float:
+    """The largest relative difference of two runs' logged losses over the steps (> after) both logged: more evidence
+    of a difference's size than the first step alone, where other data may by chance move the loss very little."""
+    steps = [s for s in set(a) & set(b) if s > after]
+    return max((relative_difference(a[s].get("loss"), b[s].get("loss")) for s in steps), default=0.0)
+
+
 def relative_difference(x: float | None, y: float | None) -> float:
     if x is None or y is None:
         return math.inf

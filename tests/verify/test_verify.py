@@ -64,7 +64,10 @@ def test_a_seeded_bug_is_flagged_by_its_check_and_its_twin_passes(tmp_path, vari
         assert measured["grad_norm"][0] == pytest.approx(measured["grad_norm"][1] / 2, rel=1e-4)
         assert measured["loss_relative"] > 0.4
     else:
-        assert measured["first_loss_difference"]["relative"] > 1e-3 and measured["tensors_differing"] > 0
+        # the largest difference over the compared steps: one step of other data can move the loss by little
+        # (7.6e-4 measured once at the first step of unseeded_noise.py), not all of them
+        assert measured["first_loss_difference"] and measured["tensors_differing"] > 0
+        assert measured["largest_loss_relative"] > 1e-3
     if check == "resume":  # the uninterrupted run is deterministic; the resumed one differs from its first step
         assert measured["first_loss_difference"]["step"] == measured["resumed_from_step"] + 1
     assert f"{check} failed ({cause})" in capsys.readouterr().out
@@ -149,6 +152,10 @@ def test_the_cause_paragraph_follows_what_was_measured():
     assert determinism_cause({"first_loss_difference": first, "largest_differences": tensors})[0] == \
         "nondeterministic kernel"
     assert determinism_cause({"first_loss_difference": {**first, "relative": 0.2}})[0] == "data order / unseeded RNG"
+    # other data that by chance moved the first step's loss by little is still other data when a later step's moved
+    small_first = {"first_loss_difference": {**first, "relative": 5e-5}}
+    assert determinism_cause({**small_first, "largest_loss_relative": 5e-5})[0] == "nondeterministic kernel"
+    assert determinism_cause({**small_first, "largest_loss_relative": 0.02})[0] == "data order / unseeded RNG"
     assert determinism_cause({"first_loss_difference": first,
                               "generators_differing_at_checkpoint": ["torch_manual_seed"]})[0] == "dropout / RNG"
     assert resume_cause({"first_loss_difference": {**first, "step": 4}, "resumed_from_step": 3})[0] == \

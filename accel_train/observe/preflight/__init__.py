@@ -5,7 +5,8 @@ Each check returns findings with the fix. The rule for the level:
 * **error** — the run as set up is certainly not the one asked for, or would crash later: precision or world
   size other than asked, a loader whose batch disagrees with the planned global batch, trainable parameters the
   optimizer never updates, a schedule that reaches zero long before the last step, labels outside the model's
-  range. The run refuses to start (`ConfigError` listing every error) and writes nothing.
+  range, checkpoints that the output directory's disk cannot hold (storage_checks.py). The run refuses to start
+  (`ConfigError` listing every error) and writes nothing.
 * **warning** — wrong in most runs but with legitimate uses: an unshuffled training loader (data already
   shuffled, a curriculum), a shuffled or truncated evaluation loader, a sampler that cannot be replayed on
   resume, a schedule of another length or warmup than the config says, low-precision master weights, intervals
@@ -32,9 +33,10 @@ from .findings import Finding, PreflightResult
 from .function_checks import check_functions
 from .model_checks import check_labels, check_optimizer, check_plateau, check_schedule, run_schedule, schedule_record
 from .run_checks import check_batch, check_loaders, check_precision, check_steps, check_world_size
+from .storage_checks import check_disk
 
 CHECKS = (check_world_size, check_precision, check_batch, check_steps, check_schedule, check_plateau, check_optimizer,
-          check_loaders, check_labels, check_functions)
+          check_loaders, check_labels, check_functions, check_disk)
 
 __all__ = ["run_preflight", "Finding", "PreflightResult", "CHECKS"]
 

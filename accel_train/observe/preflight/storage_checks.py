@@ -11,6 +11,8 @@ and the most checkpoints on disk at once: every save of the run when --save_tota
 limit plus the one being written (rotation runs after a save lands) plus the best one, kept outside the limit. The
 checkpoints already in the output directory count against that peak when they rotate out. Main process only: it
 writes the checkpoint's shared files; a rank's own part (sharded state on node-local disks) is not counted apart.
+Measured on one process (0.17 % under a real checkpoint); under FSDP2 the parameters' global sizes are counted, under
+ZeRO the partitioned sizes (ds_numel) and the inner optimizer's state: not measured against a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ HEADROOM = 1.05  # file headers, the manifest, scheduler and random states: meas
 GiB = 1024**3
 
 
+def _elements(p: torch.Tensor) -> int:
+    return getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves an empty tensor in the module
+
+
 def _optimizers(optimizer) -> list:
-    """The torch optimizers behind a prepared one (Accelerate wraps it; a composite may hold several)."""
+    """The torch optimizers behind a prepared one (Accelerate wraps it, DeepSpeed's ZeRO wraps it again; a composite
+    may hold several)."""
     inner = getattr(optimizer, "optimizer", optimizer)
+    if type(inner).__name__.startswith("DeepSpeedZeroOptimizer"):
+        inner = inner.optimizer
     parts = getattr(inner, "optimizers", None)
     return list(parts) if parts else [inner]
 
@@ -60,13 +69,14 @@ def optimizer_state_bytes(optimizer) -> tuple[int, list[str]]:
         factor, known = _state_factor(part)
         if not known:
             assumed.append(type(part).__name__)
-        elements = sum(p.numel() for g in part.param_groups for p in g["params"] if p.requires_grad)
+        elements = sum(_elements(p) for g in part.param_groups for p in g["params"] if p.requires_grad)
         total += factor * elements * 4
     return total, assumed
 
 
 def checkpoint_estimate(model: torch.nn.Module, optimizer, average) -> dict[str, int]:
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(_elements(t) * t.element_size() for t in tensors)
     state, assumed = optimizer_state_bytes(optimizer)
     ema = sum(t.numel() * t.element_size() for t in average.average.values()) if average is not None else 0
     return {"weights": weights, "optimizer": state, "ema": ema, "assumed": assumed}

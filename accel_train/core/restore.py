@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoints_dir
+from .accelerator import precision_in_effect
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .optim import apply_hyperparameters, run_hyperparameters
@@ -57,6 +58,7 @@ def resume(session) -> Resumed:
     restored = session.stream is not None and session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
     notes += rereading_notes(session.train_loader, state.batch_in_epoch, restored)
     state.world_size = acc.num_processes
+    notes += precision_notes(state, precision_in_effect(acc))
     restore_hooks(session, state)
     notes += check_best(session, state, path)
     if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
@@ -71,6 +73,16 @@ def resume(session) -> Resumed:
                   "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
     acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
     return Resumed(state, notes, restored)
+
+
+def precision_notes(state: TrainState, now: str) -> list[str]:
+    """Another precision than the checkpoint's is the user's choice (an fp16 run that overflows goes on in bf16): said,
+    not refused; the state records the new one for the next resume."""
+    then, state.precision = state.precision, now
+    if not then or then == now:
+        return []
+    return [f"precision: the checkpoint was trained in {then}, this run goes on in {now}: the steps from here are "
+            "not bitwise those of an uninterrupted run (a loss scaler's state is kept only between fp16 runs)"]
 
 
 def saved_unit(state: TrainState) -> int:

@@ -34,7 +34,7 @@ from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
 from ..rundir.run_files import end_attempt
 from ..testing import faults
-from .accelerator import build_accelerator, startup_report
+from .accelerator import build_accelerator, precision_in_effect, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
 from .data import dataset_size, own_generator_notes, random_item_notes
@@ -177,7 +177,8 @@ class Session:
             self.verified.add(self.resume_path.name)
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
-                               per_device_batch=self.config.per_device_train_batch_size)
+                               per_device_batch=self.config.per_device_train_batch_size,
+                               precision=precision_in_effect(acc))
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,

@@ -43,6 +43,7 @@ class TrainState:
     best_checkpoint: str | None = None
     world_size: int = 1
     global_batch_size: int = 0
+    precision: str = ""  # the precision in effect (accelerator.precision_in_effect); "": a checkpoint from before
     hooks: dict[str, Any] = field(default_factory=dict)  # keyed by hooks.hook_keys: the hook's state_key or class
     hyperparameters: dict[str, Any] = field(default_factory=dict)  # what the optimizer and schedule were built with
     # The model FLOPs of a micro-batch, counted on the run's first one (meter.FlopCount): a resumed run takes them

@@ -79,6 +79,24 @@ def test_a_directory_that_only_looks_like_a_checkpoint_is_left_alone(tmp_path, c
     assert backup.is_dir()
 
 
+def test_a_resume_in_another_precision_says_so_and_records_the_new_one(tmp_path, capsys):
+    """A run cut at step 4 in fp32 and resumed in bf16 (a legitimate choice: an fp16 run that overflows goes on in
+    bf16) is not the uninterrupted run bitwise: the start-up report says so, and the checkpoints it writes record
+    bf16; resumed in the same precision, nothing is said."""
+    common = ["--save_strategy", "steps", "--save_steps", "4", "--max_steps", "8", "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--stop_at_step", "4")
+    state = json.loads((tmp_path / "checkpoints" / "step-00000004" / "train_state.json").read_text())
+    assert state["precision"] == "fp32"
+    io = run_toy(capsys, tmp_path, *common, "--mixed_precision", "bf16", "--resume_from_checkpoint", "latest")
+    assert "precision: the checkpoint was trained in fp32, this run goes on in bf16 autocast on cpu" in io.out
+    assert "not bitwise" in io.out
+    state = json.loads((tmp_path / "checkpoints" / "step-00000008" / "train_state.json").read_text())
+    assert state["precision"] == "bf16 autocast on cpu"
+    io = run_toy(capsys, tmp_path / "same", *common, "--stop_at_step", "4")
+    io = run_toy(capsys, tmp_path / "same", *common, "--resume_from_checkpoint", "latest")
+    assert "resumed from" in io.out and "precision:" not in io.out
+
+
 def test_rotation_counts_only_checkpoints_that_verify(tmp_path, capsys):
     run_toy(capsys, tmp_path, "--save_strategy", "steps", "--save_steps", "2", "--max_steps", "8",
             "--eval_strategy", "no")

@@ -4,10 +4,10 @@ Bad input to the recipe: tests/tasks/test_bad_input_matrix.py."""
 
 import json
 
-import nlp_finetune
 import pandas as pd
 import pytest
-from conftest import FILLER, RECIPES, SHARED_DATA, launch, make_rows, reset_accelerate
+from conftest import FILLER, RECIPES, SHARED_DATA, launch, make_rows
+from conftest import nlp_main as run
 
 from accel_train import layerwise_lr_decay_groups
 from accel_train.tasks.text.classification import load_embedded_tweets
@@ -16,11 +16,6 @@ RECIPE = RECIPES / "nlp_finetune.py"
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "3", "--learning_rate", "3e-3",
         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--warmup_steps", "0",
         "--max_seq_length", "32"]
-
-
-def run(argv):
-    reset_accelerate()
-    return nlp_finetune.main(argv)
 
 
 def results(out):

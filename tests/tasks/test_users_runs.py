@@ -22,6 +22,9 @@ from conftest import (
     toy_on,
     toy_records,
 )
+from conftest import (
+    nlp_main as nlp,
+)
 
 from accel_train import DataError, TrainConfig, build_accelerator, make_loader, run_cli, train
 from accel_train.observe.report import write_report
@@ -31,11 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAST = ["--report_to", "none", "--disable_tqdm", "--num_train_epochs", "2", "--learning_rate", "3e-3",
         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--warmup_steps", "0",
         "--max_seq_length", "32"]
-
-
-def nlp(argv):
-    reset_accelerate()
-    return nlp_finetune.main(argv)
 
 
 def results(out):

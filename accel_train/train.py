@@ -30,6 +30,7 @@ from .core.session import RunSpec, Session
 from .core.state import TrainResult
 from .deploy import RecordModelFactory, check_exportable, describe_model, export_formats_at_end
 from .errors import PeerTimeout, Preempted
+from .observe.fed_record import fed_recorder
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
 from .rundir.metrics_log import end_training_safely
@@ -91,7 +92,8 @@ def train(
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)
     factory = _factory_hook(model, spec, session.accelerator.is_main_process)
-    state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer])
+    state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer,
+                           *fed_recorder(session)])  # ACCEL_TRAIN_RECORD_FED=1: what verify's data accounting reads
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
     meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside

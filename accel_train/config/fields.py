@@ -70,6 +70,10 @@ class TrainConfig:
     adam_beta2: float = field(default=0.999, metadata={"help": "Adam's second-moment decay."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "Adam's epsilon (added to the denominator)."})
     sgd_momentum: float = field(default=0.9, metadata={"help": "Momentum for optim=sgd."})
+    muon_lr_ratio: float = field(default=1.0, metadata={
+        "help": "optim=muon: each Muon group's peak rate as a multiple of its AdamW rate (--learning_rate, or a "
+                "group's own). 1 (default): Muon scales its update to AdamW's RMS (torch's adjust_lr_fn="
+                "'match_rms_adamw'), so the same rate serves both (docs/optimizers.md)."})
     scale_lr: Literal["none", "linear", "sqrt"] = field(
         default="none",
         metadata={"help": "Scale --learning_rate with the global batch size against --scale_lr_reference_batch: "

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 
 TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "reduce_on_plateau")
 SCHEDULER_INTERVALS = ("step", "epoch")  # when a scheduler object of the user's is stepped
-OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd", "muon")
 EXPORT_FORMATS = ("torchscript", "exported_program", "onnx")  # accel_train.deploy writes them
 
 
@@ -54,6 +54,11 @@ def _validate_schedule(cfg) -> None:
         raise bad("learning_rate", cfg.learning_rate, "must be >= 0.")
     if cfg.optim not in OPTIMIZERS:
         raise bad("optim", cfg.optim, f"unknown optimizer; choose one of {', '.join(OPTIMIZERS)}.")
+    if cfg.muon_lr_ratio <= 0:
+        raise bad("muon_lr_ratio", cfg.muon_lr_ratio, "must be > 0 (1: Muon's groups at their AdamW rate).")
+    if cfg.muon_lr_ratio != 1.0 and cfg.optim != "muon":
+        raise ConfigError(f"--muon_lr_ratio {cfg.muon_lr_ratio} sets the Muon groups' rate, and --optim is "
+                          f"{cfg.optim!r}: add --optim muon, or drop the flag.")
     schedulers = transformers_schedulers() + TORCH_SCHEDULERS
     if cfg.lr_scheduler_type not in schedulers:
         raise bad("lr_scheduler_type", cfg.lr_scheduler_type,

@@ -71,9 +71,12 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         clock = "each epoch" if config.scheduler_interval == "epoch" else "each optimizer step"
     else:
         clock = "each optimizer step"
+    groups = [{"lr": lr, "weight_decay": wd} for lr, wd in group_peaks(opt)]
+    for group, label in zip(groups, getattr(opt, "group_labels", ()), strict=False):
+        group["params"] = label  # a composite optimizer (--optim muon) says which of its parts steps each group
     ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
-                      "groups": [{"lr": lr, "weight_decay": wd} for lr, wd in group_peaks(opt)]},
+                      "groups": groups},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
                       "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},
@@ -103,7 +106,8 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
             else ""
         schedule = (f"yours, {sched['class']}, stepped {sched['stepped']}{default}{beside}; --learning_rate and "
                     "--warmup_steps do not apply to it")
-    groups = "; ".join(f"lr {g['lr']:g}, weight decay {g['weight_decay']:g}" for g in opt["groups"][:4])
+    groups = "; ".join((f"{g['params']}: " if "params" in g else "") + f"lr {g['lr']:g}, weight decay "
+                       f"{g['weight_decay']:g}" for g in opt["groups"][:4])
     more = f"; ... {len(opt['groups'])} groups" if len(opt["groups"]) > 4 else ""
     lines = [f"  optimizer        {opt['class']} ({opt['given']}): {groups}{more}"]
     clip = ran["clipping"]["max_grad_norm"]

@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler as torch_sched
 
 from ..config import TORCH_SCHEDULERS, TrainConfig
 from ..errors import ConfigError
+from .muon import build_muon, refuse_sharded_muon
 
 ParamGroups = Iterable[torch.nn.Parameter | dict[str, Any]]
 
@@ -146,13 +147,17 @@ def deepspeed_config(accelerator) -> dict:
 def build_optimizer(
     model: torch.nn.Module, config: TrainConfig, params: ParamGroups | None = None, accelerator=None
 ) -> torch.optim.Optimizer:
-    """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`).
+    """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`); `muon`
+    splits each group between Muon and AdamW (core/muon.py) and is refused under FSDP and DeepSpeed.
 
     Under DeepSpeed with an optimizer in its JSON, DeepSpeed's own optimizer is used (Accelerate's DummyOptim
     stands in for it until `prepare`)."""
     groups = list(params) if params is not None else no_decay_param_groups(model, config.weight_decay)
     if not groups:
         raise ConfigError("the optimizer has no parameters: every parameter of the model is frozen.")
+    if config.optim == "muon":  # Muon for the hidden matrices, AdamW for the rest (core/muon.py)
+        refuse_sharded_muon(accelerator)
+        return build_muon(model, config, groups)
     if "optimizer" in deepspeed_config(accelerator):
         from accelerate.utils import DummyOptim
 
@@ -259,8 +264,8 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
 
 # What the optimizer and schedule are built from: saved with every checkpoint, compared on resume.
 HYPERPARAMETERS = ("optim", "learning_rate", "scale_lr", "scale_lr_reference_batch", "weight_decay", "adam_beta1",
-                   "adam_beta2", "adam_epsilon", "sgd_momentum", "lr_scheduler_type", "lr_scheduler_kwargs",
-                   "scheduler_interval")
+                   "adam_beta2", "adam_epsilon", "sgd_momentum", "muon_lr_ratio", "lr_scheduler_type",
+                   "lr_scheduler_kwargs", "scheduler_interval")
 _SET_IN_GROUPS = {"adam_epsilon": "eps", "sgd_momentum": "momentum"}
 
 

@@ -87,6 +87,13 @@ FEATURES: dict[str, Feature] = {
                                                    "true", "--early_stopping_patience", "20"), 7,
                                            record={"metric_for_best_model": "eval_loss"}),
     "SIGTERM": Feature("toy", ("--dropout", "0.2"), 7, sigterm=True, record={"dropout": 0.2}),
+    "Muon": Feature("toy", ("--optim", "muon"), 7, record={"optim": "muon"}),
+    "Muon + accumulation": Feature("toy", ("--optim", "muon", "--gradient_accumulation_steps", "2"), 4,
+                                   record={"optim": "muon", "gradient_accumulation_steps": 2}),
+    "Muon + bf16": Feature("toy", ("--optim", "muon", "--mixed_precision", "bf16"), 7,
+                           record={"optim": "muon", "mixed_precision": "bf16"}),
+    "Muon + weight averaging + SIGTERM": Feature("toy", ("--optim", "muon", "--ema_decay", "0.9"), 7, sigterm=True,
+                                                 record={"optim": "muon", "ema_decay": 0.9}),
 }
 BASELINES = {"toy": "map-style data", "token": "token baseline"}  # model FLOPs are compared with these
 RUNS = {**FEATURES, "token baseline": Feature("token", (), 4)}  # what RunCache can make
@@ -138,6 +145,10 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
                                                               "epoch, index), on any rank"),
     ("dropout", "2 processes"): ("n/a", "each process draws its own dropout masks; resumed bitwise on 2: "
                                         "tests/launch/test_distributed.py::test_resume_mid_epoch_is_exact"),
+    ("Muon + bf16", "2 processes"): ("n/a", "Muon, as AdamW, makes bf16's rounding-sized gradient differences "
+                                            "update-sized (Newton-Schulz lifts every direction of the gradient to "
+                                            "~1: 0.012 after 3 steps at lr 0.05); bf16 on 2 processes is the bf16 "
+                                            "row's (SGD), Muon on 2 the Muon rows' (fp32: 0 difference in its matrix)"),
     ("SIGTERM", "2 processes"): ("n/a", "dropout, as above; SIGTERM agreed across ranks: tests/rundir/"
                                         "test_reliability.py::test_sigterm_saves_at_the_step_boundary_and_exits_"
                                         "cleanly (slow)"),

@@ -266,7 +266,8 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
 HYPERPARAMETERS = ("optim", "learning_rate", "scale_lr", "scale_lr_reference_batch", "weight_decay", "adam_beta1",
                    "adam_beta2", "adam_epsilon", "sgd_momentum", "muon_lr_ratio", "lr_scheduler_type",
                    "lr_scheduler_kwargs", "scheduler_interval")
-_SET_IN_GROUPS = {"adam_epsilon": "eps", "sgd_momentum": "momentum"}
+# flag -> (the group key it sets, a key only that optimizer's groups hold): Muon's groups hold "eps" and "momentum" too
+_SET_IN_GROUPS = {"adam_epsilon": ("eps", "betas"), "sgd_momentum": ("momentum", "dampening")}
 
 
 def group_peaks(optimizer) -> list[list[float]]:
@@ -338,10 +339,10 @@ def apply_hyperparameters(optimizer, scheduler, saved: dict[str, Any], current: 
                     betas = list(group["betas"])
                     betas[name == "adam_beta2"] = changed[name][1]
                     group["betas"] = tuple(betas)
-    for name, key in _SET_IN_GROUPS.items():
+    for name, (key, owner) in _SET_IN_GROUPS.items():
         if name in changed:
             for group in groups:
-                if key in group:
+                if owner in group:
                     group[key] = changed[name][1]
     return [f"{k} {old!r} -> {new!r}: applied to the loaded optimizer and schedule"
             for k, (old, new) in changed.items() if k not in ("peak_lr", "param_groups")] + lines

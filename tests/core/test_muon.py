@@ -196,3 +196,31 @@ def test_bad_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match="no hidden 2-D weight matrix"):
         build_optimizer(torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 2)), MUON)
 
+
+class GroupSettings:
+    """Records each part's group settings at every logged step."""
+
+    def attach(self, run):
+        self.run = run
+        self.seen: list[dict] = []
+
+    def on_log(self, state, logs):
+        inner = self.run.optimizer.optimizer
+        self.seen.append({"muon": [(g["momentum"], g["eps"]) for g in inner.muon.param_groups],
+                          "adamw": [g["eps"] for g in inner.adamw.param_groups]})
+
+
+def test_a_resume_with_other_adam_and_sgd_settings_leaves_muons_momentum_and_eps_alone(tmp_path, capsys):
+    """Muon's groups hold "momentum" and "eps" too (Newton-Schulz's); --adam_epsilon changed on resume is AdamW's,
+    --sgd_momentum SGD's."""
+    out = tmp_path / "run"
+    common = ["--output_dir", str(out), *QUIET, "--optim", "muon", "--max_steps", "4", "--logging_steps", "1",
+              "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]
+    reset_accelerate()
+    toy_train.main([*common, "--stop_at_step", "2"])
+    hook = GroupSettings()
+    reset_accelerate()
+    toy_train.main([*common, "--resume_from_checkpoint", "latest", "--adam_epsilon", "1e-6", "--sgd_momentum", "0.5"],
+                   hooks=[hook])
+    assert "adam_epsilon 1e-08 -> 1e-06: applied" in capsys.readouterr().out
+    assert hook.seen and all(s["muon"] == [(0.95, 1e-7)] and s["adamw"] == [1e-6, 1e-6] for s in hook.seen), hook.seen

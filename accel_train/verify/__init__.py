@@ -3,6 +3,8 @@
     command.py    the command line, the order of the checks, the certificate (verify.json) and the summary
     runs.py       the variants: the user's command with verify's flags, each run as processes of its own
     checks.py     determinism, resume, accumulation: which variants each compares, and how
+    world.py      world size: 1 process against 2 launched at the same global batch
+    accounting.py data accounting: what each process fed (observe/fed_record.py), from the runs above
     evidence.py   what is compared, read from the variants' run directories
     diagnose.py   the paragraph a failed check gets: the likely cause and what to change
 """

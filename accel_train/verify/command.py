@@ -1,21 +1,29 @@
 """`accel-train verify`: the project's exactness checks, run on the user's own script and flags.
 
-    accel-train verify [--checks determinism,resume,accumulation] [--steps N] [--launch_args '...']
-                       [--output_dir DIR] -- SCRIPT [script flags]
+    accel-train verify [--checks determinism,resume,accumulation,world_size,data_accounting] [--steps N]
+                       [--launch_args '...'] [--output_dir DIR] -- SCRIPT [script flags]
 
 Each check runs short variants of the user's run (--max_steps N, logging every step, a checkpoint in mid-run), each
 in its own directory under --output_dir, and compares them:
 
-    determinism    the same run twice: logged losses and final weights bitwise equal          2 runs of N steps
-    resume         SIGKILLed after step N-1 (past a checkpoint at N//2), resumed from it: the
-                   uninterrupted run's losses after the resume, weights, optimizer state and
-                   generator states, bitwise                                                  +2 runs (1 killed)
-    accumulation   k micro-batches of B against one batch of kB: step 1's loss and gradient
-                   norm within 1e-4 relative                                                  2 runs of 1 step
+    determinism      the same run twice: logged losses and final weights bitwise equal        2 runs of N steps
+    resume           SIGKILLed after step N-1 (past a checkpoint at N//2), resumed from it: the
+                     uninterrupted run's losses after the resume, weights, optimizer state and
+                     generator states, bitwise                                                +2 runs (1 killed)
+    accumulation     k micro-batches of B against one batch of kB: step 1's loss and gradient
+                     norm within 1e-4 relative                                                2 runs of 1 step
+    world_size       1 process at B against 2 launched at B/2 (the same global batch): every
+                     logged loss and learning rate, and the final weights, within 1e-5
+                     relative; a BatchNorm model differs by design: status "property"         +1 launch of 2
+    data_accounting  every index planned once per epoch across the processes, every index
+                     planned fed (no item dropped on the way to the loss), the same plan and
+                     no micro-batch twice across the resume, dataset[len] raising: read from
+                     the runs above (ACCEL_TRAIN_RECORD_FED=1 in each)                        no run of its own
 
-It writes DIR/verify.json (the certificate: each check passed / failed / not applicable, measured differences,
-tolerances, the commands run) and a summary; exit code 0 when every check passed (or was not applicable), 1 when one
-failed, 2 on bad input. docs/verify.md says what each check proves and what it cannot see.
+It writes DIR/verify.json (the certificate: each check passed / failed / not applicable / property, measured
+differences, tolerances, the commands run) and a summary; exit code 0 when no check failed (a property is not a
+failure: the certificate lists it under "properties"), 1 when one failed, 2 on bad input. docs/verify.md says what
+each check proves and what it cannot see.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from pathlib import Path
 
 from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
-from .checks import FAILED, NOT_APPLICABLE, Result, Runs, accumulation, determinism, resume
+from .accounting import data_accounting
+from .checks import FAILED, NOT_APPLICABLE, PROPERTY, Result, Runs, accumulation, determinism, resume
 from .runs import CHECKS, Verify
+from .world import world_size
 
 CERTIFICATE = "verify.json"
 # What verify sets on every variant: the user's flags may not name them.
@@ -45,7 +55,8 @@ def parse_args(argv: Sequence[str]) -> Verify:
     own, user = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(prog="accel-train verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checks", default=",".join(CHECKS), help="comma-separated, of: " + ", ".join(CHECKS))
+    parser.add_argument("--checks", default=",".join(CHECKS), help="comma-separated, of: " + ", ".join(CHECKS) +
+                        " (data_accounting reads the runs of the others asked: alone, the reference run only)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each full variant (>= 3)")
     parser.add_argument("--accumulation_steps", type=int, default=2, help="k of the accumulation check (>= 2)")
     parser.add_argument("--output_dir", default="verify", help="where the variants' run directories and "
@@ -107,6 +118,10 @@ def run_checks(runs: Runs, results: dict[str, Result]) -> None:
         results["resume"] = resume(runs, results.get("determinism"))
     if "accumulation" in checks:
         results["accumulation"] = accumulation(runs)
+    if "world_size" in checks:
+        results["world_size"] = world_size(runs)
+    if "data_accounting" in checks:  # last: it reads the runs the checks above made
+        results["data_accounting"] = data_accounting(runs)
 
 
 def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: str | None = None,
@@ -116,6 +131,7 @@ def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: s
     document = {"script": verify.script, "script_args": verify.script_args, "launch_args": verify.launch_args,
                 "steps": verify.steps, "save_steps": verify.save_steps, "accumulation_steps": verify.accumulation,
                 "passed": not failed and error is None,
+                "properties": [name for name, result in results.items() if result.status == PROPERTY],
                 "exit_code": exit_code if exit_code is not None else 1 if failed else 0,
                 "checks": {name: result.as_dict() for name, result in results.items()},
                 "variants": {name: variant.record() for name, variant in runs.done.items()}}
@@ -128,16 +144,27 @@ def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
     lines = [f"accel-train verify: {verify.script} ({verify.steps} steps per run)"]
     for name, result in results.items():
         detail = result.measured.get("reason", "") if result.status == NOT_APPLICABLE else _figure(name, result)
-        lines.append(f"  {name:<13} {result.status.upper():<15} {detail}")
+        lines.append(f"  {name:<15} {result.status.upper():<15} {detail}")
     for name, result in results.items():
         if result.diagnosis:
-            lines += ["", f"{name} failed ({result.cause}): {result.diagnosis}"]
+            verdict = "is a property of the model" if result.status == PROPERTY else "failed"
+            lines += ["", f"{name} {verdict} ({result.cause}): {result.diagnosis}"]
     lines += ["", f"certificate: {path}"]
     return "\n".join(lines)
 
 
 def _figure(name: str, result: Result) -> str:
     measured = result.measured
+    if name == "world_size":
+        return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
+                f"{measured['loss_relative']:.2e}, weights {measured['weights_relative']:.2e} relative "
+                f"(tolerance {result.tolerance['loss'].split(',')[0]})")
+    if name == "data_accounting":
+        fed = sum(rows["fed"] for rows in measured["rows"].values())
+        planned = sum(rows["planned"] for rows in measured["rows"].values())
+        return (f"{fed} of {planned} planned rows fed, {len(measured['findings'])} finding(s); compared: "
+                f"{', '.join(measured['compared'])}"
+                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "accumulation":
         return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
                 f"(tolerance {result.tolerance['loss']})")

@@ -130,3 +130,83 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
         "window), a BatchNorm whose statistics depend on the micro-batch, or dropout (each micro-batch draws its "
         "own masks: rerun with dropout 0 to tell). What to change: a per-token loss returns {'loss_sum': sum, "
         "'num_items': count}.")
+
+
+BATCH_NORM = "per-process batch statistics (BatchNorm): a property of the model, not a bug"
+
+
+def world_size_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for 1 process and 2 at the same global batch that train differently."""
+    first, rate = measured.get("first_loss_difference"), measured.get("first_learning_rate_difference")
+    where = (f"At the same global batch ({measured.get('global_batch')}), 1 process and 2 log losses that first differ "
+             f"at step {first['step']} ({first['loss'][0]} against {first['loss'][1]}, {first['relative']:.2e} "
+             "relative)" if first else "The logged losses agree")
+    where += f"; the final weights differ by up to {measured.get('weights_relative', 0.0):.2e} of their largest value."
+    layers = measured.get("batch_norm_layers") or []
+    if layers:
+        return BATCH_NORM, (
+            f"{where} The model has batch norm layers ({', '.join(layers[:4])}): in training each process normalises "
+            "by the statistics of its own micro-batch (half of the 1-process batch), so 2 processes compute other "
+            "activations and gradients from the first step. World-size invariance does not hold for this model by "
+            "design: reported as a property, not a failure (it does not make the exit code 1). What to change, if "
+            "the runs must agree: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (statistics over every "
+            "process; GPU only), or a per-example norm (LayerNorm, GroupNorm). The batch statistics hide any other "
+            "difference here: the data-accounting check looks at the sharding of the data independently.")
+    if rate:
+        return "schedule counted in processes", (
+            f"{where} The learning rates differ from step {rate['step']} ({rate['learning_rate'][0]} against "
+            f"{rate['learning_rate'][1]}): the schedule advances with the number of processes. Likely cause: a "
+            "scheduler prepared by Accelerate steps once per process unless split_batches is set, or warmup / total "
+            "steps computed from the per-process loader's length. What to change: pass the scheduler to train() "
+            "(it is stepped once per optimizer step), or count its steps in optimizer steps of the global batch.")
+    if first and first["step"] == 1:
+        small = first["relative"] < 1e-2
+        return ("dropout or per-process normalisation" if small else "per-process normalisation or data"), (
+            f"{where} Step 1 differs, before any update: the two runs computed another loss from the same weights. "
+            "Likely causes: a loss or metric normalised by the process's own sizes (a per-token mean over "
+            "variable-length rows taken per process, a mean over the local batch size); statistics over the "
+            "micro-batch (a normalisation layer or loss term of your own); data that is not sharded (every process "
+            "feeding the same examples: see the data-accounting check); dropout, whose masks each process draws for "
+            "its own rows" + (" (a difference under 1 %, as here, is the size dropout makes)" if small else "")
+            + ". What to change: a per-token loss returns {'loss_sum': sum, 'num_items': count} (the loop divides "
+            "by the count over every process); shard the data with the loader train() prepares (no sampler of "
+            "your own that ignores the process); to tell dropout, rerun with it off.")
+    return "update differs across processes", (
+        f"{where} Step 1 agrees and a later step does not: the first updates differ. Likely cause: state each "
+        "process updates on its own (a buffer or a counter in the model, gradients modified by hand before "
+        "accelerator.backward's all-reduce, a gradient clipped per process), or accumulation windows that end at "
+        "other micro-batches. What to change: keep state in the model's parameters / registered buffers and change "
+        "gradients only through the loss.")
+
+
+# The data-accounting findings, most telling first: (kind, cause class, what to change).
+ACCOUNTING = (
+    ("length", "__len__ smaller than the data", "make __len__ return the number of items __getitem__ serves (and "
+     "__getitem__ raise IndexError past it); a dataset that repeats its items on purpose repeats them in a sampler "
+     "or with --num_train_epochs instead"),
+    ("last_item", "__len__ larger than the data", "make __len__ return the number of items __getitem__ serves"),
+    ("rows", "items dropped between the sampler and the loss", "filter the data before the loader (a datasets "
+     "filter(), a Subset of the indices to keep), not in the collator: the sampler, the epoch length, the examples "
+     "counted and each process's share of the mean all assume every index drawn is fed"),
+    ("outside", "indices outside the dataset", "give the loader a sampler that draws from range(len(dataset))"),
+    ("coverage", "data not sharded across processes", "let train() prepare the loader (Accelerate shards a "
+     "DataLoader's sampler over the processes); a sampler or an iterable dataset of your own must split by "
+     "accelerator.process_index / num_processes, and give each example once per epoch"),
+    ("replay", "data order not replayed after the resume", "draw the order from the epoch (the loader's own "
+     "shuffling, or a sampler with set_epoch(epoch) seeded from --seed), not from a generator of your own"),
+    ("positions", "data position lost at the resume", "resume with --resume_from_checkpoint and the loader train() "
+     "prepared; a loader rebuilt or re-iterated by hand must skip the micro-batches the checkpoint consumed"),
+    ("unrecorded", "data not recorded", "train with accel_train.train() on every process"),
+)
+
+
+def accounting_cause(findings: list[dict]) -> tuple[str, str]:
+    """(cause classes, paragraph) for the data-accounting findings (accounting.py): each kind found, most telling
+    first, joined by "; " (independent evidence: a run may hold several of them)."""
+    kinds = [kind for kind, _, _ in ACCOUNTING]
+    found = sorted({f["kind"] for f in findings}, key=kinds.index)
+    said = " ".join(f["sentence"] for f in findings[:6]) + (f" ({len(findings) - 6} more findings in the "
+                                                          "certificate.)" if len(findings) > 6 else "")
+    causes = [ACCOUNTING[kinds.index(kind)] for kind in found]
+    advice = " ".join(f"Likely cause: {cause}. What to change: {change}." for _, cause, change in causes)
+    return "; ".join(cause for _, cause, _ in causes), f"{said} {advice}"

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, UserError
+from ..observe.fed_record import VARIABLE as FED_VARIABLE
 from ..rundir.layout import HISTORY
 from ..sweep.trial import Interrupts, end_process_tree
 
-CHECKS = ("determinism", "resume", "accumulation")
+CHECKS = ("determinism", "resume", "accumulation", "world_size", "data_accounting")
 STATUS_FILE = "status.json"  # beside each variant's log: how its run ended (run_cli's ACCEL_TRAIN_STATUS_FILE)
 LOGS_DIR = "logs"
 
@@ -52,6 +54,11 @@ class Verify:
     poll_seconds: float = 0.2
 
     @property
+    def env(self) -> dict[str, str]:
+        """What every variant's environment gets: the data-accounting check reads what each process fed."""
+        return {FED_VARIABLE: "1"} if "data_accounting" in self.checks else {}
+
+    @property
     def save_steps(self) -> int:
         """A checkpoint in mid-run, before the step the resume check's run is killed at."""
         return max(1, self.steps // 2)
@@ -66,10 +73,15 @@ class Verify:
                   "save_steps": self.save_steps, "report_to": "none", **more, "output_dir": output_dir}
         return [word for name, value in values.items() for word in (f"--{name}", str(value))]
 
-    def command(self, output_dir: Path, script_args: Sequence[str] = (), **more: object) -> list[str]:
-        """`script_args`: more of the script's own flags, after the user's (--accumulation_args)."""
-        head = [sys.executable, "-m", "accel_train.cli", "launch", *self.launch_args] if self.launch_args else \
-            [sys.executable]
+    def command(self, output_dir: Path, script_args: Sequence[str] = (), processes: int = 1,
+                **more: object) -> list[str]:
+        """`script_args`: more of the script's own flags, after the user's (--accumulation_args). `processes` > 1:
+        `accel-train launch --num_processes P` (gloo processes on CPU where there is no GPU), on a free port."""
+        head = [sys.executable]
+        if self.launch_args or processes > 1:
+            head = [sys.executable, "-m", "accel_train.cli", "launch", *self.launch_args]
+        if processes > 1:
+            head += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
         return [*head, self.script, *self.script_args, *script_args, *self.flags(output_dir, **more)]
 
 
@@ -81,19 +93,22 @@ class Variant:
     command: list[str]
     output_dir: Path
     env: dict[str, str] = field(default_factory=dict)  # what verify adds to the environment
+    processes: int = 1
     returncode: int | None = None
     attempts: list[dict] = field(default_factory=list)  # each process started in this run directory
 
     def record(self) -> dict:
-        return {"output_dir": str(self.output_dir), "attempts": self.attempts}
+        return {"output_dir": str(self.output_dir), "processes": self.processes, "attempts": self.attempts}
 
 
 def run_variant(verify: Verify, name: str, interrupts: Interrupts, env: dict[str, str] | None = None,
-                resume: bool = False, script_args: Sequence[str] = (), **more: object) -> Variant:
+                resume: bool = False, script_args: Sequence[str] = (), processes: int = 1,
+                **more: object) -> Variant:
     """Run one variant to its end (or, resume=True, resume the variant `name` from its latest checkpoint)."""
     out = verify.output_dir / name
     extra = {"resume_from_checkpoint": "latest"} if resume else {}
-    variant = Variant(name, verify.command(out, script_args, **more, **extra), out, dict(env or {}))
+    env = {**verify.env, **(env or {})}
+    variant = Variant(name, verify.command(out, script_args, processes, **more, **extra), out, env, processes=processes)
     if not resume and out.exists():
         shutil.rmtree(out)  # verify's own variant directory, from an earlier verify
     logs = verify.output_dir / LOGS_DIR
@@ -115,6 +130,13 @@ def run_variant(verify: Verify, name: str, interrupts: Interrupts, env: dict[str
     variant.attempts.append({"command": variant.command, "env": variant.env, "returncode": proc.returncode,
                              "log": str(log), "status": _read_status(status)})
     return variant
+
+
+def free_port() -> int:
+    """A TCP port free now, for a launched variant's rendezvous (another run on this machine may hold the default)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait(proc: subprocess.Popen, verify: Verify, interrupts: Interrupts) -> None:

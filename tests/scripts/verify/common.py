@@ -34,6 +34,8 @@ class Points(Dataset):
         return self.n
 
     def __getitem__(self, i):
+        if not 0 <= i < self.n:  # the sequence protocol: what a loop over the dataset, and verify, stop at
+            raise IndexError(f"point {i} of {self.n}")
         x, y = features(i)
         return {"x": x, "labels": y}
 
@@ -42,19 +44,21 @@ def mean_loss(model, batch):
     return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
 
 
-def parse(argv) -> tuple[TrainConfig, BugArgs]:
+def parse(argv, args_class=BugArgs) -> tuple[TrainConfig, BugArgs]:
     quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False, "eval_strategy": "no",
              "learning_rate": 1e-2}
-    return parse_config((TrainConfig, BugArgs), argv, defaults=quiet)
+    return parse_config((TrainConfig, args_class), argv, defaults=quiet)
 
 
 def new_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
 
-def run(config: TrainConfig, bug: BugArgs, train_set: Dataset, loss_fn=mean_loss, model=None) -> None:
-    """`model`: one the script built itself (by default one is built here, after the accelerator seeds)."""
+def run(config: TrainConfig, bug, train_set: Dataset, loss_fn=mean_loss, model=None, make_model=new_model,
+        collate_fn=None) -> None:
+    """`model`: one the script built itself (by default `make_model()` builds one here, after the accelerator
+    seeds). `bug`: the script's own flags (BugArgs or a dataclass of its own), recorded with the run."""
     accelerator = build_accelerator(config)  # seeds every generator from --seed: build the model after it
-    model = new_model() if model is None else model
-    loader = DataLoader(train_set, batch_size=config.per_device_train_batch_size, shuffle=True)
+    model = make_model() if model is None else model
+    loader = DataLoader(train_set, batch_size=config.per_device_train_batch_size, shuffle=True, collate_fn=collate_fn)
     train(model, loader, loss_fn=loss_fn, config=config, extra_configs=[bug], accelerator=accelerator)

@@ -136,6 +136,7 @@ def test_the_schedule_moves_both_parts_and_the_muon_rate_is_reported_and_recorde
     assert [r[0] for r in hook.rates] == pytest.approx([2 * r for r in adamw])
     printed = capsys.readouterr().out
     assert "MuonWithAdamW (built from the config): Muon (match_rms_adamw): 1 hidden matrix(es): lr 0.02" in printed
+    assert "the schedule peaks at" not in printed, "the pre-flight expects the Muon groups' peak, 2 x --learning_rate"
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["optim"] == "muon" and saved["muon_lr_ratio"] == 2.0
     groups = saved["what_ran"]["optimizer"]["groups"]

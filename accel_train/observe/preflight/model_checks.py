@@ -168,8 +168,11 @@ def check_schedule(f, lrs: list[list[float]] | None = None) -> list[Finding]:
                            f"warmup ({plan.warmup_steps} steps), or set --warmup_steps to what it is."))
     # your optimizer's groups at rates of their own (the start-up report names each): no one --learning_rate could be
     # their peak, and building them "with lr=config.learning_rate" is no advice
-    own_rates = getattr(f, "own_optimizer", False) and len({round(max(g[:total]), 12) for g in lrs}) > 1
-    if not own_rates and not math.isclose(peak, cfg.learning_rate * plan.lr_scale, rel_tol=1e-6):
+    own = getattr(f, "own_optimizer", False)
+    own_rates = own and len({round(max(g[:total]), 12) for g in lrs}) > 1
+    # --optim muon builds its Muon groups at --muon_lr_ratio x --learning_rate
+    ratio = max(1.0, cfg.muon_lr_ratio) if cfg.optim == "muon" and not own else 1.0
+    if not own_rates and not math.isclose(peak, cfg.learning_rate * plan.lr_scale * ratio, rel_tol=1e-6):
         out.append(Finding("schedule", "warning", f"the schedule peaks at {peak:.3g}, --learning_rate is "
                            f"{cfg.learning_rate:g}{plan.peak_lr_note}.", "build the optimizer with "
                            "lr=config.learning_rate, or set --learning_rate to the value used."))

@@ -184,6 +184,9 @@ class TrainConfig:
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep the newest N checkpoints (the best one is always kept)."}
     )
+    async_save: bool = field(default=False, metadata={
+        "help": "Write interval checkpoints in the background: the step copies the state into memory and training "
+                "goes on while a thread writes it (one process or DDP; not FSDP / DeepSpeed)."})
 
     # --- best model and early stopping
     metric_for_best_model: str | None = field(

@@ -169,7 +169,7 @@ def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool) -> boo
             best = improved and session.config.save_strategy != "no"  # as a due evaluation: the best is saved
         if "save" in asked or best:
             session.keep_interval(state, meter)
-            stop |= session.save(state, best=best)
+            stop |= session.save(state, best=best, wait=False)
         meter.pause(time.perf_counter() - started)  # evaluating and saving are not training time
         asked = (asked & {"stop"}) | control.agree(stop)
     return "stop" in asked

@@ -28,6 +28,7 @@ from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_lis
 from ..config import TrainConfig
 from ..errors import ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
+from ..rundir.async_checkpoint import CheckpointWriter
 from ..rundir.final_model import final_model_names, save_final_model, write_pretrained_files
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
@@ -139,6 +140,10 @@ class Session:
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
+        # synchronous, or in the background (--async_save); each process adds a stream's position and the average,
+        # and a transformers model's config.json and tokenizer make every checkpoint load with from_pretrained
+        self.writer = CheckpointWriter(acc, config.async_save, [p for p in (self.stream, self.average) if p],
+                                       lambda folder: write_pretrained_files(acc, model, folder, spec.processing_class))
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
         self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
         self.notes += own_generator_notes(spec.train_loader, self.config)
@@ -216,7 +221,7 @@ class Session:
             acted = True
         if cfg.save_strategy != "no" and (improved or _due(cfg.save_strategy, cfg.save_steps, state.step, epoch_end)):
             self.keep_interval(state, meter)
-            stop |= self.save(state, best=improved)
+            stop |= self.save(state, best=improved, wait=False)
             acted = True
         meter.pause(time.perf_counter() - started)
         return settle(self, state, meter, stop, acted)  # the ranks' requests and stops agreed, the requested work done
@@ -262,42 +267,38 @@ class Session:
             raise ConfigError(f"--metric_for_best_model {name}: the evaluation returned only {sorted(metrics)}.")
         return metrics, state.update_best(name, self.config.best_is_greater, float(metrics[name]))
 
-    def save(self, state: TrainState, best: bool = False) -> bool:
-        """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop."""
-        if self.last_save == state.step:
-            if best:  # this step's checkpoint exists already; it is now the best one
-                state.best_checkpoint = checkpoint_name(state.step)
-            return False
-        if best:
+    def save(self, state: TrainState, best: bool = False, wait: bool = True) -> bool:
+        """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop.
+        With --async_save and wait=False (the interval's saves) the write goes on in the background
+        (rundir/async_checkpoint.py): it is rotated and reaches on_save when the next save settles it."""
+        if best:  # this step's checkpoint (perhaps written already) is the best one
             state.best_checkpoint = checkpoint_name(state.step)
-        state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
-                       if hasattr(hook, "state_dict")}
-        path = ckpt.save_checkpoint(self.accelerator, self.config.output_dir, state.step,
-                                    dataclasses.asdict(state), self.shapes, extra_files=self.model_files,
-                                    rank_files=self.rank_files)
-        self.last_save = state.step
-        self.verified.add(path.name)
-        if self.accelerator.is_main_process:
-            ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint,
-                                    self.verified)
-        self.accelerator.wait_for_everyone()
-        return call_hooks(self.hooks, "on_save", state, path)
+        stop = self.settle_writes(state)  # one write at a time, and rotation never during one
+        if self.last_save != state.step:
+            state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
+                           if hasattr(hook, "state_dict")}
+            self.writer.write(self.config.output_dir, state.step, state, self.shapes)
+            self.last_save = state.step
+        return (self.settle_writes(state) if wait or not self.writer.asynchronous else False) or stop
 
-    def rank_files(self, folder: Path) -> None:
-        """What each process writes into a checkpoint beside Accelerate's state: a stream's position, the average."""
-        if self.stream is not None:
-            self.stream.save(folder)
-        if self.average is not None:
-            self.average.save(folder)
-
-    def model_files(self, folder: Path) -> None:
-        """A transformers model's config.json and tokenizer in each checkpoint: from_pretrained(checkpoint) works."""
-        write_pretrained_files(self.accelerator, self.model, folder, self.processing_class)
+    def settle_writes(self, state: TrainState) -> bool:
+        """The checkpoints that landed since the last call: known good, the old ones rotated, on_save called with
+        the state each was written from; True if a hook asks to stop."""
+        stop = False
+        for path, saved in self.writer.settle():
+            self.verified.add(path.name)
+            if self.accelerator.is_main_process:
+                ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint,
+                                        self.verified)
+            self.accelerator.wait_for_everyone()
+            stop = call_hooks(self.hooks, "on_save", saved, path) or stop
+        return stop
 
     def roll_back(self, state: TrainState, rollback: Rollback) -> None:
         """--on_spike rollback: back to its checkpoint (in `state` itself), the spiked step's micro-batches taken out
         of the data; the intervals and the next checkpoint count from there, and the history goes on from its step
         with the rollback marked (RunLog.rewind)."""
+        self.settle_writes(state)  # its checkpoint may be the one being written (--async_save)
         excluded, rollbacks = exclusions_after(state, self.config), state.spike_rollbacks + 1
         if rollback.checkpoint.name not in self.verified:
             ckpt.verify_checkpoint(rollback.checkpoint)

@@ -52,7 +52,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -85,17 +85,17 @@ def save_checkpoint(
             rank_files(tmp)
     except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
         error = err
-    failed = _any_rank(accelerator, error is not None)  # also the barrier before the manifest
+    failed = any_rank(accelerator, error is not None)  # also the barrier before the manifest
     faults.kill_point("kill_during_save", step, accelerator.is_main_process)
     if not failed and accelerator.is_main_process:
         try:
             if extra_files is not None:
                 extra_files(tmp)
             (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
-            _write_manifest(tmp, step, shapes, accelerator.num_processes)
+            write_manifest(tmp, step, shapes, accelerator.num_processes)
         except Exception as err:  # agreed below: the other ranks must not wait for a rank that raised
             error = err
-    failed = _any_rank(accelerator, error is not None) or failed
+    failed = any_rank(accelerator, error is not None) or failed
     if failed:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -108,19 +108,19 @@ def save_checkpoint(
         if final.exists():  # the same step saved twice (e.g. step and epoch intervals coincide)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     accelerator.wait_for_everyone()
     return final
 
 
-def _any_rank(accelerator: Accelerator, flag: bool) -> bool:
+def any_rank(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     tensor = torch.tensor([1 if flag else 0], device=accelerator.device)
     return bool(accelerator.reduce(tensor, reduction="sum").item())
 
 
-def _write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None:
+def write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None:
     files = {}  # recursive: FSDP and DeepSpeed write sharded state in sub-directories
     for f in sorted(path.rglob("*")):
         if f.is_file() and f.name != MANIFEST:
@@ -193,7 +193,7 @@ def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
         os.replace(path, target)
         moved.append(target)
     if moved:
-        _fsync_dir(root)
+        fsync_dir(root)
     return moved
 
 

@@ -8,6 +8,8 @@ Named points (the value of ``ACCEL_TRAIN_FAULT``):
   a scheduler's preemption does: the loop saves at the next step boundary and stops;
 * ``kill_during_save:<step>`` — SIGKILL the main process while checkpoint <step> is written: Accelerate's files are
   on disk, the manifest that completes the checkpoint is not;
+* ``slow_background_write:<seconds>`` — a background checkpoint write (--async_save) waits this long before it
+  writes, as a slow disk does: training goes on several steps meanwhile, so a state copied too late shows;
 * ``oom_above:<n>[@<rank>]`` — a micro-batch larger than n runs out of memory (on every rank, or only <rank>) in
   the automatic batch-size probe;
 * ``hang_after_step:<step>@<rank>`` — rank <rank> stops answering once step <step> is done (it sleeps, outside any
@@ -41,6 +43,13 @@ def signal_point(step: int) -> None:
     """SIGTERM this process if ``ACCEL_TRAIN_FAULT`` is ``sigterm_after_step:<step>``."""
     if os.environ.get(VARIABLE) == f"sigterm_after_step:{step}":
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def slow_write_point() -> None:
+    """Sleep if ``ACCEL_TRAIN_FAULT`` is ``slow_background_write:<seconds>``."""
+    fault = os.environ.get(VARIABLE, "")
+    if fault.startswith("slow_background_write:"):
+        time.sleep(float(fault.split(":", 1)[1]))
 
 
 def oom_point(batch_size: int, rank: int) -> None:

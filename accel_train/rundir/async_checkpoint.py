@@ -1,0 +1,181 @@
+"""--async_save: a checkpoint written while training goes on.
+
+At the save step, every process writes what is small and its own (its random states, its loader's position, what
+`rank_files` adds) and the main process copies what is large (the weights, the optimizer's and the scheduler's
+state, a loss scaler's, objects registered for checkpointing) into memory; training then continues while a
+background thread writes the copies with Accelerate's own writer (`save_accelerator_state`: the files and names
+`load_state` reads), then train_state.json, the manifest, and the rename that makes the checkpoint visible: the same
+directory a synchronous save writes, from the state of the same step. A kill at any point of the write leaves a
+`.tmp-` directory, which `latest` never takes and the next rotation removes; the checkpoints before it stay.
+
+Only the main process writes in the background, so no collective runs outside the training thread. One write at a
+time: the next save, the end of training, a SIGTERM's save and a spike rollback wait for the pending one first, and
+only then are its errors raised (agreed by every process), old checkpoints rotated and the on_save hooks called.
+Not under FSDP or DeepSpeed: their engines write sharded state themselves, collectively (refused with the reason).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from ..errors import CheckpointError, ConfigError
+from ..testing import faults
+from . import checkpoint as ckpt
+from .layout import checkpoint_name, checkpoints_dir
+
+# the background writer's own random-states file: Accelerate's writer always writes one, of the moment it runs; the
+# checkpoint's are the ones every process wrote at the step, so this one is deleted before the manifest
+LATE_RANDOM_STATES = "random_states_background.pkl"
+
+
+@dataclasses.dataclass
+class Frozen:
+    """A state dict copied at the save step, in the place of the object Accelerate's writer asks for it."""
+
+    state: Any
+
+    def state_dict(self) -> Any:
+        return self.state
+
+
+def refuse_async(accelerator: Accelerator) -> None:
+    engine = accelerator.distributed_type.value
+    if engine in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(f"--async_save under {engine}: the engine writes its sharded state itself, collectively "
+                          "across the processes, so it cannot be written from a copy in the background. Drop "
+                          "--async_save (checkpoints are then written synchronously), or train under DDP or on one "
+                          "device.")
+    if accelerator.project_configuration.save_on_each_node:
+        raise ConfigError("--async_save with save_on_each_node: only the main process writes in the background. "
+                          "Drop one of them.")
+
+
+def _snapshot(accelerator: Accelerator) -> dict[str, Any]:
+    """Copies of what Accelerate's save_state writes from the main process, taken now."""
+    if accelerator._save_model_state_pre_hook:  # they would run on the copies, later: not what they were written for
+        raise ConfigError("--async_save with a save_state pre-hook (accelerator.register_save_state_pre_hook): "
+                          "drop --async_save, or the hook.")
+    return {
+        "weights": [{k: v.detach().clone() for k, v in accelerator.get_state_dict(m, unwrap=False).items()}
+                    for m in accelerator._models],
+        "optimizers": [Frozen(copy.deepcopy(o.state_dict())) for o in accelerator._optimizers],
+        "schedulers": [Frozen(copy.deepcopy(s.state_dict())) for s in accelerator._schedulers],
+        "scaler": Frozen(copy.deepcopy(accelerator.scaler.state_dict())) if accelerator.scaler is not None else None,
+        "custom": [Frozen(copy.deepcopy(o.state_dict())) for o in accelerator._custom_objects],
+    }
+
+
+class CheckpointWriter:
+    """Writes the run's checkpoints, synchronously or (--async_save) in the background; `settle()` returns what
+    landed since it was last called."""
+
+    def __init__(self, accelerator: Accelerator, asynchronous: bool, rank_parts: Sequence[Any] = (),
+                 extra_files: Callable[[Path], Any] | None = None):
+        """`rank_parts`: objects whose save(folder) every process calls in each checkpoint (a stream's position,
+        the weight average); `extra_files(folder)`: what the main process adds before the manifest (a model's
+        config.json), verified with the rest."""
+        if asynchronous:
+            refuse_async(accelerator)
+        self.accelerator, self.asynchronous = accelerator, asynchronous
+        self.rank_parts, self.extra_files = list(rank_parts), extra_files
+        self.landed: list[tuple[Path, Any]] = []  # (checkpoint, the state it was written from), for on_save
+        self.thread: threading.Thread | None = None
+        self.pending: tuple[Path, Any] | None = None
+        self.error: BaseException | None = None
+
+    def rank_files(self, folder: Path) -> None:
+        for part in self.rank_parts:
+            part.save(folder)
+
+    def write(self, output_dir: str | Path, step: int, state: Any, shapes: dict) -> None:
+        """Checkpoint `step` (every process calls it). Synchronous: written when it returns. Asynchronous: started;
+        call settle() first (one write at a time, and rotation must not run during one)."""
+        if not self.asynchronous:
+            path = ckpt.save_checkpoint(self.accelerator, output_dir, step, dataclasses.asdict(state), shapes,
+                                        extra_files=self.extra_files, rank_files=self.rank_files)
+            self.landed.append((path, state))
+            return
+        assert self.thread is None, "settle() the pending checkpoint before writing the next"
+        acc = self.accelerator
+        root = checkpoints_dir(output_dir)
+        final, tmp = root / checkpoint_name(step), root / f".tmp-{checkpoint_name(step)}"
+        if acc.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        acc.wait_for_everyone()
+        error = None
+        try:  # every process: its random states and loader position (Accelerate's writer, no model: small)
+            from accelerate.checkpointing import save_accelerator_state
+
+            save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.process_index, acc.step, None)
+            self.rank_files(tmp)
+            if acc.is_main_process:
+                if self.extra_files is not None:
+                    self.extra_files(tmp)
+                copies = _snapshot(acc)
+        except OSError as err:
+            error = err
+        if ckpt.any_rank(acc, error is not None):  # also the barrier: every process's part is on disk
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write checkpoint {final}: {error or 'another process failed to write '}"
+                                  "its part. The previous checkpoints are untouched; free disk space or fix "
+                                  "permissions, then resume with --resume_from_checkpoint latest.")
+        snapshot = dataclasses.replace(state)
+        if acc.is_main_process:
+            train_state = json.dumps(dataclasses.asdict(state), indent=2)
+            self.thread = threading.Thread(target=self._background, name=f"accel_train-save-{step}", args=(
+                tmp, final, step, copies, train_state, shapes, acc.num_processes, acc.step))
+            self.thread.start()
+        self.pending = (final, snapshot)
+
+    def _background(self, tmp: Path, final: Path, step: int, copies: dict, train_state: str, shapes: dict,
+                    world_size: int, accelerator_step: int) -> None:
+        from accelerate.checkpointing import save_accelerator_state, save_custom_state
+
+        try:
+            faults.slow_write_point()
+            save_accelerator_state(str(tmp), copies["weights"], copies["optimizers"], copies["schedulers"], [],
+                                   "background", accelerator_step, copies["scaler"])
+            (tmp / LATE_RANDOM_STATES).unlink()
+            for i, obj in enumerate(copies["custom"]):
+                save_custom_state(obj, str(tmp), i)
+            faults.kill_point("kill_during_save", step, True)
+            (tmp / ckpt.TRAIN_STATE).write_text(train_state)
+            ckpt.write_manifest(tmp, step, shapes, world_size)
+            if final.exists():  # the same step saved twice
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            ckpt.fsync_dir(final.parent)
+        except BaseException as err:  # noqa: BLE001 - kept for settle() to raise on the training thread
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.error = err
+
+    def settle(self) -> list[tuple[Path, Any]]:
+        """Wait for the pending write (every process calls it); raise its error, agreed by every process; return
+        the checkpoints that landed since the last call, with the states they were written from."""
+        if self.pending is not None:
+            if self.thread is not None:
+                self.thread.join()
+            error, self.error, self.thread = self.error, None, None
+            final, state = self.pending
+            self.pending = None
+            if ckpt.any_rank(self.accelerator, error is not None):
+                raise CheckpointError(f"could not write checkpoint {final} (in the background, --async_save): "
+                                      f"{error or 'the main process failed to write it'}. The previous checkpoints "
+                                      "are untouched; free disk space or fix permissions, then resume with "
+                                      "--resume_from_checkpoint latest.") from error
+            self.landed.append((final, state))
+        landed, self.landed = self.landed, []
+        return landed

@@ -1,0 +1,164 @@
+"""--async_save (rundir/async_checkpoint.py): interval checkpoints written in the background, proven with what it
+meets. Each run with it is compared with the same run without it, bitwise: the checkpoints (weights, optimizer,
+scheduler, random states, train state), the final weights, and a resume from a background-written checkpoint. A kill
+inside a background write is a real SIGKILL of its own process (the one process start here); the rest runs in this
+process or on the session's two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from accelerate.utils import DistributedType
+from conftest import SCRIPTS, reset_accelerate, stop_then_resume, subprocess_env, toy_main
+from safetensors.torch import load_file
+
+from accel_train import ConfigError, run_cli
+from accel_train.rundir.async_checkpoint import refuse_async
+from accel_train.rundir.checkpoint import list_checkpoints, verify_checkpoint
+
+QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--logging_steps", "1",
+         "--eval_strategy", "no"]
+SAVES = ["--save_strategy", "steps", "--save_steps", "4", "--num_train_epochs", "2"]  # 24 steps on 1 process
+
+
+def toy(out, *args):
+    import toy_train
+
+    reset_accelerate()
+    run_cli(toy_train.main, ["--output_dir", str(out), *QUIET, *args])
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def nested_equal(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(nested_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def assert_same_checkpoints(sync, background):
+    """Every checkpoint of the two runs: the same steps, files and contents (pickles compared loaded)."""
+    a, b = list_checkpoints(sync), list_checkpoints(background)
+    assert [p.name for p in a] == [p.name for p in b] and a
+    for x, y in zip(a, b, strict=True):
+        verify_checkpoint(y)
+        names = sorted(f.name for f in x.iterdir() if f.name != "manifest.json")
+        assert names == sorted(f.name for f in y.iterdir() if f.name != "manifest.json")
+        for name in names:
+            if name.endswith(".safetensors"):
+                assert same_tensors(load_file(x / name), load_file(y / name)), (x.name, name)
+            elif name.endswith((".bin", ".pkl")):
+                assert nested_equal(torch.load(x / name, weights_only=False),
+                                    torch.load(y / name, weights_only=False)), (x.name, name)
+            else:
+                assert (x / name).read_bytes() == (y / name).read_bytes(), (x.name, name)
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Each background write waits 0.3 s first: the toy trains on for many steps during it (it takes milliseconds
+    per step), so a state copied late, or read live by the writer, would show."""
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "slow_background_write:0.3")
+
+
+def test_background_checkpoints_equal_synchronous_ones_and_a_resume_from_one_is_bitwise(tmp_path, slow_disk):
+    """With a weight average and dropout (its random states matter), rotation to 2: the same checkpoints as the
+    synchronous run; then cut after step 10 and resumed from step 8's background-written checkpoint."""
+    flags = [*SAVES, "--ema_decay", "0.9", "--dropout", "0.2", "--save_total_limit", "2"]
+    toy(tmp_path / "sync", *flags)
+    toy(tmp_path / "async", *flags, "--async_save")
+    assert [p.name for p in list_checkpoints(tmp_path / "async")] == ["step-00000020", "step-00000024"]
+    assert_same_checkpoints(tmp_path / "sync", tmp_path / "async")
+    assert not list((tmp_path / "async" / "checkpoints").glob(".tmp-*"))
+    assert same_tensors(load_file(tmp_path / "sync" / "model.safetensors"),
+                        load_file(tmp_path / "async" / "model.safetensors"))
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    stop_then_resume(lambda out, *more: toy(out, *flags[:-2], "--async_save", *more), full, cut, 10, 8)
+    assert same_tensors(load_file(full / "model.safetensors"), load_file(cut / "model.safetensors"))
+
+
+def test_two_processes_and_a_spike_rollback_write_the_same_checkpoints_in_the_background(tmp_path, ranks,
+                                                                                          slow_disk):
+    """On the session's two gloo ranks (the main one writes in the background, the other its own random states at
+    the step), and in this process a --on_spike rollback to a checkpoint that may still be being written."""
+    flags = ["--output_dir", None, *QUIET, *SAVES, "--per_device_train_batch_size", "4", "--dropout", "0.2"]
+    for name, extra in (("sync", []), ("async", ["--async_save"])):
+        flags[1] = str(tmp_path / name)
+        ranks.run(toy_main, [*flags, *extra], env={"ACCEL_TRAIN_FAULT": "slow_background_write:0.3"})
+    assert_same_checkpoints(tmp_path / "sync", tmp_path / "async")
+    # test_spike_guard's rollback: the spiked batch comes back each epoch (index order), each time the run returns to
+    # its last checkpoint, here written in the background; it ends bitwise as the run whose data never held it
+    rollback = ["--spike_window", "5", "--spike_threshold", "10", "--shuffle", "false", "--dropout", "0.2",
+                "--max_steps", "33", "--save_strategy", "steps", "--save_steps", "4", "--on_spike", "rollback"]
+    toy(tmp_path / "rolled", *rollback, "--async_save", "--spike_index", "40", "--spike_scale", "1e4")
+    toy(tmp_path / "never", *rollback, "--without", "40-47")
+    rows = [json.loads(line) for line in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["spike_rollback_step"] for r in rows if "spike_rollback_step" in r] == [6, 17, 28]
+    assert same_tensors(load_file(tmp_path / "rolled" / "model.safetensors"),
+                        load_file(tmp_path / "never" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_kill_inside_a_background_write_keeps_the_previous_checkpoint_and_resumes_bitwise(tmp_path):
+    """SIGKILL (the fault seam, in the writing thread) after Accelerate's files of step 8 are written, before its
+    manifest: step 4's checkpoint stays the latest, the partial one is never taken, and the resume from step 4
+    ends bitwise where the uninterrupted run does."""
+    out = tmp_path / "killed"
+    argv = [sys.executable, str(SCRIPTS / "toy_train.py"), "--output_dir", str(out), *QUIET, *SAVES, "--async_save"]
+    env = {**subprocess_env(), "ACCEL_TRAIN_FAULT": "kill_during_save:8"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000004"]
+    partial = out / "checkpoints" / ".tmp-step-00000008"
+    assert (partial / "model.safetensors").is_file() and not (partial / "manifest.json").exists()
+    toy(out, *SAVES, "--async_save", "--resume_from_checkpoint", "latest")
+    toy(tmp_path / "whole", *SAVES)
+    assert same_tensors(load_file(out / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors"))
+    assert not partial.exists(), "the partial write is removed by the next rotation"
+
+
+def test_a_failed_background_write_is_an_error_at_the_next_save_and_loses_nothing(tmp_path, monkeypatch, capsys):
+    import accelerate.checkpointing as writer
+
+    real = writer.save_accelerator_state
+
+    def full_disk(output_dir, *args, **kwargs):
+        if args[4] == "background" and output_dir.endswith("step-00000008"):
+            raise OSError(28, "No space left on device")
+        return real(output_dir, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "save_accelerator_state", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        toy(tmp_path / "run", *SAVES, "--async_save")
+    assert exit_info.value.code != 0
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    err = capsys.readouterr().err
+    assert "could not write checkpoint" in err and "(in the background, --async_save)" in err, err[-3000:]
+    assert "No space left on device" in err and "step-00000008" in err
+
+
+def test_sharded_engines_and_save_on_each_node_are_refused_with_the_reason():
+    for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        fake = SimpleNamespace(distributed_type=engine, project_configuration=SimpleNamespace(save_on_each_node=False))
+        with pytest.raises(ConfigError, match=f"--async_save under {engine.value}: the engine writes its sharded"):
+            refuse_async(fake)
+    fake = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
+                           project_configuration=SimpleNamespace(save_on_each_node=True))
+    with pytest.raises(ConfigError, match="save_on_each_node"):
+        refuse_async(fake)

@@ -58,13 +58,13 @@ def refuse_async(accelerator: Accelerator) -> None:
     if accelerator.project_configuration.save_on_each_node:
         raise ConfigError("--async_save with save_on_each_node: only the main process writes in the background. "
                           "Drop one of them.")
+    if getattr(accelerator, "_save_model_state_pre_hook", None):  # they would run on the copies, later
+        raise ConfigError("--async_save with a save_state pre-hook (accelerator.register_save_state_pre_hook): "
+                          "drop --async_save, or the hook.")
 
 
 def _snapshot(accelerator: Accelerator) -> dict[str, Any]:
     """Copies of what Accelerate's save_state writes from the main process, taken now."""
-    if accelerator._save_model_state_pre_hook:  # they would run on the copies, later: not what they were written for
-        raise ConfigError("--async_save with a save_state pre-hook (accelerator.register_save_state_pre_hook): "
-                          "drop --async_save, or the hook.")
     return {
         "weights": [{k: v.detach().clone() for k, v in accelerator.get_state_dict(m, unwrap=False).items()}
                     for m in accelerator._models],
@@ -124,14 +124,15 @@ class CheckpointWriter:
                 if self.extra_files is not None:
                     self.extra_files(tmp)
                 copies = _snapshot(acc)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - agreed below: the other processes must not wait for this one
             error = err
         if ckpt.any_rank(acc, error is not None):  # also the barrier: every process's part is on disk
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write checkpoint {final}: {error or 'another process failed to write '}"
-                                  "its part. The previous checkpoints are untouched; free disk space or fix "
-                                  "permissions, then resume with --resume_from_checkpoint latest.")
+            cause = error or "another process failed to write its part"
+            raise CheckpointError(f"could not write checkpoint {final}: {cause}. The previous checkpoints are "
+                                  "untouched; free disk space or fix permissions, then resume with "
+                                  "--resume_from_checkpoint latest.") from error
         snapshot = dataclasses.replace(state)
         if acc.is_main_process:
             train_state = json.dumps(dataclasses.asdict(state), indent=2)

@@ -153,7 +153,7 @@ def test_a_failed_background_write_is_an_error_at_the_next_save_and_loses_nothin
     assert "No space left on device" in err and "step-00000008" in err
 
 
-def test_sharded_engines_and_save_on_each_node_are_refused_with_the_reason():
+def test_sharded_engines_save_on_each_node_and_pre_hooks_are_refused_with_the_reason():
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         fake = SimpleNamespace(distributed_type=engine, project_configuration=SimpleNamespace(save_on_each_node=False))
         with pytest.raises(ConfigError, match=f"--async_save under {engine.value}: the engine writes its sharded"):
@@ -161,4 +161,7 @@ def test_sharded_engines_and_save_on_each_node_are_refused_with_the_reason():
     fake = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
                            project_configuration=SimpleNamespace(save_on_each_node=True))
     with pytest.raises(ConfigError, match="save_on_each_node"):
+        refuse_async(fake)
+    fake.project_configuration.save_on_each_node, fake._save_model_state_pre_hook = False, {0: print}
+    with pytest.raises(ConfigError, match="pre-hook"):  # it would run on the copies, later
         refuse_async(fake)

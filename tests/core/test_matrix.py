@@ -94,6 +94,12 @@ FEATURES: dict[str, Feature] = {
                            record={"optim": "muon", "mixed_precision": "bf16"}),
     "Muon + weight averaging + SIGTERM": Feature("toy", ("--optim", "muon", "--ema_decay", "0.9"), 7, sigterm=True,
                                                  record={"optim": "muon", "ema_decay": 0.9}),
+    # checkpoints written in the background (the race itself, a write slower than the steps: test_async_save.py)
+    "async save": Feature("toy", ("--async_save", "true"), 7, record={"async_save": True}),
+    "async save + stream": Feature("toy", ("--max_steps", "20", "--async_save", "true"), 7, stream=True,
+                                   record={"async_save": True}),
+    "async save + weight averaging + SIGTERM": Feature("toy", ("--async_save", "true", "--ema_decay", "0.9"), 7,
+                                                       sigterm=True, record={"async_save": True, "ema_decay": 0.9}),
 }
 BASELINES = {"toy": "map-style data", "token": "token baseline"}  # model FLOPs are compared with these
 RUNS = {**FEATURES, "token baseline": Feature("token", (), 4)}  # what RunCache can make
@@ -123,6 +129,7 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
                                        "than one process's; tests/core/test_stream_resume.py resumes 2 bitwise"),
     ("stream + 2 workers", "2 processes"): ("n/a", "as for a stream"),
     ("shuffled stream", "2 processes"): ("n/a", "as for a stream"),
+    ("async save + stream", "2 processes"): ("n/a", "as for a stream"),
     ("stream", "data"): ("proven", "here, on the resumed run; a stream has no epoch-wide index to check once-ness"),
     ("rollback", "data"): ("proven", ELSEWHERE + " (the kept batches are the run's without the spiked one)"),
     ("rollback", "2 processes"): ("proven", "here, with a rank that does not see the newest checkpoint yet; with "

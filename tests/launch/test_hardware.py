@@ -17,6 +17,7 @@ from conftest import (
     launch,
     printed_per_rank,
     printing_to_a_file,
+    reset_accelerate,
     run_process_tree,
     subprocess_env,
     toy_main,
@@ -200,19 +201,47 @@ def _threads(proc):
 
 @pytest.mark.slow
 def test_a_lone_cpu_process_gets_the_cores_accelerate_launch_withheld(tmp_path):
-    # `accelerate launch script.py` exports OMP_NUM_THREADS=1 on a machine without a GPU: the main job ran
-    # on one core of two. A lone CPU process now takes the cores; --cpu_threads wins; 2 processes keep 1 each.
+    """`accelerate launch script.py` exports OMP_NUM_THREADS=1 on a machine without a GPU: the main job ran on one
+    core of two. A lone CPU process now takes the cores and 2 processes keep 1 each, under the real launcher
+    (--cpu_threads winning over that: test_cpu_threads_wins_over_the_lone_process_cores, in this process)."""
     script = tmp_path / "threads.py"
     script.write_text(THREADS_SCRIPT)
     out = ["--output_dir", str(tmp_path / "o")]
     (alone,) = _threads(launch(script, out))
     assert alone["threads"] == alone["cores"]
-    (pinned,) = _threads(launch(script, [*out, "--cpu_threads", "1"]))
-    assert pinned["threads"] == 1
     pair = _threads(launch(script, out, num_processes=2))
     assert [r["threads"] for r in sorted(pair, key=lambda r: r["rank"])] == [1, 1]
 
 
+def test_cpu_threads_wins_over_the_lone_process_cores(tmp_path, monkeypatch):
+    """In the environment `accelerate launch` gives a lone CPU process (OMP_NUM_THREADS=1, its dynamo variable), the
+    cores are taken unless --cpu_threads says otherwise."""
+    import torch
+
+    from accel_train import build_accelerator, parse_config
+    from accel_train.core.accelerator import usable_cores
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    threads = torch.get_num_threads()
+    try:
+        seen = {}
+        for flags in ([], ["--cpu_threads", "1"]):
+            torch.set_num_threads(1)  # as the launcher left it
+            (config,) = parse_config(argv=["--output_dir", str(tmp_path / "o"), *flags])
+            build_accelerator(config)
+            seen[tuple(flags)] = torch.get_num_threads()
+            reset_accelerate()
+        torch.set_num_threads(usable_cores())  # a --cpu_threads below what the process has is applied too
+        (config,) = parse_config(argv=["--output_dir", str(tmp_path / "o"), "--cpu_threads", "1"])
+        build_accelerator(config)
+        seen["from the cores"] = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {(): usable_cores(), ("--cpu_threads", "1"): 1, "from the cores": 1}
+
+
+@pytest.mark.slow
 def test_a_launch_that_times_out_leaves_no_worker_behind(tmp_path):
     """On a timeout the launch helpers kill the launcher and every process below it: a hung worker of a failed
     test must not outlive it (one did, in CI, and held a core for the rest of the suite)."""

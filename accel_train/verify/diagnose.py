@@ -170,7 +170,9 @@ def world_size_cause(measured: dict) -> tuple[str, str]:
             "its own rows" + (" (a difference under 1 %, as here, is the size dropout makes)" if small else "")
             + ". What to change: a per-token loss returns {'loss_sum': sum, 'num_items': count} (the loop divides "
             "by the count over every process); shard the data with the loader train() prepares (no sampler of "
-            "your own that ignores the process); to tell dropout, rerun with it off.")
+            "your own that ignores the process); to tell dropout, rerun verify with it off for these runs only "
+            "(--world_size_args '--config_overrides hidden_dropout_prob=0,attention_probs_dropout_prob=0' for the "
+            "recipes' transformers models).")
     return "update differs across processes", (
         f"{where} Step 1 agrees and a later step does not: the first updates differ. Likely cause: state each "
         "process updates on its own (a buffer or a counter in the model, gradients modified by hand before "

@@ -49,6 +49,7 @@ class Verify:
     steps: int = 6
     accumulation: int = 2  # k: k micro-batches of B against one of kB
     accumulation_args: list[str] = field(default_factory=list)  # script flags of the accumulation variants only
+    world_size_args: list[str] = field(default_factory=list)  # script flags of the world-size variants only
     launch_args: list[str] = field(default_factory=list)
     timeout: float = 1800.0  # seconds one variant may run before it is ended
     poll_seconds: float = 0.2

@@ -4,7 +4,8 @@ The 1-process side is the determinism check's reference run (per-device batch B)
 `accel-train launch --num_processes 2` (gloo processes on CPU where there is no GPU) and per-device batch B/2, so both
 take global batches of B. Accelerate's seedable sampler draws one order for every process and deals consecutive
 micro-batches out to the processes, so both sides train on the same examples at every step. An odd B cannot be
-halved: the 1-process side is then a run of its own at 2B, against 2 processes at B (one more run).
+halved: the 1-process side is then a run of its own at 2B, against 2 processes at B (one more run); so it is with
+--world_size_args (more of the script's flags for both sides: dropout off, as each process draws its own masks).
 """
 
 from __future__ import annotations
@@ -17,26 +18,32 @@ from .checks import FAILED, NOT_APPLICABLE, PASSED, PROPERTY, Result, Runs
 from .diagnose import world_size_cause
 from .evidence import final_weights, relative_difference, tensor_differences, train_records
 
-# 1 process against 2 at the same global batch adds the same float32 numbers in another order (two half-batch means,
-# all-reduced and averaged, against one mean). Measured over 6 steps (2 shared CPU cores, gloo): toy_train's losses
-# 8.4e-8 relative at most, its final weights bitwise equal; world_data.py's twin (LayerNorm) 6.1e-8 and 2.2e-7 of the
-# largest weight. 1e-5 leaves a margin of 45 over the larger; the causes meant (BatchNorm's per-process statistics,
-# a per-process mean over variable-length rows, data not sharded, a schedule counted in processes) move the loss by
-# 1e-3 or more (BatchNorm in world_data.py: 7.4e-2 at step 1).
-WORLD_SIZE_RTOL = 1e-5
+# 1 process against 2 at the same global batch computes the same numbers over other shapes and in another order (two
+# half-batch means all-reduced against one mean; each half padded to its own longest row). Measured over 6 steps
+# (2 shared CPU cores, gloo): toy_train 8.4e-8 relative at most (losses); the main job's MiniLM (recipes/
+# nlp_finetune.py, 64 examples, dropout off) step 1's loss bitwise and its gradient norm 9.7e-5, the losses of the
+# later steps up to 7.2e-5 (Adam turns reduction-order noise in gradients that are zero in exact arithmetic, the
+# attention key biases', into updates of about the learning rate: those tensors differ by 0.34 of their largest
+# value after 6 steps, so the weights are reported, not judged). 1e-3 leaves a margin of 10 over the larger; the causes
+# meant (BatchNorm's per-process statistics, a per-process mean over variable-length rows, data not sharded) move the
+# loss by a percent or more (BatchNorm in world_data.py: 7.4e-2 at step 1). The learning rate is a function of the
+# step alone: equal within 1e-6, or the schedule counts processes.
+WORLD_SIZE_RTOL = 1e-3
+LEARNING_RATE_RTOL = 1e-6
 BATCH_NORM_BUFFERS = ("running_mean", "running_var")  # a BatchNorm layer's state (SyncBatchNorm's too)
 
 
 def world_size(runs: Runs) -> Result:
-    """The reference run (1 process) against 2 processes at the same global batch: every logged loss and learning
-    rate, and the final weights, within WORLD_SIZE_RTOL."""
+    """The reference run (1 process) against 2 processes at the same global batch: every logged loss and step 1's
+    gradient norm within WORLD_SIZE_RTOL, every learning rate within LEARNING_RATE_RTOL; the final weights
+    reported."""
     verify = runs.verify
     tolerance = {"loss": f"relative {WORLD_SIZE_RTOL:g}, every logged step",
-                 "weights": f"max |difference| / max |weight| per tensor {WORLD_SIZE_RTOL:g}",
-                 "learning_rate": f"relative {WORLD_SIZE_RTOL:g}",
-                 "why": "the same float32 numbers added in another order (two half-batch means all-reduced against "
-                        "one mean): up to 8.4e-8 (losses) and 2.2e-7 (weights) measured on toy_train and a "
-                        "LayerNorm model"}
+                 "grad_norm": f"relative {WORLD_SIZE_RTOL:g}, step 1 (before any update)",
+                 "learning_rate": f"relative {LEARNING_RATE_RTOL:g}, every logged step",
+                 "why": "the same numbers over other shapes, in another order: up to 8.4e-8 (toy_train) and 9.7e-5 "
+                        "(MiniLM) measured; the weights are reported, not judged: Adam turns the noise in gradients "
+                        "that are zero in exact arithmetic into updates of about the learning rate"}
     refused = _launch_refused(verify.launch_args)
     if refused:
         return Result(NOT_APPLICABLE, {"reason": refused}, tolerance)
@@ -46,16 +53,16 @@ def world_size(runs: Runs) -> Result:
     if batch < 1 or config.get("auto_find_batch_size"):
         return Result(NOT_APPLICABLE, {"reason": "the run chooses its batch size by itself (--auto_find_batch_size, or "
                                        "the script sets it): no global batch to hold equal"}, tolerance)
-    if batch % 2 == 0:
-        one, per_device = reference, batch // 2
-    else:
-        one, per_device = runs.finished("world-size-one", per_device_train_batch_size=2 * batch), batch
-    two = runs.finished("world-size", processes=2, per_device_train_batch_size=per_device)
+    own = verify.world_size_args  # e.g. dropout off: then the 1-process side is a run of its own
+    per_device = batch // 2 if batch % 2 == 0 else batch
+    one = reference if per_device < batch and not own else \
+        runs.finished("world-size-one", own, per_device_train_batch_size=2 * per_device)
+    two = runs.finished("world-size", own, processes=2, per_device_train_batch_size=per_device)
     measured = compare_world_sizes(one.output_dir, two.output_dir)
     measured.update(global_batch=2 * per_device, per_device=[2 * per_device, per_device], processes=[1, 2])
     result = Result(PASSED, measured, tolerance, [one.name, two.name])
-    worst = max(measured["loss_relative"], measured["weights_relative"], measured["learning_rate_relative"])
-    if not worst <= WORLD_SIZE_RTOL:  # NaN fails too
+    worst = max(measured["loss_relative"], measured["grad_norm_relative"])
+    if not (worst <= WORLD_SIZE_RTOL and measured["learning_rate_relative"] <= LEARNING_RATE_RTOL):  # NaN fails too
         result.status = FAILED
         result.cause, result.diagnosis = world_size_cause(measured)
         if measured["batch_norm_layers"]:
@@ -71,7 +78,8 @@ def compare_world_sizes(one, two) -> dict:
     rates = {s: relative_difference(records_one[s].get("learning_rate"), records_two[s].get("learning_rate"))
              for s in steps if records_one[s].get("learning_rate") is not None}
     first = next((s for s in steps if not losses[s] <= WORLD_SIZE_RTOL), None)
-    first_rate = next((s for s in steps if not rates.get(s, 0.0) <= WORLD_SIZE_RTOL), None)
+    first_rate = next((s for s in steps if not rates.get(s, 0.0) <= LEARNING_RATE_RTOL), None)
+    norms = [records.get(1, {}).get("grad_norm") for records in (records_one, records_two)]
     weights_one, weights_two = final_weights(one), final_weights(two)
     rows = tensor_differences(weights_one, weights_two) if weights_one is not None and weights_two is not None \
         else []
@@ -80,6 +88,7 @@ def compare_world_sizes(one, two) -> dict:
             "first_loss_difference": None if first is None else {
                 "step": first, "loss": [records_one[first].get("loss"), records_two[first].get("loss")],
                 "relative": losses[first]},
+            "grad_norm": norms, "grad_norm_relative": relative_difference(*norms) if None not in norms else 0.0,
             "learning_rate_relative": max(rates.values(), default=0.0),
             "first_learning_rate_difference": None if first_rate is None else {
                 "step": first_rate, "learning_rate": [records_one[first_rate].get("learning_rate"),

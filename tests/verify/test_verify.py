@@ -120,8 +120,9 @@ def test_toy_train_is_certified_by_every_check(tmp_path, variant_env):
         "--per_device_train_batch_size", "4"]
     measured = world["measured"]
     assert (measured["global_batch"], measured["steps_compared"], measured["batch_norm_layers"]) == (8, 6, [])
-    # measured 8.4e-8 (losses) and 0 (weights): reduction order only, far under the tolerance (1e-5)
-    assert measured["loss_relative"] <= 1e-6 and measured["weights_relative"] <= 1e-6
+    # measured 8.4e-8 (losses) and 0 (weights): reduction order only, far under the tolerance (1e-3)
+    assert measured["loss_relative"] <= 1e-6 and measured["grad_norm_relative"] <= 1e-6
+    assert measured["weights_relative"] <= 1e-6  # reported, not judged (Adam and zero gradients: docs/verify.md)
     assert measured["learning_rate_relative"] == 0.0
     accounted = checks["data_accounting"]["measured"]
     assert accounted["compared"] == ["one process", "two processes", "across the resume"]
@@ -168,8 +169,9 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch
     assert parsed.command(tmp_path)[:6] == [parsed.command(tmp_path)[0], "-m", "accel_train.cli", "launch", "--cpu",
                                             str(TOY)]
     assert (parsed.save_steps, parsed.kill_step, parsed.script_args) == (2, 3, ["--hidden", "8"])
-    parsed = parse_args(["--accumulation_args", "--dropout 0", "--", str(TOY), "--hidden", "8"])
-    assert parsed.accumulation_args == ["--dropout", "0"]
+    parsed = parse_args(["--accumulation_args", "--dropout 0", "--world_size_args", "--dropout 0.0", "--", str(TOY),
+                         "--hidden", "8"])
+    assert (parsed.accumulation_args, parsed.world_size_args) == (["--dropout", "0"], ["--dropout", "0.0"])
     assert parsed.command(tmp_path, parsed.accumulation_args)[1:6] == [str(TOY), "--hidden", "8", "--dropout", "0"]
 
 
@@ -225,7 +227,7 @@ def test_world_size_and_data_accounting_seeded_bugs_each_flagged_and_their_twins
     assert (code, certificate["passed"], certificate["properties"]) == (1, False, ["world_size"])  # 1: accounting
     assert (world["status"], world["cause"]) == ("property", BATCH_NORM)
     assert world["measured"]["batch_norm_layers"] == ["1"] and world["measured"]["first_loss_difference"]["step"] == 1
-    assert world["measured"]["loss_relative"] > 1e-2  # far outside the tolerance (1e-5)
+    assert world["measured"]["loss_relative"] > 1e-2  # far outside the tolerance (1e-3)
     assert (accounted["status"], accounted["cause"]) == (
         "failed", "__len__ smaller than the data; items dropped between the sampler and the loss")
     measured = accounted["measured"]

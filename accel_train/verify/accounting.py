@@ -75,7 +75,9 @@ def data_accounting(runs: Runs) -> Result:
     for name, check, what in SOURCES:
         variant = runs.done.get(name)
         if variant is None or variant.returncode != 0:
-            measured["not_compared"].append(f"{what}: add {check} to --checks")
+            why = f"the {check} check did not run it (not applicable)" if check in runs.verify.checks else \
+                f"add {check} to --checks"
+            measured["not_compared"].append(f"{what}: {why}")
             continue
         ranks = [read_fed(variant.output_dir, rank) for rank in range(variant.processes)]
         if any(fed is None for fed in ranks):

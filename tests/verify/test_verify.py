@@ -18,7 +18,7 @@ from accel_train import ConfigError
 from accel_train.cli import main as cli_main
 from accel_train.observe.fed_record import VARIABLE as FED_VARIABLE
 from accel_train.verify import CERTIFICATE, CHECKS, main, parse_args
-from accel_train.verify.accounting import Fed, account, coverage_findings, read_fed
+from accel_train.verify.accounting import Fed, account, coverage_findings, data_accounting, read_fed
 from accel_train.verify.checks import Result, Runs
 from accel_train.verify.command import certificate
 from accel_train.verify.diagnose import (
@@ -332,3 +332,22 @@ def test_the_fed_record_is_what_the_loss_saw_and_changes_nothing(tmp_path, capsy
     assert len(recorded) == 8 and {s: (r["loss"], r["grad_norm"]) for s, r in recorded.items()} == {
         s: (r["loss"], r["grad_norm"]) for s, r in plain.items()}
     assert tensor_differences(final_weights(tmp_path / "recorded"), final_weights(tmp_path / "plain")) == []
+
+
+def test_data_accounting_says_what_it_did_not_compare_and_why(tmp_path):
+    """data_accounting on a reference run's record written here (no process): what a check not asked, and one asked
+    that ran nothing (resume, not applicable after a determinism failure), leave out."""
+    fed = tmp_path / "reference" / "diagnostics" / "fed_rank0.jsonl"
+    fed.parent.mkdir(parents=True)
+    records = [{"plan": 0, "batches": [[2, 0], [1, 3]], "dataset_length": 4, "num_processes": 1, "batch_size": 2,
+                "drop_last": False}, {"step": 1, "segments": [[0, 0, 1]], "rows": 2, "start": [0, 0, 0]},
+               {"probe": {"dataset_length": 4, "item_at_length": "IndexError: 4", "last_item": True}}]
+    fed.write_text("".join(json.dumps(record) + "\n" for record in records))
+    runs = Runs(parse_args(["--checks", "determinism,resume,data_accounting", "--output_dir", str(tmp_path), "--",
+                            str(TOY)]), None)
+    runs.done["reference"] = Variant("reference", [], tmp_path / "reference", returncode=0)
+    result = data_accounting(runs)
+    assert result.status == "passed" and result.measured["compared"] == ["one process"]
+    assert result.measured["rows"] == {"reference": {"planned": 2, "fed": 2}}
+    assert result.measured["not_compared"] == ["two processes: add world_size to --checks", "across the resume: the "
+                                               "resume check did not run it (not applicable)"]

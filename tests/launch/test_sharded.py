@@ -1,13 +1,14 @@
 """FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 through the shipped presets, on 2 CPU processes over gloo.
 
 Accelerate enables FSDP and DeepSpeed only on GPU-like devices, so on CPU the presets are refused (tested here
-without the shim); with tests/scripts/sharded_cpu.py (test-only) Accelerate takes its real sharded code paths on CPU
-tensors.
-For each back-end, one tiny BERT run of the NLP recipe: the start-up report names the back-end, the final parameters
-equal 2-process DDP, the checkpoints are sharded and covered by the manifest, SIGKILL + resume equals the
-uninterrupted run bitwise (optimizer state included: Adam's moments decide the next steps), and the exported model
-loads with `from_pretrained`. The FSDP2 run also keeps a weight average (--ema_decay), sharded with the model: its
-evaluations and its final model (--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards.
+without the shim, on the session's spawned gloo ranks); with tests/scripts/sharded_cpu.py (test-only) Accelerate takes
+its real sharded code paths on CPU tensors.
+For each back-end, one tiny BERT run of the NLP recipe in two launches, SIGKILLed after step 11 and resumed from its
+step-6 checkpoint: the start-up report names the back-end, the steps the resumed run replays equal the killed run's
+bitwise (optimizer state included: Adam's moments decide the next steps), the final parameters equal 2-process DDP,
+the checkpoints are sharded and covered by the manifest, and the exported model loads with `from_pretrained`. The
+FSDP2 run also keeps a weight average (--ema_decay), sharded with the model: its evaluations and its final model
+(--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ def data(tmp_path_factory):
 
 
 def recipe_args(tiny_bert, data, out: Path) -> list[str]:
-    """12 optimizer steps of 2 x 4 samples; checkpoints every 3 steps."""
+    """12 optimizer steps of 2 x 4 samples; checkpoints every 6 steps."""
     return ["--model_name_or_path", str(tiny_bert), "--train_file", str(data["train"]), "--validation_file",
             str(data["dev"]), "--num_train_epochs", "1", "--per_device_train_batch_size", "4",
             "--learning_rate", "3e-3", "--warmup_steps", "0.1", "--max_seq_length", "32", "--save_strategy", "steps",
-            "--save_steps", "3", "--eval_strategy", "epoch", "--logging_steps", "1", "--report_to", "none",
+            "--save_steps", "6", "--eval_strategy", "epoch", "--logging_steps", "1", "--report_to", "none",
             "--disable_tqdm", "--cpu_threads", "1", "--mixed_precision", "no", "--output_dir", str(out)]
 
 
@@ -80,22 +81,41 @@ def extensions_env() -> dict[str, str]:
     return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))}
 
 
+def deepspeed_ops_built() -> bool:
+    """The op .ci/deepspeed_ops.py builds is there, newer than the torch and DeepSpeed installed, and no build holds
+    its lock: then a launch loads it as it is (a process to check it costs 10 s)."""
+    import importlib.metadata
+
+    folder = Path(extensions_env()["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
+    built = folder / "deepspeed_shm_comm.so"
+    if not built.is_file() or (folder / "lock").exists():
+        return False
+    installed = []
+    for name in ("torch", "deepspeed"):
+        distribution = importlib.metadata.distribution(name)
+        records = [f for f in distribution.files or [] if f.name == "RECORD"]
+        installed += [distribution.locate_file(f).stat().st_mtime for f in records]
+    return len(installed) == 2 and built.stat().st_mtime > max(installed)
+
+
 @pytest.fixture(scope="module")
 def deepspeed_ops():
     """DeepSpeed's CPU ops, built once (.ci/run builds them before the tests; this is for local runs)."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (.ci/run installs it: DS_BUILD_OPS=0 pip install deepspeed)")
+    if deepspeed_ops_built():
+        return
     proc = subprocess.run([sys.executable, str(CI / "deepspeed_ops.py")], cwd=ROOT, text=True,
                           capture_output=True, env=subprocess_env(**extensions_env()), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def sharded_launch(preset: str, args: list[str], fault: str | None = None, shim: bool = True):
+def sharded_launch(preset: str, args: list[str], fault: str | None = None):
     """`accelerate launch` of the recipe with a shipped preset on 2 processes, in fp32 (the presets' bf16 would not
-    compare with DDP), through the shim unless `shim=False`."""
+    compare with DDP), through the shim."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / preset),
-           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           *([str(SHIM)] if shim else []), str(RECIPE), *args]
+           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no", str(SHIM),
+           str(RECIPE), *args]
     env = subprocess_env(**extensions_env(), **({"ACCEL_TRAIN_FAULT": fault} if fault else {}))
     return run_process_tree(cmd, env, LAUNCH_TIMEOUT)
 
@@ -292,65 +312,108 @@ def test_a_stale_deepspeed_build_lock_is_removed(tmp_path):
 # ------------------------------------------------------------------------------ real launches on 2 gloo processes
 
 
-@pytest.mark.slow
-def test_presets_are_refused_on_cpu_instead_of_training_ddp(tiny_bert, data, tmp_path):
-    """Without the shim, the fsdp preset on CPU processes would be plain DDP: a LaunchError names why, before any
-    file is written."""
+def refused_on_cpu_ranks(args: list[str], env: dict[str, str]) -> None:
+    """On each spawned gloo rank: the recipe with the launcher's FSDP request must be refused by name (ranks.run
+    reports a rank whose function raises, so the refusal itself is what passes)."""
+    with pytest.raises(LaunchError) as refused:
+        nlp_main(args)
+    message = str(refused.value)
+    assert "FSDP was requested by the launcher (ACCELERATE_USE_FSDP), but this run would be MULTI_CPU" in message
+    assert "(2 process(es)" in message and "only on GPU-like devices" in message and "cpu_multiprocess.yaml" in message
+    assert os.environ["ACCELERATE_USE_FSDP"] == env["ACCELERATE_USE_FSDP"]
+
+
+def test_presets_are_refused_on_cpu_instead_of_training_ddp(tiny_bert, data, tmp_path, ranks):
+    """Without the shim, the fsdp preset on 2 CPU processes would be plain DDP: a LaunchError names why, on every
+    rank, before any file is written. The two processes are the session's spawned gloo ranks, given what the preset
+    makes the launcher export (ACCELERATE_USE_FSDP, FSDP_VERSION); the real launcher of the preset exporting it is
+    what the sharded launches below prove (their start-up report names FSDP)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    preset = load_config_from_file(str(ACCELERATE_CONFIGS / "fsdp.yaml"))
+    assert preset.distributed_type.value == "FSDP"
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": str(preset.fsdp_config["fsdp_version"])}
     out = tmp_path / "run"
-    proc = sharded_launch("fsdp.yaml", recipe_args(tiny_bert, data, out), shim=False)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-4000:]
-    assert "FSDP was requested by the launcher (ACCELERATE_USE_FSDP), but this run would be MULTI_CPU" in output
-    assert "only on GPU-like devices" in output and "cpu_multiprocess.yaml" in output
-    assert not (out / "metrics.jsonl").exists()
+    ranks.run(refused_on_cpu_ranks, recipe_args(tiny_bert, data, out), env, env=env, timeout=LAUNCH_TIMEOUT)
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
+
+
+EXACT = ("step", "loss", "grad_norm", "learning_rate", "epoch")  # a metrics.jsonl row less its timings
+
+
+def exact_rows(rows: list[dict], first: int, last: int) -> list[dict]:
+    return [{k: v for k, v in r.items() if k in EXACT or k.startswith("eval_") and "runtime" not in k
+             and "per_second" not in k} for r in rows if first <= r["step"] <= last]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_sharded_backend_equals_ddp_resumes_exactly_and_exports(backend, tiny_bert, data, tmp_path, ddp_references,
-                                                                 request):
+def test_sharded_backend_resumes_exactly_after_sigkill_equals_ddp_and_exports(backend, tiny_bert, data, tmp_path,
+                                                                               ddp_references, request):
+    """Two launches per back-end: the run SIGKILLed after step 11 (its newest checkpoint is step 6's), then resumed
+    with `latest` to the end. The resumed run replays steps 7-10, which the killed one logged: their losses, gradient
+    norms, learning rates and (FSDP2) the average's evaluation at step 8 are bitwise the same, and they follow from
+    the restored parameters, Adam's moments, schedule, data position and average. The resumed run, whole, equals
+    2-process DDP (parameters through the exported model, every step's learning rate, the evaluations)."""
     preset, distributed_type, shards, tolerance, flags = BACKENDS[backend]
     if distributed_type == "DEEPSPEED":
         request.getfixturevalue("deepspeed_ops")
     ddp_reference = ddp_references(flags)
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, full), *flags]))
-    assert f"world size       2 process(es), {distributed_type}, device cpu" in output
+    run = tmp_path / "run"
+    args = [*recipe_args(tiny_bert, data, run), *flags]
 
-    # the same parameters as 2-process DDP, through the exported model
-    model = exported(full)
+    # SIGKILL after step 11: steps 1-10 logged, checkpoints every 6 steps (and, with evaluations every 4 steps, the
+    # best model's at step 4 kept beside them)
+    killed = sharded_launch(preset, args, fault="kill_after_step:11")
+    killed_output = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and f"world size       2 process(es), {distributed_type}, device cpu" in \
+        killed_output, killed_output[-6000:]
+    before_kill = read_jsonl(run / "metrics.jsonl")
+    assert max(r["step"] for r in before_kill) == 10, killed_output[-3000:]
+    assert [p.name for p in list_checkpoints(run)] == [*(["step-00000004"] if flags else []), "step-00000006"]
+    verify_checkpoint(list_checkpoints(run)[-1])
+    output = ok(sharded_launch(preset, [*args, "--resume_from_checkpoint", "latest"]))
+    assert f"world size       2 process(es), {distributed_type}, device cpu" in output
+    assert "resumed from" in output and "step-00000006" in output
+    assert json.loads((run / "all_results.json").read_text())["train_steps"] == 12
+
+    # exact resume: the replayed steps as the killed run took them, bitwise
+    after = read_jsonl(run / "metrics.jsonl")
+    replayed = exact_rows(after, 7, 10)
+    assert replayed == exact_rows(before_kill, 7, 10) and [r["step"] for r in replayed if "loss" in r] == [7, 8, 9, 10]
+    assert all("grad_norm" in r and "learning_rate" in r for r in replayed if "loss" in r)
+    assert exact_rows(after, 1, 6) == exact_rows(before_kill, 1, 6)  # the killed run's record up to the checkpoint
+    assert [r["step"] for r in after if "loss" in r] == list(range(1, 13))  # each step once
+    assert [r["step"] for r in replayed if "eval_ema_loss" in r] == ([8] if flags else [])
+
+    equals_ddp(after, run, ddp_reference, tolerance)
+    checkpoint = list_checkpoints(run)[-1]
+    assert checkpoint.name == "step-00000012"
+    sharded_and_listed(checkpoint, shards, average=bool(flags))
+
+
+def equals_ddp(after: list[dict], run: Path, ddp_reference: Path, tolerance: float) -> None:
+    """The resumed run, whole, against 2-process DDP: the parameters through the exported model, each step's
+    learning rate, and the average's evaluations where there is one."""
+    model = exported(run)
     assert max_diff(model, exported(ddp_reference)) <= tolerance
     assert set(model) >= set(load_file(ddp_reference / "model.safetensors"))
-    lr_full = [(r["step"], r["learning_rate"]) for r in read_jsonl(full / "metrics.jsonl") if "learning_rate" in r]
-    lr_ddp = [(r["step"], r["learning_rate"]) for r in read_jsonl(ddp_reference / "metrics.jsonl")
-              if "learning_rate" in r]
-    assert [s for s, _ in lr_full] == [s for s, _ in lr_ddp] == list(range(1, 13))  # the schedule spans the run
-    assert [lr for _, lr in lr_full] == pytest.approx([lr for _, lr in lr_ddp], abs=1e-12)
+    ddp = read_jsonl(ddp_reference / "metrics.jsonl")
+    lr_run, lr_ddp = ([(r["step"], r["learning_rate"]) for r in rows if "learning_rate" in r] for rows in (after, ddp))
+    assert [s for s, _ in lr_run] == [s for s, _ in lr_ddp] == list(range(1, 13))  # the schedule spans the run
+    assert [lr for _, lr in lr_run] == pytest.approx([lr for _, lr in lr_ddp], abs=1e-12)
+    evals = [[(r["step"], r["eval_ema_loss"], r["eval_loss"]) for r in rows if "eval_ema_loss" in r]
+             for rows in (after, ddp)]
+    assert evals[0] == [(s, pytest.approx(a, abs=1e-7), pytest.approx(b, abs=1e-7)) for s, a, b in evals[1]]
+    assert all(abs(a - b) > 1e-6 for _, a, b in evals[0]), "the average is not the live weights"
 
-    # sharded checkpoints, every file in the manifest
-    checkpoint = list_checkpoints(full)[-1]
+
+def sharded_and_listed(checkpoint: Path, shards: str, average: bool) -> None:
+    """One shard per process (and of the average, when the run keeps one), every file in the manifest."""
     sharded = sorted(checkpoint.glob(shards))
     assert len(sharded) == 2, sorted(p.name for p in checkpoint.rglob("*"))
     files = read_manifest(checkpoint)["files"]
     assert {str(p.relative_to(checkpoint)) for p in sharded} <= set(files)
     verify_checkpoint(checkpoint)
-    if flags:  # the average: one shard per process, in the manifest; evaluated like DDP's
+    if average:
         assert {f"weight_average_rank{r}.safetensors" for r in (0, 1)} <= set(files)
-        evals = [[(r["step"], r["eval_ema_loss"], r["eval_loss"]) for r in read_jsonl(out / "metrics.jsonl")
-                  if "eval_ema_loss" in r] for out in (full, ddp_reference)]
-        assert evals[0] and evals[0] == [(s, pytest.approx(a, abs=1e-7), pytest.approx(b, abs=1e-7))
-                                         for s, a, b in evals[1]]
-        assert all(abs(a - b) > 1e-6 for _, a, b in evals[0]), "the average is not the live weights"
-
-    # SIGKILL after step 7 (the last checkpoint is step 6), resume: the uninterrupted run, bitwise
-    killed = sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), *flags], fault="kill_after_step:7")
-    assert killed.returncode != 0, (killed.stdout + killed.stderr)[-3000:]
-    # (with evaluations every 4 steps, the best model's checkpoint at step 4 is kept in step 3's place)
-    assert [p.name for p in list_checkpoints(cut)] == [f"step-0000000{4 if flags else 3}", "step-00000006"]
-    output = ok(sharded_launch(preset, [*recipe_args(tiny_bert, data, cut), *flags, "--resume_from_checkpoint",
-                                        "latest"]))
-    assert "resumed from" in output and "step-00000006" in output
-    assert max_diff(load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")) == 0.0
-    losses = [[(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] for out in (full, cut)]
-    assert losses[0] == losses[1]
-    assert json.loads((cut / "all_results.json").read_text())["train_steps"] == 12

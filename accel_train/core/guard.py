@@ -219,6 +219,7 @@ def on_nonfinite(session, state, verdict: Verdict) -> None:
         log.write(f"step {step}: non-finite {what}, step skipped ({state.nonfinite_skips}/{cfg.max_nonfinite_skips})")
         return
     report = diagnose_nonfinite(session, state, verdict)
+    session.settle_writes(state)  # a checkpoint still being written (--async_save) lands first: it is the last good
     latest = list_checkpoints(cfg.output_dir)
     raise TrainingDiverged(
         f"non-finite {what} at step {step} (epoch {state.epoch}); first non-finite output: "
@@ -260,6 +261,7 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
         log.log({"spike_skipped_step": step, **record, "spike_skips": state.spike_skips}, step)
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
         return None
+    session.settle_writes(state)  # a checkpoint still being written (--async_save) lands first: it may be the last
     latest = list_checkpoints(cfg.output_dir)
     if cfg.on_spike == "rollback":  # every rank goes back to the checkpoint the main process sees (as `auto` does)
         latest = [Path(p) for p in broadcast_object_list([[str(p) for p in latest]])[0]]

@@ -29,7 +29,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, FinishError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.async_checkpoint import CheckpointWriter
-from ..rundir.final_model import final_model_names, save_final_model, write_pretrained_files
+from ..rundir.final_model import final_model_names, save_final_model
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
@@ -140,10 +140,7 @@ class Session:
         self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
-        # synchronous, or in the background (--async_save); each process adds a stream's position and the average,
-        # and a transformers model's config.json and tokenizer make every checkpoint load with from_pretrained
-        self.writer = CheckpointWriter(acc, config.async_save, [p for p in (self.stream, self.average) if p],
-                                       lambda folder: write_pretrained_files(acc, model, folder, spec.processing_class))
+        self.writer = CheckpointWriter(acc, config.async_save, model, spec.processing_class, self.stream, self.average)
         self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
         self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
         self.notes += own_generator_notes(spec.train_loader, self.config)
@@ -298,7 +295,6 @@ class Session:
         """--on_spike rollback: back to its checkpoint (in `state` itself), the spiked step's micro-batches taken out
         of the data; the intervals and the next checkpoint count from there, and the history goes on from its step
         with the rollback marked (RunLog.rewind)."""
-        self.settle_writes(state)  # its checkpoint may be the one being written (--async_save)
         excluded, rollbacks = exclusions_after(state, self.config), state.spike_rollbacks + 1
         if rollback.checkpoint.name not in self.verified:
             ckpt.verify_checkpoint(rollback.checkpoint)

@@ -22,15 +22,16 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from ..errors import CheckpointError, ConfigError
 from ..testing import faults
 from . import checkpoint as ckpt
+from .final_model import write_pretrained_files
 from .layout import checkpoint_name, checkpoints_dir
 
 # the background writer's own random-states file: Accelerate's writer always writes one, of the moment it runs; the
@@ -63,7 +64,7 @@ def refuse_async(accelerator: Accelerator) -> None:
                           "drop --async_save, or the hook.")
 
 
-def _snapshot(accelerator: Accelerator) -> dict[str, Any]:
+def snapshot_state(accelerator: Accelerator) -> dict[str, Any]:
     """Copies of what Accelerate's save_state writes from the main process, taken now."""
     return {
         "weights": [{k: v.detach().clone() for k, v in accelerator.get_state_dict(m, unwrap=False).items()}
@@ -79,19 +80,25 @@ class CheckpointWriter:
     """Writes the run's checkpoints, synchronously or (--async_save) in the background; `settle()` returns what
     landed since it was last called."""
 
-    def __init__(self, accelerator: Accelerator, asynchronous: bool, rank_parts: Sequence[Any] = (),
-                 extra_files: Callable[[Path], Any] | None = None):
-        """`rank_parts`: objects whose save(folder) every process calls in each checkpoint (a stream's position,
-        the weight average); `extra_files(folder)`: what the main process adds before the manifest (a model's
-        config.json), verified with the rest."""
+    def __init__(self, accelerator: Accelerator, asynchronous: bool, model: torch.nn.Module | None = None,
+                 processing_class: Any = None, *rank_parts: Any):
+        """With the prepared `model`, the main process adds a transformers model's config.json and its tokenizer
+        (`processing_class`) to each checkpoint before the manifest, so that every checkpoint loads with
+        from_pretrained. `rank_parts`: objects whose save(folder) every process calls in each checkpoint (a
+        stream's position, the weight average; None: absent)."""
         if asynchronous:
             refuse_async(accelerator)
         self.accelerator, self.asynchronous = accelerator, asynchronous
-        self.rank_parts, self.extra_files = list(rank_parts), extra_files
+        self.rank_parts = [part for part in rank_parts if part is not None]
+        self.model, self.processing_class = model, processing_class
         self.landed: list[tuple[Path, Any]] = []  # (checkpoint, the state it was written from), for on_save
         self.thread: threading.Thread | None = None
         self.pending: tuple[Path, Any] | None = None
         self.error: BaseException | None = None
+
+    def extra_files(self, folder: Path) -> None:
+        if self.model is not None:
+            write_pretrained_files(self.accelerator, self.model, folder, self.processing_class)
 
     def rank_files(self, folder: Path) -> None:
         for part in self.rank_parts:
@@ -121,9 +128,8 @@ class CheckpointWriter:
             save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.process_index, acc.step, None)
             self.rank_files(tmp)
             if acc.is_main_process:
-                if self.extra_files is not None:
-                    self.extra_files(tmp)
-                copies = _snapshot(acc)
+                self.extra_files(tmp)
+                copies = snapshot_state(acc)
         except Exception as err:  # noqa: BLE001 - agreed below: the other processes must not wait for this one
             error = err
         if ckpt.any_rank(acc, error is not None):  # also the barrier: every process's part is on disk

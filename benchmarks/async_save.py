@@ -87,10 +87,10 @@ class Timings:
             finally:
                 timings.background.append(time.perf_counter() - started)
 
-        def timed_snapshot(accelerator):
+        def timed_snapshot(accelerator, previous=None):
             started = time.perf_counter()
             try:
-                return snapshot(accelerator)
+                return snapshot(accelerator, previous)
             finally:
                 timings.copy.append(time.perf_counter() - started)
 

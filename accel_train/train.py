@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from .config import TrainConfig
+from .core.compiled import CompileCount, compiling
 from .core.control import any_rank
 from .core.evaluation import MetricsFn, check_monitored_metric
 from .core.hooks import EarlyStopping, call_hooks
@@ -92,8 +93,10 @@ def train(
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)
     factory = _factory_hook(model, spec, session.accelerator.is_main_process)
+    compiled = [CompileCount()] if compiling(session.accelerator) else []  # train_compiled_graphs
+    # fed_recorder: ACCEL_TRAIN_RECORD_FED=1, what verify's data accounting reads
     state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer,
-                           *fed_recorder(session)])  # ACCEL_TRAIN_RECORD_FED=1: what verify's data accounting reads
+                           *compiled, *fed_recorder(session)])
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
     meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside

@@ -135,6 +135,9 @@ class TrainConfig:
     torch_compile_mode: str | None = field(
         default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune."}
     )
+    torch_compile_backend: str = field(default="inductor", metadata={
+        "help": "torch.compile backend (the Trainer's name): inductor; eager or aot_eager trace and count graphs "
+                "without generating kernels (debugging, tests)."})
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in backward: less memory, about a third more compute."}
     )

@@ -12,6 +12,7 @@ TORCH_SCHEDULERS = ("step", "multistep", "exponential", "cosine_annealing", "red
 SCHEDULER_INTERVALS = ("step", "epoch")  # when a scheduler object of the user's is stepped
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adam", "sgd", "muon")
 EXPORT_FORMATS = ("torchscript", "exported_program", "onnx")  # accel_train.deploy writes them
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # torch.compile backends in torch itself
 
 
 def transformers_schedulers() -> tuple[str, ...]:
@@ -120,6 +121,8 @@ def _validate_runtime(cfg) -> None:
     if cfg.torch_compile_mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         raise bad("torch_compile_mode", cfg.torch_compile_mode,
                   "choose default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs.")
+    if cfg.torch_compile_backend not in COMPILE_BACKENDS:
+        raise bad("torch_compile_backend", cfg.torch_compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}.")
     if cfg.dataloader_num_workers is not None and cfg.dataloader_num_workers < 0:
         raise bad("dataloader_num_workers", cfg.dataloader_num_workers, "must be >= 0 (or unset for the default).")
     if cfg.dataloader_persistent_workers and cfg.dataloader_num_workers == 0:

@@ -31,7 +31,7 @@ WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 KNOWN_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
-def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Accelerator:
+def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = (), static_shapes: bool = False) -> Accelerator:
     """The Accelerator for a run: accumulation, seedable data order, trackers, checked topology and precision.
 
     The scheduler is stepped by the loop once per optimizer step (``step_scheduler_with_optimizer=False``):
@@ -39,6 +39,8 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
     An output_dir holding an earlier run (neither resumed nor overwritten) is refused here already.
     `kwargs_handlers` go to the Accelerator unchanged, e.g. ``[DistributedDataParallelKwargs(
     find_unused_parameters=True)]`` for a model that leaves some parameters out of some steps.
+    `static_shapes`: the batches come in a few fixed shapes (a recipe's --length_buckets), so --torch_compile
+    compiles one static graph per shape (``dynamic=False``) instead of a dynamic-shape graph at the second shape.
     """
     defer_deepspeed_probe()
     _connect_cpu_processes()
@@ -47,7 +49,8 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = ()) -> Ac
     if config.torch_compile:  # otherwise Accelerate takes --dynamo_backend from the launcher, as usual
         from accelerate.utils import TorchDynamoPlugin
 
-        dynamo = TorchDynamoPlugin(backend="inductor", mode=config.torch_compile_mode or "default")
+        dynamo = TorchDynamoPlugin(backend=config.torch_compile_backend, mode=config.torch_compile_mode or "default",
+                                   dynamic=False if static_shapes else None)
     accelerator = Accelerator(
         mixed_precision=resolve_precision(config.mixed_precision),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -149,7 +152,8 @@ def speed_settings(accelerator: Accelerator, config: TrainConfig) -> str:
     """One line of what is on: compile, TF32, gradient checkpointing."""
     dynamo = accelerator.state.dynamo_plugin
     compiled = "off" if str(getattr(dynamo.backend, "value", dynamo.backend)).upper() == "NO" else (
-        f"{str(getattr(dynamo.backend, 'value', dynamo.backend)).lower()} ({dynamo.mode or 'default'})")
+        f"{str(getattr(dynamo.backend, 'value', dynamo.backend)).lower()} ({dynamo.mode or 'default'}"
+        f"{', static shapes' if dynamo.dynamic is False else ''})")
     tf32 = torch.backends.cuda.matmul.allow_tf32 if accelerator.device.type == "cuda" else None
     threads = f", {torch.get_num_threads()} cpu thread(s)" if accelerator.device.type == "cpu" else ""
     return (f"compile {compiled}, tf32 {'on' if tf32 else 'off' if tf32 is False else 'n/a'}, "

@@ -281,7 +281,13 @@ class FlopCount:
 
         self._pending, self._samples, self._tokens = False, batch_samples, batch_positions
         self._mode = FlopCounterMode(display=False, custom_mapping=model_flop_formulas())
-        return self._mode
+        stack = contextlib.ExitStack()
+        # A compiled model runs this micro-batch uncompiled: dynamo meeting a dispatch mode (the counter) marks every
+        # frame it meets as never to compile again, so --torch_compile would have trained eagerly from here on (the
+        # graphs compiled before, in the pre-flight check, were all it ever ran). No-op for a model not compiled.
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(self._mode)
+        return stack
 
     def counts(self) -> dict[str, float | None]:
         """The counted FLOPs per sample and per token position ({} before the count), for the train state."""

@@ -31,6 +31,7 @@ from accel_train import (
 )
 from accel_train.tasks.model_config import apply_to_config, parse_overrides
 from accel_train.tasks.sampling import subsample
+from accel_train.tasks.text.buckets import BucketedPadding, allow_recompiles, resolve_buckets
 from accel_train.tasks.text.classification import (
     ClassificationDataArguments,
     ClassificationModelArguments,
@@ -144,7 +145,8 @@ CONFIG_TYPES = (TrainConfig, ClassificationModelArguments, ClassificationDataArg
 
 def main(argv=None) -> dict[str, float]:
     cfg, margs, dargs = parse_config(CONFIG_TYPES, argv, defaults=DEFAULTS)
-    accelerator = build_accelerator(cfg)  # refuses an --output_dir clash before minutes of loading
+    # refuses an --output_dir clash before minutes of loading; length buckets: one static compiled graph per width
+    accelerator = build_accelerator(cfg, static_shapes=bool(dargs.length_buckets))
     raw, text_columns, labels, found = load_data(dargs, cfg.seed)
     if cfg.metric_for_best_model is None:
         cfg = cfg.replace(metric_for_best_model=BEST_METRIC["regression" if labels.is_regression else "classification"])
@@ -156,15 +158,20 @@ def main(argv=None) -> dict[str, float]:
                                              truncated, dargs.max_seq_length)))
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
     # preset may have chosen when --mixed_precision is unset.
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator))
+    buckets = resolve_buckets(dargs.length_buckets, dargs.max_seq_length, pad_multiple(accelerator))
+    if buckets:
+        allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
+    collator = (BucketedPadding(tokenizer, buckets) if buckets else
+                DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator)))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
                                lengths=lengths if dargs.group_by_length else None,
                                num_processes=accelerator.num_processes)
     pad = train_padding(lengths, cfg, train_loader.sampler, dargs.group_by_length,
-                        dargs.max_seq_length if dargs.pad_to_max_length else None)
+                        dargs.max_seq_length if dargs.pad_to_max_length else None, buckets)
     batches = "length-grouped" if dargs.group_by_length else "random"
-    accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches)")
+    bucketed = f", padded to the length buckets {buckets.describe()}" if buckets else ""
+    accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches{bucketed})")
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
               if margs.layerwise_lr_decay < 1 else None)
     metrics_fn = build_metrics(labels)

@@ -37,6 +37,7 @@ from accel_train import (
     run_cli,
     train,
 )
+from accel_train.tasks.text.buckets import allow_recompiles, resolve_buckets
 from accel_train.tasks.text.generation import (
     GENERATION_SCORES,
     GenerationArguments,
@@ -131,7 +132,7 @@ def parse(argv=None):
 def main(argv=None) -> dict[str, float]:
     config, data_args, model_args, gen_args = parse(argv)
     check_best_metric(config, gen_args.predict_with_generate)
-    accelerator = build_accelerator(config)
+    accelerator = build_accelerator(config, static_shapes=bool(data_args.length_buckets))  # one graph per bucket
     refuse_deepspeed(accelerator)  # the token loss's sums: before minutes of loading a model and tokenizing
     demo = not (data_args.train_file or data_args.dataset_name)
     raw, task = load_data(data_args, model_args, config.seed)
@@ -150,10 +151,14 @@ def main(argv=None) -> dict[str, float]:
                       ", ".join(f"{k} {len(v.tokens)}" + (f" ({v.targets_cut} of {v.targets} targets cut to "
                                                           f"--max_target_length)" if v.targets_cut else "")
                                 for k, v in splits.items()))
-    collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator))
+    width = packing_width(data_args, task, facts)  # the longest row this task makes
+    buckets = resolve_buckets(data_args.length_buckets, width, pad_multiple(accelerator))
+    if buckets:
+        allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
+    collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator), buckets)
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
-    rows = training_set(train_set, data_args, packing_width(data_args, task, facts), tokenizer.pad_token_id,
-                        pad_multiple(accelerator), model)  # padded, packed or padding-free
+    rows = training_set(train_set, data_args, width, tokenizer.pad_token_id, pad_multiple(accelerator), model,
+                        buckets)  # padded (to length buckets), packed or padding-free
     chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
     trips = round_trip_line({name: split.round_trip for name, split in splits.items() if split.round_trip})
     for line in (rows.summary, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_train import TrainConfig, build_accelerator, default_loss, parse_config, run_cli, train
 
 VOCAB = 32
+LONGEST = 40  # sequences() makes 3 to 40 tokens
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class TokenArgs:
     spike_batch: int = -1  # the micro-batch of the sequences at this position (in order) has its loss x spike_scale
     spike_scale: float = 1e4
     without_batch: int = -1  # leave the sequences of this micro-batch position out (a run that never held them)
+    length_buckets: str = ""  # "16,32,48" / "auto": batches padded by the text recipes' TrainCollator to buckets
+    static_shapes: bool = False  # --torch_compile with one static graph per shape, buckets or not
+    evaluate: bool = True  # false: no evaluation loader (no final evaluation either)
 
 
 class StopAt:
@@ -100,6 +104,17 @@ def collate(mask_all: bool = False):
     return fn
 
 
+def bucketed(spec: str):
+    """The text_generation recipe's TrainCollator with --length_buckets `spec` (rows of at most 40 tokens)."""
+    from accel_train.tasks.text.buckets import allow_recompiles, resolve_buckets
+    from accel_train.tasks.text.generation.tokens import TrainCollator
+
+    buckets = resolve_buckets(spec, LONGEST, None)
+    allow_recompiles(buckets)
+    collator = TrainCollator(0, None, buckets)
+    return lambda rows: collator([{"input_ids": r, "labels": r} for r in rows])
+
+
 def packed_rows(rows: list[list[int]], width: int):
     """The sequences as an input_ids / labels dataset, packed into rows of `width` tokens."""
     import datasets
@@ -131,7 +146,7 @@ def reference_gradient(model, rows: list[list[int]]) -> dict[str, torch.Tensor]:
 def main(argv=None):
     quiet = {"report_to": ["none"], "disable_tqdm": True, "run_report": False, "save_strategy": "no"}
     config, args = parse_config((TrainConfig, TokenArgs), argv, defaults=quiet)
-    accelerator = build_accelerator(config)
+    accelerator = build_accelerator(config, static_shapes=args.static_shapes or bool(args.length_buckets))
     model = tiny_lm()
     out = Path(config.output_dir)
     if args.save_initial and accelerator.is_main_process:
@@ -142,8 +157,9 @@ def main(argv=None):
     spiked = sum(map(sum, rows[args.spike_batch * size:(args.spike_batch + 1) * size])) if args.spike_batch >= 0 else -1
     if args.without_batch >= 0:
         rows = rows[:args.without_batch * size] + rows[(args.without_batch + 1) * size:]
+    collator = bucketed(args.length_buckets) if args.length_buckets else collate(args.mask_all)
     train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
-                              collate_fn=collate(args.mask_all))
+                              collate_fn=collator)
     if args.pack_width or args.padding_free:
         train_loader = packed_loader(rows, args, config.per_device_train_batch_size)
     eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),
@@ -162,8 +178,9 @@ def main(argv=None):
             out = {**out, "loss_sum": out["loss_sum"] * args.spike_scale}
         return out
 
-    result = train(model, train_loader, config=config, eval_loader=eval_loader, accelerator=accelerator,
-                   loss_fn=loss_fn, hooks=[StopAt(args.stop_at_step, fed)], extra_configs=[args])
+    result = train(model, train_loader, config=config, eval_loader=eval_loader if args.evaluate else None,
+                   accelerator=accelerator, loss_fn=loss_fn, hooks=[StopAt(args.stop_at_step, fed)],
+                   extra_configs=[args])
     if accelerator.is_main_process:
         (out / "token_results.json").write_text(json.dumps(result.metrics))
     record = {"fed": fed, "metrics": result.metrics, "step": result.state.step}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ....errors import ConfigError
+
 
 def _help(text: str, default=None, **kwargs):
     return field(default=default, metadata={"help": text}, **kwargs)
@@ -49,4 +51,13 @@ class ClassificationDataArguments:
     group_by_length: bool = _help("Batches of similar lengths: less padding (--no_group_by_length: random).", True)
     pad_to_max_length: bool = _help("Pad every example to --max_seq_length (static shapes) instead of per batch.",
                                     False)
+    length_buckets: str | None = _help(
+        "Pad each batch to the smallest of a few widths that holds it, so --torch_compile compiles one static graph "
+        "per width and then never again: e.g. 32,64,128, or auto (powers of two from 16, then --max_seq_length).")
     full_embedded_dataset: bool = _help("With no data flag: all 38k embedded tweets instead of a 7,000 subset.", False)
+
+    def __post_init__(self):
+        if self.length_buckets and self.pad_to_max_length:
+            raise ConfigError("--length_buckets and --pad_to_max_length both fix the batches' width: "
+                              "--pad_to_max_length pads every row to --max_seq_length (one shape), the buckets to a "
+                              "few. Give one.")

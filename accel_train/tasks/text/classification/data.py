@@ -7,7 +7,7 @@ column (a float one for regression), and raises `DataError` naming the file, col
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,13 +313,15 @@ def data_summary(raw: datasets.DatasetDict, sources: dict[str, str], text_column
     return lines
 
 
-def padding_ratio(lengths: Sequence[int], order: Sequence[int], batch_size: int) -> float:
-    """Share of pad tokens when `order` is cut into batches of `batch_size` padded to their longest."""
+def padding_ratio(lengths: Sequence[int], order: Sequence[int], batch_size: int,
+                  width: Callable[[int], int] | None = None) -> float:
+    """Share of pad tokens when `order` is cut into batches of `batch_size` padded to their longest, or to
+    `width(longest)` (a length bucket's width)."""
     lengths = np.asarray(lengths)[np.asarray(order, dtype=int)]
     padded = real = 0
     for start in range(0, len(lengths), batch_size):
         chunk = lengths[start:start + batch_size]
-        padded += int(chunk.max()) * len(chunk)
+        padded += (width(int(chunk.max())) if width else int(chunk.max())) * len(chunk)
         real += int(chunk.sum())
     return 1 - real / padded if padded else 0.0
 

@@ -16,6 +16,7 @@ from ....core.data import make_loader
 from ....core.evaluation import gather_outputs
 from ....rundir.layout import TEST_PREDICTIONS
 from ...metrics import load_metric
+from ..buckets import LengthBuckets
 from .data import Labels, padding_ratio
 
 
@@ -44,15 +45,15 @@ def classification_metrics(labels: Labels):
 
 
 def train_padding(lengths: Sequence[int], config: TrainConfig, sampler: Any, group_by_length: bool,
-                  pad_to: int | None) -> float:
+                  pad_to: int | None, buckets: LengthBuckets | None = None) -> float:
     """Share of pad tokens in epoch 0's training batches: `pad_to` (static shapes) pads every row to that length;
-    otherwise each batch pads to its longest, in the sampler's order when length-grouped (its own seeded generator),
-    in a seeded random order when not."""
+    otherwise each batch pads to its longest (to its length bucket with `buckets`), in the sampler's order when
+    length-grouped (its own seeded generator), in a seeded random order when not."""
     if pad_to:
         return 1 - sum(lengths) / (len(lengths) * pad_to)
     order = (list(sampler) if group_by_length
              else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(config.seed)).tolist())
-    return padding_ratio(lengths, order, config.per_device_train_batch_size)
+    return padding_ratio(lengths, order, config.per_device_train_batch_size, buckets.width if buckets else None)
 
 
 class PredictionFinish:

@@ -78,6 +78,10 @@ class GenerationDataArguments:
     padding_free: bool = field(default=False, metadata={
         "help": "Causal LMs: each micro-batch is one row of its examples, no padding at all (isolated as with "
                 "--packing); the batches hold the same examples as padded ones."})
+    length_buckets: str | None = field(default=None, metadata={
+        "help": "Pad each batch to the smallest of a few widths that holds it, so --torch_compile compiles one "
+                "static graph per width and then never again: e.g. 32,64,128, or auto (powers of two from 16, then "
+                "the longest row: source + target, or the block size). Not with --packing / --padding_free."})
 
     def __post_init__(self):
         if self.messages_column and (self.prompt_column or self.completion_column or self.summary_column):
@@ -94,6 +98,11 @@ class GenerationDataArguments:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be at least 2 tokens.")
         if self.packing and self.padding_free:
             raise ConfigError("--packing and --padding_free are two ways to batch without padding: give one.")
+        if self.length_buckets and (self.packing or self.padding_free):
+            why = ("--packing fills rows of --max_seq_length tokens already: nearly every batch has that width"
+                   if self.packing else "--padding_free writes each micro-batch as one row without padding: its "
+                   "width is the sum of its examples' lengths, which padding to a bucket would undo")
+            raise ConfigError(f"--length_buckets pads batches of whole examples; {why}. Give one of them.")
         for name in ("max_seq_length", "packing_split"):
             if getattr(self, name) and not self.packing:
                 raise ConfigError(f"--{name} shapes the rows of --packing: add --packing, or drop it.")

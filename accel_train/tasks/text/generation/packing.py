@@ -35,6 +35,7 @@ import torch
 from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
 from ....errors import ConfigError, DataError
+from ..buckets import LengthBuckets
 from .tokens import TrainCollator, pad
 
 ISOLATION_TOLERANCE = 1e-4  # fp32 logits of one example, packed beside another vs alone (measured: ~1e-6)
@@ -171,9 +172,10 @@ class TrainingSet:
 
 
 def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int, multiple: int | None,
-                 model) -> TrainingSet:
-    """Padded batches, packed rows of `width` tokens (`args.packing`) or padding-free rows (`args.padding_free`)
-    of `examples`; packing is refused where `model` does not keep packed examples apart."""
+                 model, buckets: LengthBuckets | None = None) -> TrainingSet:
+    """Padded batches (to their length bucket with `buckets`), packed rows of `width` tokens (`args.packing`) or
+    padding-free rows (`args.padding_free`) of `examples`; packing is refused where `model` does not keep packed
+    examples apart."""
     lengths = [len(i) + len(lab) for i, lab in zip(examples["input_ids"], examples["labels"], strict=True)]
     vocab_size = model.get_input_embeddings().num_embeddings
     if args.packing:
@@ -187,7 +189,10 @@ def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int
         return TrainingSet(examples, PackedCollator(pad_token_id, flatten=True),
                            lengths if args.group_by_length else None,
                            "padding-free: each micro-batch one row of its examples, no padding", 0.0)
-    return TrainingSet(examples, TrainCollator(pad_token_id, multiple), lengths if args.group_by_length else None, "")
+    return TrainingSet(examples, TrainCollator(pad_token_id, multiple, buckets),
+                       lengths if args.group_by_length else None,
+                       f"length buckets: each batch padded to the smallest of {buckets.describe()} tokens that holds "
+                       "it" if buckets else "")
 
 
 def check_packing_flags(args, seq2seq: bool) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from ....core.loss import IGNORE_INDEX
 from ....errors import ConfigError, DataError, ModelError
+from ..buckets import LengthBuckets
 from .chat import ChatExample, chat_example
 from .data import GenerationDataArguments, TaskColumns, check_texts
 from .roundtrip import RoundTrip, check_round_trip
@@ -216,9 +217,12 @@ def packing_width(args: GenerationDataArguments, task: TaskColumns, model: Model
     return args.max_source_length + args.max_target_length
 
 
-def pad(rows: Sequence[Sequence[int]], value: int, side: str, multiple: int | None = None) -> torch.Tensor:
+def pad(rows: Sequence[Sequence[int]], value: int, side: str, multiple: int | None = None,
+        buckets: LengthBuckets | None = None) -> torch.Tensor:
     width = max(len(r) for r in rows)
-    if multiple:
+    if buckets is not None:  # its widths are multiples of `multiple` already
+        width = buckets.width(width)
+    elif multiple:
         width = -(-width // multiple) * multiple
     fill = [[value] * (width - len(r)) for r in rows]
     return torch.tensor([list(r) + f if side == "right" else f + list(r) for r, f in zip(rows, fill, strict=True)])
@@ -228,16 +232,18 @@ class TrainCollator:
     """Right-padded training batch: ``input_ids`` (pad id), ``attention_mask``, ``labels`` (-100). A seq2seq
     model builds its decoder inputs from the labels; a causal LM shifts them. Written here rather than taken
     from transformers because one collator then serves both families and pads labels by length, never by
-    value (pad may equal eos)."""
+    value (pad may equal eos). With `buckets` (--length_buckets) each of input_ids and labels is padded to the
+    bucket of its longest row (a seq2seq model's source and target each to its own)."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
-        self.pad_token_id, self.multiple = pad_token_id, pad_to_multiple_of
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, buckets: LengthBuckets | None = None):
+        self.pad_token_id, self.multiple, self.buckets = pad_token_id, pad_to_multiple_of, buckets
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [r["input_ids"] for r in rows]
-        return {"input_ids": pad(ids, self.pad_token_id, "right", self.multiple),
-                "attention_mask": pad([[1] * len(r) for r in ids], 0, "right", self.multiple),
-                "labels": pad([r["labels"] for r in rows], IGNORE_INDEX, "right", self.multiple)}
+        widths = (self.multiple, self.buckets)
+        return {"input_ids": pad(ids, self.pad_token_id, "right", *widths),
+                "attention_mask": pad([[1] * len(r) for r in ids], 0, "right", *widths),
+                "labels": pad([r["labels"] for r in rows], IGNORE_INDEX, "right", *widths)}
 
 
 class GenerationCollator:

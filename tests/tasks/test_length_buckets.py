@@ -201,3 +201,30 @@ def test_the_nlp_recipe_reports_buckets_padding_and_compiled_graphs(tiny_bert, t
     results = json.loads((out / "all_results.json").read_text())
     assert 1 <= results["train_compiled_graphs"] <= 2 * 3
     assert 0 < results["train_padding_ratio"] < 1
+
+
+@pytest.mark.slow
+def test_the_text_generation_recipe_pads_to_buckets_and_reports_compiled_graphs(tmp_path, capsys):
+    """recipes/text_generation.py in this process: a tiny Llama from a config on date pairs (source 24 + target 12
+    tokens at most: auto gives 16,24,32,36), compiled with the eager backend, no generation."""
+    import text_generation
+
+    from accel_train.tasks.text.generation.demo import date_pairs
+
+    torch._dynamo.reset()
+    pairs = date_pairs(48, 1)
+    data = tmp_path / "dates.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "summary": s}) + "\n"
+                            for t, s in zip(pairs["text"], pairs["summary"], strict=True)))
+    reset_accelerate()
+    text_generation.main([
+        "--train_file", str(data), "--text_column", "text", "--summary_column", "summary", "--validation_split", "8",
+        "--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--config_overrides",
+        "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
+        "max_position_embeddings=128", "--output_dir", str(tmp_path / "run"), "--report_to", "none",
+        "--disable_tqdm", "--no_run_report", "--max_generate_samples", "0", "--per_device_train_batch_size", "4",
+        "--num_train_epochs", "1", "--save_strategy", "no", "--max_source_length", "24", "--max_target_length", "12",
+        "--length_buckets", "auto", *COMPILE])
+    assert "length buckets: each batch padded to the smallest of 16,24,32,36 tokens" in capsys.readouterr().out
+    results = json.loads((tmp_path / "run" / "all_results.json").read_text())
+    assert 1 <= results["train_compiled_graphs"] <= 2 * 4  # a graph per width at most, in training and evaluation

@@ -62,6 +62,7 @@ FEATURES: dict[str, Feature] = {
                        record={"pack_width": 40}),
     "padding-free": Feature("token", ("--padding_free", "true"), 4, record={"padding_free": True}),
     "chunked CE": Feature("token", ("--loss_chunk_size", "8"), 4, record={"loss_chunk_size": 8}),
+    "length buckets": Feature("token", ("--length_buckets", "16,32,40"), 4, record={"length_buckets": "16,32,40"}),
     "stream": Feature("toy", ("--max_steps", "20"), 7, stream=True),
     "stream + 2 workers": Feature("toy", ("--max_steps", "20", "--dataloader_num_workers", "2"), 7, stream=True,
                                   record={"dataloader_num_workers": 2}),

@@ -42,6 +42,10 @@ def max_error(grads):
     return max((grads[name] - reference[name]).abs().max().item() for name in grads)
 
 
+def results_of(out):
+    return json.loads((out / "all_results.json").read_text())
+
+
 def run_tokens(out, *args):
     reset_accelerate()
     return token_train.main(["--output_dir", str(out), "--save_initial", "true", *args])
@@ -198,6 +202,8 @@ def test_the_nlp_recipe_reports_buckets_padding_and_compiled_graphs(tiny_bert, t
              "--save_strategy", "no", "--load_best_model_at_end", "false", "--length_buckets", "auto", *COMPILE])
     printed = capsys.readouterr().out
     assert "batches, padded to the length buckets 16,24,32)" in printed
+    assert "compile eager (default, static shapes)" in printed  # the start-up report's speed line
+    assert f"torch.compile: {results_of(out)['train_compiled_graphs']} graph(s) compiled" in printed
     results = json.loads((out / "all_results.json").read_text())
     assert 1 <= results["train_compiled_graphs"] <= 2 * 3
     assert 0 < results["train_padding_ratio"] < 1

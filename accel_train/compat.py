@@ -47,6 +47,16 @@ RELIANCES: tuple[Reliance, ...] = (
              "torch._C._current_graph_task_id (-1 outside a backward pass) and the FlopCounterMode custom_mapping "
              "that takes raw formulas (`_get_raw`)", "MFU's model FLOPs under --gradient_checkpointing (the "
              "recomputed forward left out)"),
+    Reliance("torch", ("2.13",), "core/compiled.py",
+             "torch._dynamo.utils.counters['stats']['unique_graphs'], dynamo's process-wide count of compiled graphs",
+             "train_compiled_graphs in all_results.json"),
+    Reliance("torch", ("2.13",), "core/meter.py",
+             "dynamo marks every frame it meets under a non-infra dispatch mode (FlopCounterMode) as never to compile "
+             "again, unless torch.compiler.set_stance('force_eager') keeps it from seeing the frame at all",
+             "--torch_compile compiling the training steps after the first micro-batch's FLOP count"),
+    Reliance("torch", ("2.13",), "tasks/text/buckets.py",
+             "torch._dynamo.config.recompile_limit (8 graphs per function, then the model runs uncompiled)",
+             "--length_buckets: a static graph per width in training and evaluation"),
     Reliance("torchdata", ("0.11",), "core/stream.py",
              "StatefulDataLoader._iterator and its _shutdown_workers(), called when training ends",
              "a loader's workers ended with the run rather than 5 s each inside the garbage collector"),

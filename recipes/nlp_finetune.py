@@ -159,8 +159,7 @@ def main(argv=None) -> dict[str, float]:
     # Tensor cores want multiples of 8 under mixed precision: the precision in effect, which the launcher or a
     # preset may have chosen when --mixed_precision is unset.
     buckets = resolve_buckets(dargs.length_buckets, dargs.max_seq_length, pad_multiple(accelerator))
-    if buckets:
-        allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
+    allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
     collator = (BucketedPadding(tokenizer, buckets) if buckets else
                 DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator)))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not

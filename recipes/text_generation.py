@@ -153,8 +153,7 @@ def main(argv=None) -> dict[str, float]:
                                 for k, v in splits.items()))
     width = packing_width(data_args, task, facts)  # the longest row this task makes
     buckets = resolve_buckets(data_args.length_buckets, width, pad_multiple(accelerator))
-    if buckets:
-        allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
+    allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
     collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator), buckets)
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
     rows = training_set(train_set, data_args, width, tokenizer.pad_token_id, pad_multiple(accelerator), model,

@@ -80,10 +80,12 @@ def resolve_buckets(spec: str | None, longest: int, multiple: int | None) -> Len
     return LengthBuckets(widths)
 
 
-def allow_recompiles(buckets: LengthBuckets) -> None:
+def allow_recompiles(buckets: LengthBuckets | None) -> None:
     """Raise dynamo's recompile limit (8 graphs per function, past which it runs the model uncompiled, silently but
     for a log line) to hold a static graph per width in training and another in evaluation (a model in eval mode
-    without gradients compiles its own), plus the pre-flight check's two. Never lowers it."""
+    without gradients compiles its own), plus the pre-flight check's two. Never lowers it; nothing without buckets."""
+    if not buckets:
+        return
     import torch._dynamo
 
     needed = 2 * len(buckets.widths) + 4

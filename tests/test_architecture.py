@@ -20,6 +20,7 @@ def lint(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*LINT, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # lint-imports in a process of its own (.ci/run runs it too)
 def test_the_package_keeps_every_contract():
     proc = lint(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -33,6 +34,7 @@ def write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
+@pytest.mark.slow  # lint-imports in a process of its own per case
 @pytest.mark.parametrize("case, files, broken", [
     ("core imports observe", {"fake/core/loop.py": "from ..observe import observer\n"},
      "Layers"),

@@ -183,6 +183,7 @@ def readme_script() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow  # runs the README's script as printed, in its own processes
 def test_the_readme_script_runs_as_printed_and_a_second_run_says_what_to_change(tmp_path):
     (tmp_path / "demo.py").write_text(readme_script())
     env = subprocess_env()

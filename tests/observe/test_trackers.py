@@ -130,6 +130,7 @@ def assert_same_as_the_log(out):
         assert run.data.metrics[name] == pytest.approx(value, rel=1e-6), name
 
 
+@pytest.mark.slow  # MLflow's SQLite store starts a process of its own
 @needs("mlflow")
 def test_mlflow_logs_the_run_into_its_own_sqlite_store(tmp_path, monkeypatch, capsys):
     """Two runs in this process (what is tested: the second gets its own store)."""

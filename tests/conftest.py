@@ -468,3 +468,19 @@ def token_main(args: list[str]) -> None:
 
     reset_accelerate()
     token_train.main(args)
+
+
+def step_gradient(out: Path) -> dict:
+    """initial - final weights of a token_train run (--save_initial, one SGD step at learning rate 1): its gradient."""
+    from safetensors.torch import load_file
+
+    initial, final = load_file(out / "initial.safetensors"), load_file(out / "model.safetensors")
+    return {name: initial[name] - final[name] for name in final}
+
+
+def token_gradient_error(grads: dict) -> float:
+    """Largest difference from the one-batch token-mean gradient of token_train's 16 sequences."""
+    import token_train
+
+    reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0))
+    return max((grads[name] - reference[name]).abs().max().item() for name in grads)

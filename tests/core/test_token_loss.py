@@ -6,7 +6,7 @@ import json
 import pytest
 import token_train
 import torch
-from conftest import reset_accelerate, token_main
+from conftest import reset_accelerate, step_gradient, token_gradient_error, token_main
 from safetensors.torch import load_file
 
 from accel_train import TrainConfig, train
@@ -18,17 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ONE_SGD_STEP = ["--optim", "sgd", "--sgd_momentum", "0", "--learning_rate", "1", "--max_grad_norm", "0",
                 "--max_steps", "1", "--lr_scheduler_type", "constant", "--weight_decay", "0",
                 "--eval_strategy", "no"]
-
-
-def step_gradient(out):
-    """initial - final weights: the first SGD step's gradient at learning rate 1."""
-    initial, final = load_file(out / "initial.safetensors"), load_file(out / "model.safetensors")
-    return {name: initial[name] - final[name] for name in final}
-
-
-def max_error(grads):
-    reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0))
-    return max((grads[name] - reference[name]).abs().max().item() for name in grads)
 
 
 def run(out, *args):
@@ -49,13 +38,13 @@ def test_one_step_is_the_token_mean_gradient_of_the_whole_window(tmp_path, micro
         reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0, True))
         assert max((grads[n] - reference[n]).abs().max().item() for n in grads) < 1e-6
     else:
-        assert max_error(grads) < 1e-6
+        assert token_gradient_error(grads) < 1e-6
 
 
 def test_auto_batch_size_leaves_the_step_gradient_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_TRAIN_FAULT", "oom_above:2")  # 16 per micro-batch does not "fit": 2 x 8 accumulation
     run(tmp_path, *ONE_SGD_STEP, "--per_device_train_batch_size", "16", "--auto_find_batch_size")
-    assert max_error(step_gradient(tmp_path)) < 1e-6
+    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
 
 
 def test_two_processes_give_the_same_step_gradient_and_eval_loss(tmp_path, ranks):
@@ -64,7 +53,7 @@ def test_two_processes_give_the_same_step_gradient_and_eval_loss(tmp_path, ranks
             "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
             "--per_device_eval_batch_size", "5"]
     ranks.run(token_main, [*args, "--output_dir", str(tmp_path / "two")])
-    assert max_error(step_gradient(tmp_path / "two")) < 1e-6
+    assert token_gradient_error(step_gradient(tmp_path / "two")) < 1e-6
     run(tmp_path / "one", *args, "--gradient_accumulation_steps", "4")
     one = json.loads((tmp_path / "one" / "token_results.json").read_text())
     two = json.loads((tmp_path / "two" / "token_results.json").read_text())

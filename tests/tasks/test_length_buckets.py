@@ -11,7 +11,7 @@ import json
 import pytest
 import token_train
 import torch
-from conftest import FILLER, reset_accelerate, token_main
+from conftest import FILLER, reset_accelerate, step_gradient, token_gradient_error, token_main
 from conftest import nlp_main as run_nlp
 from safetensors.torch import load_file
 from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding
@@ -29,17 +29,6 @@ COMPILE = ["--torch_compile", "--torch_compile_backend", "eager"]
 ONE_SGD_STEP = ["--optim", "sgd", "--sgd_momentum", "0", "--learning_rate", "1", "--max_grad_norm", "0",
                 "--max_steps", "1", "--lr_scheduler_type", "constant", "--weight_decay", "0",
                 "--eval_strategy", "no"]  # as tests/core/test_token_loss.py: the step moves by minus the gradient
-
-
-def step_gradient(out):
-    initial, final = load_file(out / "initial.safetensors"), load_file(out / "model.safetensors")
-    return {name: initial[name] - final[name] for name in final}
-
-
-def max_error(grads):
-    """Against the one-batch token-mean gradient of token_train's 16 sequences."""
-    reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0))
-    return max((grads[name] - reference[name]).abs().max().item() for name in grads)
 
 
 def results_of(out):
@@ -137,7 +126,7 @@ def test_accumulation_over_micro_batches_of_different_buckets_is_the_window_toke
     assert len(set(widths(BUCKETS, 4))) > 1
     run_tokens(tmp_path, *ONE_SGD_STEP, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4",
                "--length_buckets", BUCKETS)
-    assert max_error(step_gradient(tmp_path)) < 1e-6
+    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
 
 
 def test_two_processes_each_padding_to_its_own_bucket_give_the_step_gradient(tmp_path, ranks):
@@ -148,7 +137,7 @@ def test_two_processes_each_padding_to_its_own_bucket_give_the_step_gradient(tmp
     args = [*ONE_SGD_STEP, "--save_initial", "true", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "2", "--length_buckets", BUCKETS]
     ranks.run(token_main, [*args, "--output_dir", str(tmp_path / "two")])
-    assert max_error(step_gradient(tmp_path / "two")) < 1e-6
+    assert token_gradient_error(step_gradient(tmp_path / "two")) < 1e-6
 
 
 def test_resume_is_bitwise_with_buckets(tmp_path):

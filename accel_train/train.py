@@ -31,6 +31,7 @@ from .core.session import RunSpec, Session
 from .core.state import TrainResult
 from .deploy import RecordModelFactory, check_exportable, describe_model, export_formats_at_end
 from .errors import PeerTimeout, Preempted
+from .observe.eval_again import evaluate_again
 from .observe.fed_record import fed_recorder
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
@@ -94,9 +95,10 @@ def train(
     observer = Observer(session, recorder)
     factory = _factory_hook(model, spec, session.accelerator.is_main_process)
     compiled = [CompileCount()] if compiling(session.accelerator) else []  # train_compiled_graphs
-    # fed_recorder: ACCEL_TRAIN_RECORD_FED=1, what verify's data accounting reads
+    # fed_recorder: ACCEL_TRAIN_RECORD_FED=1, what verify's data accounting reads; evaluate_again:
+    # ACCEL_TRAIN_EVAL_AGAIN=1, a second evaluation of the final weights, what verify's evaluation check compares
     state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer,
-                           *compiled, *fed_recorder(session)])
+                           *compiled, *fed_recorder(session), *evaluate_again(session)])
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
     meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside

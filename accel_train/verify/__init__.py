@@ -4,6 +4,9 @@
     runs.py       the variants: the user's command with verify's flags, each run as processes of its own
     checks.py     determinism, resume, accumulation: which variants each compares, and how
     world.py      world size: 1 process against 2 launched at the same global batch
+    evaluation.py evaluation: the reference's weights evaluated again (observe/eval_again.py), at another batch
+                  size, on 2 processes
+    precision.py  precision: the first steps in bf16 against fp32
     accounting.py data accounting: what each process fed (observe/fed_record.py), from the runs above
     evidence.py   what is compared, read from the variants' run directories
     diagnose.py   the paragraph a failed check gets: the likely cause and what to change

@@ -7,7 +7,7 @@ variants it ran, and for a failure one paragraph: the likely cause and what to c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,15 +55,18 @@ class Result:
 
 
 class Runs:
-    """The variants run so far, by name: a check reuses those another check ran (the reference run)."""
+    """The variants run so far, by name: a check reuses those another check ran (the reference run). `runner` runs
+    one (run_variant: processes of their own; a test may run a variant whose process is not its subject in-process,
+    with the same signature)."""
 
-    def __init__(self, verify: Verify, interrupts: Interrupts):
-        self.verify, self.interrupts = verify, interrupts
+    def __init__(self, verify: Verify, interrupts: Interrupts, runner: Callable[..., Variant] = run_variant):
+        self.verify, self.interrupts, self.runner = verify, interrupts, runner
         self.done: dict[str, Variant] = {}
 
-    def finished(self, name: str, script_args: Sequence[str] = (), processes: int = 1, **more: object) -> Variant:
+    def finished(self, name: str, script_args: Sequence[str] = (), processes: int = 1,
+                 env: dict[str, str] | None = None, **more: object) -> Variant:
         if name not in self.done:
-            self.done[name] = run_variant(self.verify, name, self.interrupts, script_args=script_args,
+            self.done[name] = self.runner(self.verify, name, self.interrupts, env=env, script_args=script_args,
                                           processes=processes, **more)
             require_finished(self.done[name], self.verify)
         return self.done[name]

@@ -1,6 +1,7 @@
 """`accel-train verify`: the project's exactness checks, run on the user's own script and flags.
 
-    accel-train verify [--checks determinism,resume,accumulation,world_size,data_accounting] [--steps N]
+    accel-train verify [--checks determinism,resume,accumulation,world_size,evaluation,precision,data_accounting]
+                       [--steps N]
                        [--launch_args '...'] [--output_dir DIR] -- SCRIPT [script flags]
 
 Each check runs short variants of the user's run (--max_steps N, logging every step, a checkpoint in mid-run), each
@@ -15,6 +16,11 @@ in its own directory under --output_dir, and compares them:
     world_size       1 process at B against 2 launched at B/2 (the same global batch): every
                      logged loss and step 1's gradient norm within 1e-3 relative, learning
                      rates equal; a BatchNorm model differs by design: status "property"      +1 launch of 2
+    evaluation       the reference's last checkpoint evaluated again (resumed with nothing left
+                     to train): twice in one process, at another evaluation batch size, on 2
+                     processes: every eval_* metric within 1e-5 relative                      +1 run, +1 launch of 2
+    precision        the first 3 steps in bf16 against fp32 (the reference on one side, the
+                     other precision on the other): losses within 1e-2 relative, finite       +1 run of 3 steps
     data_accounting  every index planned once per epoch across the processes, every index
                      planned fed (no item dropped on the way to the loss), the same plan and
                      no micro-batch twice across the resume, dataset[len] raising: read from
@@ -32,14 +38,16 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
 from .accounting import data_accounting
 from .checks import FAILED, NOT_APPLICABLE, PROPERTY, Result, Runs, accumulation, determinism, resume
-from .runs import CHECKS, Verify
+from .evaluation import evaluation
+from .precision import precision
+from .runs import CHECKS, Variant, Verify, run_variant
 from .world import world_size
 
 CERTIFICATE = "verify.json"
@@ -124,6 +132,10 @@ def run_checks(runs: Runs, results: dict[str, Result]) -> None:
         results["accumulation"] = accumulation(runs)
     if "world_size" in checks:
         results["world_size"] = world_size(runs)
+    if "evaluation" in checks:
+        results["evaluation"] = evaluation(runs)
+    if "precision" in checks:
+        results["precision"] = precision(runs)
     if "data_accounting" in checks:  # last: it reads the runs the checks above made
         results["data_accounting"] = data_accounting(runs)
 
@@ -169,6 +181,14 @@ def _figure(name: str, result: Result) -> str:
         return (f"{fed} of {planned} planned rows fed, {len(measured['findings'])} finding(s); compared: "
                 f"{', '.join(measured['compared'])}"
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
+    if name == "evaluation":
+        compared = [f"{key} {measured[key]['relative']:.2e}" for key in ("again", "batch_size", "world_size")
+                    if key in measured]
+        return (f"eval metrics across {', '.join(compared)} relative (tolerance {result.tolerance['metrics']})"
+                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
+    if name == "precision":
+        return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"
+                f" losses {measured['loss_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
     if name == "accumulation":
         return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
                 f"(tolerance {result.tolerance['loss']})")
@@ -177,16 +197,17 @@ def _figure(name: str, result: Result) -> str:
     return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], runner: Callable[..., Variant] = run_variant) -> int:
     """`accel-train verify ... -- SCRIPT [flags]`: 0 all passed, 1 a check failed, 2 bad input (run_cli / cli.main),
     128 + the signal's number when SIGINT / SIGTERM stopped it. verify.json is written in every case but bad flags:
-    a run that fails or an interrupt keeps the checks done before it, with the reason."""
+    a run that fails or an interrupt keeps the checks done before it, with the reason. `runner`: how the variants
+    that a check gets through Runs run (checks.Runs)."""
     verify = parse_args(argv)
     verify.output_dir.mkdir(parents=True, exist_ok=True)
     path = verify.output_dir / CERTIFICATE
     results: dict[str, Result] = {}
     with Interrupts() as interrupts:
-        runs = Runs(verify, interrupts)
+        runs = Runs(verify, interrupts, runner)
         try:
             run_checks(runs, results)
         except SweepInterrupted as stop:

@@ -212,3 +212,74 @@ def accounting_cause(findings: list[dict]) -> tuple[str, str]:
     causes = [ACCOUNTING[kinds.index(kind)] for kind in found]
     advice = " ".join(f"Likely cause: {cause}. What to change: {change}." for _, cause, change in causes)
     return "; ".join(cause for _, cause, _ in causes), f"{said} {advice}"
+
+
+EVALUATION_RANDOM = "evaluation not deterministic (dropout or randomness in eval)"
+EVALUATION_BATCH = "outputs depend on the batch (padding or batch statistics)"
+EVALUATION_GATHER = "metric computed before gathering (per process)"
+EVALUATION_WHAT = {"again": "two evaluations of the same weights in one process",
+                   "batch_size": "evaluation batch sizes {sizes}", "world_size": "1 process against 2"}
+
+
+def evaluation_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for evaluations of the same weights that disagree: the comparison that isolates the
+    fewest causes first (again: nothing changed but time; batch size; world size)."""
+    said = []
+    for name, what in EVALUATION_WHAT.items():
+        compared = measured.get(name)
+        if compared and compared["differing"]:
+            rows = "; ".join(f"{metric} {compared['metrics'][metric]['values'][0]:.6g} against "
+                             f"{compared['metrics'][metric]['values'][1]:.6g}" for metric in compared["differing"][:3])
+            what = what.format(sizes=" and ".join(str(s) for s in measured.get("eval_batch_size", [])))
+            said.append(f"{what}: {rows} ({compared['relative']:.2e} relative at most)")
+    where = "The same weights evaluated give other metrics across " + "; across ".join(said) + "."
+    if measured.get("again", {}).get("differing"):
+        return EVALUATION_RANDOM, (
+            f"{where} Two evaluations in one process, of the same weights on the same data, differ: the evaluation "
+            "draws random numbers or keeps state. Likely cause: dropout applied with training=True "
+            "(F.dropout(x, p, training=True), or a functional dropout without training=self.training), a module "
+            "kept in train mode, random augmentation in the evaluation data, or a metric that accumulates across "
+            "evaluations without a reset. What to change: use nn.Dropout modules or pass training=self.training; "
+            "no random transforms in the evaluation set; reset a metric's state at each evaluation. (This makes "
+            "the other comparisons differ too: fix it and run verify again.)")
+    if measured.get("batch_size", {}).get("differing"):
+        return EVALUATION_BATCH, (
+            f"{where} One process evaluating the same weights twice agrees with itself, but another evaluation "
+            "batch size gives other numbers: a sample's output depends on the rows batched with it. Likely cause: "
+            "a model that ignores attention_mask (padding tokens enter attention or a mean-pool, and the padding "
+            "changes with the batch's longest row), BatchNorm or a layer of your own kept in train mode, or a "
+            "metric averaged per batch (a mean of batch means weights the last, smaller batch like a full one). "
+            "What to change: pass attention_mask to the model and pool over real tokens only "
+            "((h * mask).sum(1) / mask.sum(1)); return per-sample tensors from the loss function and compute "
+            "metrics in metrics_fn. (It may hide a metric computed before gathering: run verify again after.)")
+    return EVALUATION_GATHER, (
+        f"{where} One process agrees with itself at every evaluation batch size, and 2 processes give other "
+        "numbers: the metric is computed from each process's share of the evaluation set, and the number reported "
+        "is the main process's share. Likely cause: counts accumulated in the loss function (or in a hook's own "
+        "loop over the evaluation loader) and turned into the metric without gathering. What to change: return "
+        "per-sample tensors (logits, predictions) from the loss function and compute the metric in metrics_fn, "
+        "which receives the outputs gathered from every process; in a loop of your own, "
+        "accelerator.gather_for_metrics before computing.")
+
+
+def precision_cause(measured: dict, finite: bool) -> tuple[str, str]:
+    """(cause class, paragraph) for a run in low precision whose first losses leave fp32's by more than rounding."""
+    fp32, low = measured["precision"]
+    worst = max(measured["relative_by_step"], key=lambda s: -1.0 if math.isnan(measured["relative_by_step"][s])
+                else measured["relative_by_step"][s])
+    pair = measured["losses_by_step"][worst]
+    where = (f"At step {worst} the run in {fp32} logs loss {pair[0]} and the run in {low} {pair[1]} "
+             f"({measured['relative_by_step'][worst]:.2e} relative).")
+    advice = ("What to change: compute the loss and its reductions in float32 (logits.float() before "
+              "cross_entropy; a sum over many tokens or a variance in float32), keep epsilons the format can hold "
+              "(1e-8 is 0 in fp16), let autocast cast (no .half() / .to(torch.bfloat16) by hand), and prefer bf16 "
+              "to fp16 (fp16 overflows past 65504).")
+    if not finite:
+        return "non-finite loss in low precision", (
+            f"{where} A loss that is finite in fp32 and not in {low}: an overflow (fp16 past 65504, an exp or a "
+            f"square of a large activation) or a division by an epsilon the format rounds to 0. {advice}")
+    return "loss sensitive to low precision", (
+        f"{where} More than the rounding of {low} moves (a few 1e-3 on runs without a bug). Likely cause: a "
+        "reduction in low precision (a softmax or cross entropy over a large vocabulary, a sum or mean over many "
+        "items, a norm's variance computed by hand), or weights or inputs cast by hand so that autocast cannot "
+        f"choose float32 where it should. {advice}")

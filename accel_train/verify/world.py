@@ -44,7 +44,7 @@ def world_size(runs: Runs) -> Result:
                  "why": "the same numbers over other shapes, in another order: up to 8.4e-8 (toy_train) and 9.7e-5 "
                         "(MiniLM) measured; the weights are reported, not judged: Adam turns the noise in gradients "
                         "that are zero in exact arithmetic into updates of about the learning rate"}
-    refused = _launch_refused(verify.launch_args)
+    refused = launch_refused(verify.launch_args)
     if refused:
         return Result(NOT_APPLICABLE, {"reason": refused}, tolerance)
     reference = runs.finished("reference")
@@ -104,7 +104,7 @@ def batch_norm_layers(weights: dict) -> list[str]:
     return sorted({name.rsplit(".", 1)[0] for name in weights if name.rsplit(".", 1)[-1] in BATCH_NORM_BUFFERS})
 
 
-def _launch_refused(launch_args: list[str]) -> str | None:
+def launch_refused(launch_args: list[str]) -> str | None:
     """Why the world-size check cannot run with these launcher flags (or on this machine), or None."""
     if torch.cuda.device_count() == 1 and "--cpu" not in launch_args:
         return ("one GPU: two processes cannot share it; rerun verify with --launch_args '--cpu' to compare 1 and 2 "

@@ -1,0 +1,259 @@
+"""`accel-train verify` on variants whose process is not what the check sees (the evaluation check's seeded bugs, the
+accumulation bug, a generator made without a seed): run in this process (1 process) or on the session's two gloo
+ranks (2), through the runner seam of checks.Runs. The statuses and the cause paragraphs are checked on run
+directories written here. The real process path (a variant resumed from another run's checkpoint under `accel-train
+launch`, the precision flag) is exercised once, by test_verify.py's toy_train certificate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, reset_accelerate
+
+from accel_train.verify import CERTIFICATE, main, parse_args
+from accel_train.verify.checks import Runs
+from accel_train.verify.diagnose import (
+    EVALUATION_BATCH,
+    EVALUATION_GATHER,
+    EVALUATION_RANDOM,
+    evaluation_cause,
+    precision_cause,
+)
+from accel_train.verify.evaluation import EVALUATION_RTOL, compare_metrics, evaluation
+from accel_train.verify.precision import PRECISION_RTOL, precision
+from accel_train.verify.runs import Variant
+
+BUGS = SCRIPTS / "verify"
+EVAL_BUGS = BUGS / "eval_bugs.py"
+
+
+def script_main(script: str, argv: list[str]) -> None:
+    """The script's main(argv) in this process (the ranks run it on each rank): loaded from its file, beside its
+    folder's common.py."""
+    folder = str(Path(script).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(f"verify_script_{Path(script).stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reset_accelerate()
+    module.main(argv)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def in_process(ranks):
+    """A runner for checks.Runs (run_variant's signature): the variant's own command, its script's main called here
+    for 1 process and on the two ranks for 2."""
+    def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
+        out = verify.output_dir / name
+        command = verify.command(out, script_args, processes, **more)
+        argv = command[command.index(verify.script) + 1:]
+        env = {**verify.env, **(env or {})}
+        if processes == 1:
+            with environment(env):
+                script_main(verify.script, argv)
+        else:
+            ranks.run(script_main, verify.script, argv, env=env)
+        attempt = {"command": command, "env": env, "returncode": 0, "log": None, "status": {"exit": 0}}
+        return Variant(name, command, out, env, processes, returncode=0, attempts=[attempt])
+    return runner
+
+
+def verify_here(ranks, out, script, checks, *flags) -> tuple[int, dict]:
+    code = main(["--checks", checks, "--output_dir", str(out), "--", str(script), *flags], runner=in_process(ranks))
+    return code, json.loads((out / CERTIFICATE).read_text())
+
+
+# (bug, its cause class, the comparison that sees it, those that must agree)
+EVALUATION_BUGS = [
+    ("dropout_in_eval", EVALUATION_RANDOM, "again", ()),
+    ("ignores_mask", EVALUATION_BATCH, "batch_size", ("again",)),
+    ("metric_before_gather", EVALUATION_GATHER, "world_size", ("again", "batch_size")),
+]
+
+
+@pytest.mark.slow
+def test_evaluation_seeded_bugs_each_flagged_by_their_comparison_and_the_twin_passes(tmp_path, ranks, capsys):
+    """Each bug of eval_bugs.py in a verify of its own (the three would move each other's comparisons), the twin
+    with all three fixed in one: per verify, the reference (6 steps) and the evaluation-only variant here, the
+    2-process evaluation on the ranks."""
+    for bug, cause, seen_by, agreeing in EVALUATION_BUGS:
+        code, certificate = verify_here(ranks, tmp_path / bug, EVAL_BUGS, "evaluation", "--bugs", bug)
+        result = certificate["checks"]["evaluation"]
+        assert (code, result["status"], result["cause"]) == (1, "failed", cause), bug
+        measured = result["measured"]
+        assert measured[seen_by]["relative"] > 100 * EVALUATION_RTOL, (bug, measured[seen_by])
+        assert all(measured[name]["differing"] == [] for name in agreeing), (bug, measured)
+        assert "What to change" in result["diagnosis"] and f"evaluation failed ({cause})" in capsys.readouterr().out
+    assert measured["world_size"]["differing"] == ["accuracy"]  # the loss is gathered: only the counted metric
+    assert measured["eval_batch_size"] == [8, 4] and measured["metrics"]["samples"] == 44
+
+    fixed = ["--bugs", "metric_before_gather,dropout_in_eval,ignores_mask", "--fixed", "true"]
+    code, certificate = verify_here(ranks, tmp_path / "twin", EVAL_BUGS, "evaluation", *fixed)
+    result = certificate["checks"]["evaluation"]
+    assert (code, result["status"], result["variants"]) == (0, "passed", ["reference", "evaluation", "evaluation-two"])
+    for name in ("again", "batch_size", "world_size"):
+        assert result["measured"][name]["relative"] <= EVALUATION_RTOL and result["measured"][name]["missing"] == []
+        assert set(result["measured"][name]["metrics"]) == {"loss", "samples", "accuracy"}
+
+
+# (script, the check that names its class, the cause class it must be given): the bugs whose variants' process is not
+# what the check sees (a generator made without a seed draws other numbers in one process too); those of a process
+# start (a set's order, the generators before seeding) and of a SIGKILL are test_verify.py's, run as processes
+SEEDED_HERE = [
+    ("divided_loss.py", "accumulation", "loss scaled by the accumulation count"),
+    ("unseeded_noise.py", "determinism", "data order / unseeded RNG"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,check,cause", SEEDED_HERE, ids=[s[0] for s in SEEDED_HERE])
+def test_a_seeded_bug_is_flagged_by_its_check_and_its_twin_passes(tmp_path, ranks, capsys, script, check, cause):
+    """The bug and its twin (--fixed true), each variant in this process: 2 runs of 1 step each (accumulation), 2 of
+    6 steps each (determinism)."""
+    code, certificate = verify_here(ranks, tmp_path / "bug", BUGS / script, check)
+    result = certificate["checks"][check]
+    assert (code, certificate["passed"], result["status"]) == (1, False, "failed")
+    assert result["cause"] == cause and "What to change" in result["diagnosis"]
+    measured = result["measured"]
+    if check == "accumulation":  # the gradient of k accumulated micro-batches is 1/k of one batch's
+        assert measured["grad_norm"][0] == pytest.approx(measured["grad_norm"][1] / 2, rel=1e-4)
+        assert measured["loss_relative"] > 0.4
+    else:  # the largest difference over the compared steps: one step of other data can move the loss by little
+        assert measured["first_loss_difference"] and measured["tensors_differing"] > 0
+        assert measured["largest_loss_relative"] > 1e-3
+    assert f"{check} failed ({cause})" in capsys.readouterr().out
+    code, certificate = verify_here(ranks, tmp_path / "twin", BUGS / script, check, "--fixed", "true")
+    assert (code, certificate["passed"], certificate["checks"][check]["status"]) == (0, True, "passed")
+    assert certificate["variants"] and all(attempt["command"][1] == str(BUGS / script) for variant in
+                                           certificate["variants"].values() for attempt in variant["attempts"])
+
+def fabricated(runs_written: dict):
+    """A runner for checks.Runs that writes what each named variant's run directory holds (no run): metrics.jsonl
+    from "losses", all_results.json from "results", config.yaml from "config", the last checkpoint's train state
+    from "precision" and "state", more checkpoints at the steps "checkpoints"; the keyword flags each variant was
+    given are kept in `runs_written["asked"]`."""
+    def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
+        plan, out = runs_written[name], verify.output_dir / name
+        runs_written.setdefault("asked", {})[name] = {**more, "env": env, "processes": processes}
+        checkpoint = out / "checkpoints" / f"step-{more.get('max_steps', verify.steps):08d}"
+        checkpoint.mkdir(parents=True)
+        for step in plan.get("checkpoints", []):
+            (out / "checkpoints" / f"step-{step:08d}").mkdir()
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": loss}) + "\n"
+                                                   for step, loss in enumerate(plan.get("losses", []), 1)))
+        (out / "all_results.json").write_text(json.dumps(plan.get("results", {})))
+        (out / "config.yaml").write_text(json.dumps(plan.get("config", {})))  # JSON is YAML
+        (checkpoint / "train_state.json").write_text(json.dumps({"precision": plan.get("precision", "fp32"),
+                                                                      **plan.get("state", {})}))
+        attempt = {"status": {"exit": 0}, "log": None}
+        return Variant(name, [], out, env or {}, processes, returncode=0, attempts=[attempt])
+    return runner
+
+
+def check_on(tmp_path, check, planned: dict, *flags):
+    verify = parse_args(["--checks", check.__name__, "--output_dir", str(tmp_path), *flags, "--",
+                         str(EVAL_BUGS)])
+    return check(Runs(verify, None, fabricated(planned))), planned.get("asked", {})
+
+
+def test_evaluation_statuses_and_what_each_variant_is_asked(tmp_path):
+    """Run directories written here: no eval metric is not applicable; the evaluation-only variants resume the
+    reference's last checkpoint, one at half the evaluation batch with the second evaluation asked, one on 2
+    processes at half the training batch; an odd training batch leaves the world-size comparison out, said."""
+    config = {"per_device_eval_batch_size": 8, "per_device_train_batch_size": 4}
+    result, asked = check_on(tmp_path / "none", evaluation, {"reference": {"results": {"train_loss": 0.5},
+                                                                           "config": config}})
+    assert result.status == "not applicable" and "no evaluation set" in result.measured["reason"]
+    assert list(asked) == ["reference"]  # nothing more ran
+    same = {"eval_loss": 0.5, "eval_accuracy": 0.75, "eval_samples": 6.0}
+    planned = {"reference": {"results": same, "config": config},
+               "evaluation": {"results": {**same, **{"eval_again_" + k[5:]: v for k, v in same.items()}}},
+               "evaluation-two": {"results": {**same, "eval_accuracy": 0.5}}}
+    result, asked = check_on(tmp_path / "gather", evaluation, planned)
+    checkpoint = (tmp_path / "gather" / "reference" / "checkpoints" / "step-00000006").resolve()
+    assert asked["evaluation"] == {"per_device_eval_batch_size": 3, "resume_from_checkpoint": checkpoint,  # 6 // 2
+                                   "max_steps": 6, "env": {"ACCEL_TRAIN_EVAL_AGAIN": "1"}, "processes": 1}
+    assert asked["evaluation-two"] == {"per_device_train_batch_size": 2, "resume_from_checkpoint": checkpoint,
+                                       "max_steps": 6, "env": None, "processes": 2}
+    assert (result.status, result.cause) == ("failed", EVALUATION_GATHER)
+    assert result.measured["world_size"]["differing"] == ["accuracy"] and result.measured["world_size"]["relative"] \
+        == pytest.approx(1 / 3)
+    assert "accuracy 0.75 against 0.5" in result.diagnosis and "gather_for_metrics" in result.diagnosis
+    planned["reference"]["config"] = {**config, "per_device_train_batch_size": 5}
+    planned["asked"] = {}
+    result, asked = check_on(tmp_path / "odd", evaluation, planned)
+    assert result.status == "passed" and "evaluation-two" not in asked
+    assert result.measured["not_compared"] == ["world size: the per-device training batch (5) cannot be halved, and "
+                                               "resuming the checkpoint on 2 processes needs its global batch"]
+    # --load_best_model_at_end: the final evaluation was of the best checkpoint's weights, restored at the end
+    planned["reference"].update(config={**config, "load_best_model_at_end": True}, checkpoints=[3],
+                                state={"best_checkpoint": "step-00000003"})
+    planned["asked"] = {}
+    result, asked = check_on(tmp_path / "best", evaluation, planned)
+    best = (tmp_path / "best" / "reference" / "checkpoints" / "step-00000003").resolve()
+    assert (asked["evaluation"]["resume_from_checkpoint"], asked["evaluation"]["max_steps"]) == (best, 3)
+    assert result.measured["weights_of_step"] == 3
+
+
+def test_the_evaluation_paragraph_names_the_comparison_that_isolates_the_fewest_causes():
+    agree = compare_metrics({"loss": 0.5}, {"loss": 0.5})
+    apart = compare_metrics({"loss": 0.5, "accuracy": 0.5}, {"loss": 0.6, "accuracy": 0.5})
+    assert (agree["differing"], apart["differing"], apart["relative"]) == ([], ["loss"], pytest.approx(1 / 6))
+    assert compare_metrics({"loss": float("nan")}, {"loss": float("nan")})["differing"] == ["loss"]
+    measured = {"eval_batch_size": [8, 4], "again": apart, "batch_size": apart, "world_size": apart}
+    assert evaluation_cause(measured)[0] == EVALUATION_RANDOM and "training=self.training" in \
+        evaluation_cause(measured)[1]
+    cause, said = evaluation_cause({**measured, "again": agree})
+    assert cause == EVALUATION_BATCH and "evaluation batch sizes 8 and 4: loss 0.5 against 0.6" in said
+    assert "attention_mask" in said
+    assert evaluation_cause({**measured, "again": agree, "batch_size": agree})[0] == EVALUATION_GATHER
+
+
+def test_precision_statuses(tmp_path):
+    """Run directories written here: an fp32 reference against a bf16 variant of 3 steps, passed within the bound and
+    failed past it or on a non-finite loss; a bf16 reference (--mixed_precision auto on a CPU with bf16) against fp32;
+    a script that trains in its own precision whatever the flag: not applicable."""
+    reference = {"losses": [0.7, 0.69, 0.68, 0.67, 0.66, 0.65]}
+    result, asked = check_on(tmp_path / "pass", precision, {"reference": reference, "precision": {
+        "losses": [0.7005, 0.6895, 0.681], "precision": "bf16 autocast on cpu"}})
+    assert asked["precision"] == {"mixed_precision": "bf16", "max_steps": 3, "env": None, "processes": 1}
+    assert (result.status, result.measured["precision"], result.measured["steps_compared"]) == (
+        "passed", ["fp32", "bf16 autocast on cpu"], 3)
+    assert result.measured["loss_relative"] == pytest.approx(0.001 / 0.681, rel=1e-6)
+    assert result.measured["loss_relative"] < PRECISION_RTOL
+    result, _ = check_on(tmp_path / "far", precision, {"reference": reference, "precision": {
+        "losses": [0.7, 0.7, 0.9], "precision": "bf16 autocast on cpu"}})
+    assert (result.status, result.cause) == ("failed", "loss sensitive to low precision")
+    assert "At step 3 the run in fp32 logs loss 0.68" in result.diagnosis and "logits.float()" in result.diagnosis
+    result, _ = check_on(tmp_path / "nan", precision, {"reference": reference, "precision": {
+        "losses": [0.7, float("nan"), 0.68], "precision": "bf16 autocast on cpu"}})
+    assert (result.status, result.cause) == ("failed", "non-finite loss in low precision")
+    result, asked = check_on(tmp_path / "low", precision, {"reference": {**reference, "precision": "bf16 autocast on "
+                                                                         "cpu"}, "precision": reference})
+    assert asked["precision"]["mixed_precision"] == "no" and result.measured["precision"] == [
+        "fp32", "bf16 autocast on cpu"] and result.variants == ["precision", "reference"]
+    result, _ = check_on(tmp_path / "forced", precision, {"reference": reference, "precision": reference})
+    assert result.status == "not applicable" and "forces its precision" in result.measured["reason"]
+    assert precision_cause({"precision": ["fp32", "bf16"], "losses_by_step": {1: [1.0, 1.2]},
+                            "relative_by_step": {1: 0.2}}, True)[0] == "loss sensitive to low precision"

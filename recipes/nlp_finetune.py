@@ -43,6 +43,7 @@ from accel_train.tasks.text.classification import (
     load_embedded_tweets,
     load_named_dataset,
     load_text_files,
+    loader_lengths,
     pad_with_eos,
     pick_columns,
     split_off_validation,
@@ -163,12 +164,13 @@ def main(argv=None) -> dict[str, float]:
     collator = (BucketedPadding(tokenizer, buckets) if buckets else
                 DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator)))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
-    train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator,
-                               lengths=lengths if dargs.group_by_length else None,
+    pad_to = dargs.max_seq_length if dargs.pad_to_max_length else None
+    planned = loader_lengths(lengths, cfg, dargs.group_by_length, pad_to, pad_multiple(accelerator), buckets)
+    train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator, lengths=planned,
                                num_processes=accelerator.num_processes)
-    pad = train_padding(lengths, cfg, train_loader.sampler, dargs.group_by_length,
-                        dargs.max_seq_length if dargs.pad_to_max_length else None, buckets)
-    batches = "length-grouped" if dargs.group_by_length else "random"
+    pad = train_padding(lengths, cfg, train_loader, dargs.group_by_length, pad_to, buckets)
+    batches = ("token-budget" if cfg.max_tokens_per_batch else "length-grouped" if dargs.group_by_length
+               else "random")
     bucketed = f", padded to the length buckets {buckets.describe()}" if buckets else ""
     accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches{bucketed})")
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)

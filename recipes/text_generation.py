@@ -157,7 +157,7 @@ def main(argv=None) -> dict[str, float]:
     collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator), buckets)
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
     rows = training_set(train_set, data_args, width, tokenizer.pad_token_id, pad_multiple(accelerator), model,
-                        buckets)  # padded (to length buckets), packed or padding-free
+                        buckets, config.max_tokens_per_batch)  # padded (to buckets), packed, padding-free or a budget
     chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
     trips = round_trip_line({name: split.round_trip for name, split in splits.items() if split.round_trip})
     for line in (rows.summary, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets

@@ -54,6 +54,10 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch size on each process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size on each process."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    max_tokens_per_batch: int = field(default=0, metadata={
+        "help": "Training micro-batches of as many examples as fit in N padded tokens (rows x longest row) instead "
+                "of --per_device_train_batch_size examples (0: off). Needs the examples' lengths (make_loader's "
+                "lengths=); not with a stream or --packing (docs/token_batches.md)."})
     dataloader_num_workers: int | None = field(default=None, metadata={
         "help": "DataLoader worker processes (default: 4 beside a GPU, kept between epochs; 0 on a CPU, where "
                 "workers only take cores from the training step)."})

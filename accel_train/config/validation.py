@@ -28,6 +28,7 @@ def bad(name: str, value: Any, what: str) -> ConfigError:
 def validate(cfg) -> None:
     """Every check of a TrainConfig's values (its __post_init__ calls it): a ConfigError naming the flag."""
     _validate_sizes(cfg)
+    _validate_token_budget(cfg)
     _validate_schedule(cfg)
     _validate_guards(cfg)
     _validate_runtime(cfg)
@@ -46,6 +47,24 @@ def _validate_sizes(cfg) -> None:
         raise bad("eval_steps", cfg.eval_steps, "must be >= 1.")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise bad("num_train_epochs", cfg.num_train_epochs, "must be > 0 (or set --max_steps).")
+
+
+def _validate_token_budget(cfg) -> None:
+    """--max_tokens_per_batch replaces the number of examples per micro-batch: what needs that number is refused."""
+    budget = cfg.max_tokens_per_batch
+    if budget < 0:
+        raise bad("max_tokens_per_batch", budget, "must be a number of tokens >= 1 (0: off).")
+    if not budget:
+        return
+    why = {"auto_find_batch_size": "searches for a number of examples per micro-batch that fits in memory; the token "
+                                   "budget is that bound already",
+           "dataloader_drop_last": "drops an incomplete batch of --per_device_train_batch_size examples; the token "
+                                   "budget's plan trains every example once per epoch",
+           "scale_lr": "scales the learning rate with a fixed global batch of examples; a token budget's batches hold "
+                       "varying numbers of examples"}
+    for name, reason in why.items():
+        if getattr(cfg, name) not in (False, "none"):
+            raise ConfigError(f"--{name} and --max_tokens_per_batch {budget}: --{name} {reason}. Drop one of them.")
 
 
 def _validate_schedule(cfg) -> None:

@@ -319,8 +319,7 @@ def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_trai
         f"  precision        {precision_in_effect(accelerator)}{_auto_note(accelerator, config)}",
         f"  speed            {speed_settings(accelerator, config)}",
         f"  mfu peak         {device_peak(accelerator)[1]}",
-        f"  batch            {config.per_device_train_batch_size} per device x {accelerator.num_processes} processes"
-        f" x {config.gradient_accumulation_steps} accumulation = {plan.global_batch_size} samples per step",
+        f"  batch            {_batch_line(accelerator, config, plan, num_train_samples)}",
         f"  train samples    {num_train_samples if num_train_samples is not None else 'unknown'}",
         f"  steps            {epochs}",
         f"  schedule         {schedule}" if schedule else f"  schedule         {config.lr_scheduler_type}, peak lr "
@@ -361,3 +360,14 @@ def _scaled(config: TrainConfig, plan) -> str:
         return ""
     return (f" (--learning_rate {config.learning_rate:g} x {plan.lr_scale:.4g}: {config.scale_lr} scaling for a global "
             f"batch of {plan.global_batch_size} against {config.scale_lr_reference_batch})")
+
+
+def _batch_line(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None) -> str:
+    """What a step holds: a fixed number of samples, or --max_tokens_per_batch's plan (a mean number of samples)."""
+    shape = f"{accelerator.num_processes} processes x {config.gradient_accumulation_steps} accumulation"
+    if not config.max_tokens_per_batch:
+        return (f"{config.per_device_train_batch_size} per device x {shape} = {plan.global_batch_size} samples per "
+                "step")
+    mean = f"{num_train_samples / plan.steps_per_epoch:.1f}" if num_train_samples and plan.steps_per_epoch else "?"
+    return (f"at most {config.max_tokens_per_batch} padded tokens per micro-batch (--max_tokens_per_batch; "
+            f"--per_device_train_batch_size is not used) x {shape} = {mean} samples per step on average")

@@ -18,6 +18,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
+from ..errors import ConfigError
+from .seeding import seeded_generator
+from .token_batches import FLAG as TOKEN_FLAG
+from .token_batches import TokenBudgetBatchSampler
 
 # A packed batch (several sequences per row, told apart by position ids restarting at 0, no attention mask) carries
 # its count of non-padding tokens under this key: nothing else in it says where the row-end padding is.
@@ -45,13 +49,6 @@ def take_examples(batch, rows: int) -> int:
     if isinstance(batch, Mapping) and EXAMPLES in batch:
         return int(batch.pop(EXAMPLES))
     return rows
-
-
-def seeded_generator(seed: int, counter: int) -> torch.Generator:
-    """A CPU generator that is a function of (seed, counter) alone: the epoch's data order, a step's draws. The
-    one derivation the package uses, so that every process and a resumed run draw the same numbers; the large
-    prime keeps (seed, epoch) and (seed + 1, epoch - k) apart for any run length."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + counter)
 
 
 def seed_worker(worker_id: int, rank: int = 0) -> None:
@@ -191,28 +188,58 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader set up as the config says: batch size, shuffling (train), workers, pinned memory.
 
-    Pass `lengths` (one per sample) to group similar lengths into batches. Workers are seeded per process
-    (`process_index`, default: Accelerate's for this process). An iterable dataset (a stream) is read in its
+    Pass `lengths` (one per sample) to group similar lengths into batches; with --max_tokens_per_batch the training
+    batches hold as many examples as fit in that many padded tokens (core/token_batches.py). Workers are seeded per
+    process (`process_index`, default: Accelerate's for this process). An iterable dataset (a stream) is read in its
     own order: shuffle it yourself (a `datasets.IterableDataset`: `.shuffle(seed=..., buffer_size=...)`).
     """
+    if train and config.max_tokens_per_batch:  # batches of a token budget, not of a number of examples
+        return _loader(dataset, config, collate_fn, process_index,
+                       batch_sampler=token_budget_sampler(dataset, config, lengths, num_processes))
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
     if train and lengths is not None:
         seed = config.data_seed if config.data_seed is not None else config.seed
         sampler = LengthGroupedSampler(lengths, batch_size * num_processes, seed)
+    return _loader(dataset, config, collate_fn, process_index, batch_size=batch_size,
+                   shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
+                   sampler=sampler, drop_last=train and config.dataloader_drop_last)
+
+
+def _loader(dataset, config: TrainConfig, collate_fn, process_index: int | None, **batching) -> DataLoader:
+    """A DataLoader batched as `batching` says, with the config's workers and pinned memory."""
     workers, persistent = loader_workers(config)
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
-        sampler=sampler,
         collate_fn=collate_fn,
-        drop_last=train and config.dataloader_drop_last,
         num_workers=workers,
         pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
         persistent_workers=persistent and workers > 0,
         worker_init_fn=functools.partial(seed_worker, rank=_rank(process_index)) if workers > 0 else None,
+        **batching,
     )
+
+
+def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | None,
+                         num_processes: int) -> TokenBudgetBatchSampler:
+    """--max_tokens_per_batch's batch sampler over `lengths`; refused for a stream and for a loader without lengths."""
+    budget = f"{TOKEN_FLAG} {config.max_tokens_per_batch}"
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(f"{budget}: the training set is a stream (an iterable dataset), whose examples' lengths are "
+                          "not known ahead, and the plan of batches is made from them before training. Drop "
+                          f"{TOKEN_FLAG} (batches of --per_device_train_batch_size examples), or load the data as a "
+                          "map-style dataset.")
+    if lengths is None:
+        raise ConfigError(f"{budget}: the training loader was built without the examples' lengths "
+                          "(make_loader(..., lengths=None)), and the batches are planned from them. Pass lengths= (a "
+                          "recipe: drop --no_group_by_length); a packed training set (--packing) fills rows to a "
+                          f"token budget already: drop {TOKEN_FLAG} or --packing.")
+    if len(lengths) != len(dataset):
+        raise ConfigError(f"{budget}: {len(lengths)} lengths for a training set of {len(dataset)} examples: pass one "
+                          "length per example.")
+    seed = config.data_seed if config.data_seed is not None else config.seed
+    # every process plans for the world it runs in (a plan for fewer would leave Accelerate to repeat batches)
+    return TokenBudgetBatchSampler(lengths, config.max_tokens_per_batch, max(num_processes, _world()), seed)
 
 
 @dataclass
@@ -273,3 +300,9 @@ def _rank(process_index: int | None) -> int:
     from accelerate import PartialState
 
     return PartialState().process_index
+
+
+def _world() -> int:
+    from accelerate import PartialState
+
+    return PartialState().num_processes

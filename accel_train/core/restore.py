@@ -20,6 +20,7 @@ from .hooks import hook_keys, saved_hook_state
 from .optim import apply_hyperparameters, run_hyperparameters
 from .state import TrainState
 from .stream import rereading_notes
+from .token_batches import check_token_plan
 
 
 @dataclass
@@ -46,6 +47,7 @@ def resume(session) -> Resumed:
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
             f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
             "position would not line up: keep the same global batch when resuming.")
+    check_token_plan(state, config.max_tokens_per_batch, acc.num_processes, path)  # the same plan of batches
     unit = config.per_device_train_batch_size * acc.num_processes  # dataset items per micro-batch, all processes
     state.batch_in_epoch = position_in_epoch(state, unit, path)
     state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)

@@ -180,6 +180,7 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size,
+                               max_tokens_per_batch=self.config.max_tokens_per_batch,
                                precision=precision_in_effect(acc))
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)

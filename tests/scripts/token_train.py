@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
-from accel_train import TrainConfig, build_accelerator, default_loss, parse_config, run_cli, train
+from accel_train import TrainConfig, build_accelerator, default_loss, make_loader, parse_config, run_cli, train
 
 VOCAB = 32
 LONGEST = 40  # sequences() makes 3 to 40 tokens
@@ -155,11 +155,17 @@ def main(argv=None):
     rows = sequences(args.num_sequences, 0, args.sort_by_length)
     size = config.per_device_train_batch_size * accelerator.num_processes
     spiked = sum(map(sum, rows[args.spike_batch * size:(args.spike_batch + 1) * size])) if args.spike_batch >= 0 else -1
+    if config.max_tokens_per_batch:  # --max_tokens_per_batch: the plan's batches over the sequences' lengths
+        train_loader = make_loader(Sequences(rows), config, train=True, lengths=list(map(len, rows)),
+                                   collate_fn=collate(args.mask_all), num_processes=accelerator.num_processes)
+        plan = train_loader.batch_sampler.epoch_batches(0)  # spike_batch: this micro-batch of epoch 0's plan
+        spiked = sum(sum(rows[i]) for i in plan[args.spike_batch]) if args.spike_batch >= 0 else -1
     if args.without_batch >= 0:
         rows = rows[:args.without_batch * size] + rows[(args.without_batch + 1) * size:]
     collator = bucketed(args.length_buckets) if args.length_buckets else collate(args.mask_all)
-    train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
-                              collate_fn=collator)
+    if not config.max_tokens_per_batch:
+        train_loader = DataLoader(Sequences(rows), batch_size=config.per_device_train_batch_size, shuffle=False,
+                                  collate_fn=collator)
     if args.pack_width or args.padding_free:
         train_loader = packed_loader(rows, args, config.per_device_train_batch_size)
     eval_loader = DataLoader(Sequences(sequences(args.eval_sequences, 1)),

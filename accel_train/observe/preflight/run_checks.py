@@ -53,6 +53,9 @@ def check_world_size(f) -> list[Finding]:
 def check_batch(f) -> list[Finding]:
     cfg, plan, n = f.config, f.plan, f.accelerator.num_processes
     gas, per_device = cfg.gradient_accumulation_steps, loader_batch(f.train_loader)
+    if cfg.max_tokens_per_batch:  # the plan's micro-batches hold varying numbers of examples (core/token_batches.py)
+        return [Finding("global_batch", "ok", f"micro-batches of at most {cfg.max_tokens_per_batch} padded tokens "
+                        f"(--max_tokens_per_batch) x {n} process(es) x {gas} accumulation.")]
     formula = f"{cfg.per_device_train_batch_size} per device x {n} process(es) x {gas} accumulation"
     if per_device is not None and per_device != cfg.per_device_train_batch_size:
         return [Finding("global_batch", "error", f"the training loader yields micro-batches of {per_device} "
@@ -99,7 +102,7 @@ def _order(sampler) -> str:
         return "shuffled" if sampler.shuffle else "sequential"
     if isinstance(sampler, SequentialSampler):
         return "sequential"
-    if type(sampler).__name__ == "LengthGroupedSampler":
+    if type(sampler).__name__ in ("LengthGroupedSampler", "TokenBudgetOrder"):  # seeded by (seed, epoch)
         return "shuffled"
     return "unknown"
 

@@ -16,7 +16,7 @@ from ....core.data import make_loader
 from ....core.evaluation import gather_outputs
 from ....rundir.layout import TEST_PREDICTIONS
 from ...metrics import load_metric
-from ..buckets import LengthBuckets
+from ..buckets import LengthBuckets, round_up
 from .data import Labels, padding_ratio
 
 
@@ -44,13 +44,27 @@ def classification_metrics(labels: Labels):
     return classification
 
 
-def train_padding(lengths: Sequence[int], config: TrainConfig, sampler: Any, group_by_length: bool,
+def loader_lengths(lengths: Sequence[int], config: TrainConfig, group_by_length: bool, pad_to: int | None,
+                   multiple: int | None, buckets: LengthBuckets | None = None) -> list[int] | None:
+    """The lengths make_loader plans the training batches with: the widths the collator pads each example to with
+    --max_tokens_per_batch (`pad_to` a static width, a length bucket's, a multiple's: the budget bounds what is
+    padded); the real lengths when length-grouped; else None."""
+    if config.max_tokens_per_batch:
+        return [pad_to or (buckets.width(n) if buckets else round_up(n, multiple)) for n in lengths]
+    return list(lengths) if group_by_length else None
+
+
+def train_padding(lengths: Sequence[int], config: TrainConfig, loader: Any, group_by_length: bool,
                   pad_to: int | None, buckets: LengthBuckets | None = None) -> float:
     """Share of pad tokens in epoch 0's training batches: `pad_to` (static shapes) pads every row to that length;
-    otherwise each batch pads to its longest (to its length bucket with `buckets`), in the sampler's order when
-    length-grouped (its own seeded generator), in a seeded random order when not."""
+    with --max_tokens_per_batch, the plan's batches; otherwise each batch pads to its longest (to its length bucket
+    with `buckets`), in the sampler's order when length-grouped (its own seeded generator), in a seeded random order
+    when not."""
     if pad_to:
         return 1 - sum(lengths) / (len(lengths) * pad_to)
+    if config.max_tokens_per_batch:
+        return loader.batch_sampler.padding_share(lengths)
+    sampler = loader.sampler
     order = (list(sampler) if group_by_length
              else torch.randperm(len(lengths), generator=torch.Generator().manual_seed(config.seed)).tolist())
     return padding_ratio(lengths, order, config.per_device_train_batch_size, buckets.width if buckets else None)

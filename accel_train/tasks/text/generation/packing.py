@@ -35,7 +35,7 @@ import torch
 from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
 from ....errors import ConfigError, DataError
-from ..buckets import LengthBuckets
+from ..buckets import LengthBuckets, round_up
 from .tokens import TrainCollator, pad
 
 ISOLATION_TOLERANCE = 1e-4  # fp32 logits of one example, packed beside another vs alone (measured: ~1e-6)
@@ -172,10 +172,16 @@ class TrainingSet:
 
 
 def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int, multiple: int | None,
-                 model, buckets: LengthBuckets | None = None) -> TrainingSet:
+                 model, buckets: LengthBuckets | None = None, max_tokens: int = 0) -> TrainingSet:
     """Padded batches (to their length bucket with `buckets`), packed rows of `width` tokens (`args.packing`) or
     padding-free rows (`args.padding_free`) of `examples`; packing is refused where `model` does not keep packed
-    examples apart."""
+    examples apart. With `max_tokens` (--max_tokens_per_batch) the lengths are the widths the collator pads each
+    example to, which the loader's plan bounds."""
+    if max_tokens:
+        refuse_token_budget(args, model, max_tokens)
+        widths = [buckets.width(len(i)) if buckets else round_up(len(i), multiple) for i in examples["input_ids"]]
+        return TrainingSet(examples, TrainCollator(pad_token_id, multiple, buckets), widths,
+                           f"token budget: batches of at most {max_tokens} padded tokens (rows x longest row)")
     lengths = [len(i) + len(lab) for i, lab in zip(examples["input_ids"], examples["labels"], strict=True)]
     vocab_size = model.get_input_embeddings().num_embeddings
     if args.packing:
@@ -201,3 +207,20 @@ def check_packing_flags(args, seq2seq: bool) -> None:
     if flag and seq2seq:
         raise ConfigError(f"{flag} is for causal LMs; this model is an encoder-decoder (its encoder and decoder "
                           f"inputs are separate sequences). Drop {flag}, or train a causal LM.")
+
+
+def refuse_token_budget(args, model, max_tokens: int) -> None:
+    """--max_tokens_per_batch plans batches of rows x longest row: what batches otherwise is refused, with why."""
+    budget = f"--max_tokens_per_batch {max_tokens}"
+    if args.packing:
+        raise ConfigError(f"{budget} and --packing: packing fills rows of --max_seq_length tokens already (a token "
+                          "budget of rows x --max_seq_length per micro-batch). Give one of them: --packing with "
+                          f"--per_device_train_batch_size rows, or {budget} without --packing.")
+    if args.padding_free:
+        raise ConfigError(f"{budget} and --padding_free: a padding-free micro-batch is one row of its examples, "
+                          "whose tokens are the sum of their lengths, not the rows x longest row the plan bounds. "
+                          f"Give one of them.")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError(f"{budget}: this model is an encoder-decoder, whose source and target are padded apart "
+                          "(rows x longest source + rows x longest target), which the plan's rows x longest row does "
+                          "not bound. Train a causal LM, or use --per_device_train_batch_size.")

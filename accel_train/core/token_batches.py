@@ -1,0 +1,147 @@
+"""Token-budget batches (--max_tokens_per_batch N): each training micro-batch holds as many examples as fit in N
+padded tokens, instead of a fixed number of examples.
+
+What counts: a batch of `rows` examples whose longest has `longest` tokens costs rows x longest tokens — what dynamic
+padding makes it, so the activations' memory is bounded by N whatever the lengths (fairseq's --max-tokens and the
+Trainer-style token batching count the same). Counting real tokens instead (the sum of lengths) would let one long
+example and many short ones pad to a batch far over N.
+
+The plan (fairseq's `batch_by_size`): the examples sorted longest first (ties in a seeded random order), cut greedily
+into batches that fit the budget, fixed for the run; each epoch shuffles only the order of the batches, seeded by
+(seed, epoch), so the number of micro-batches — and so the steps per epoch the schedule is built for — is the same in
+every epoch and a resumed run replays the order exactly.
+
+Several processes: Accelerate deals a batch sampler's batches round-robin (batch i to process i mod P) and would
+repeat batches from the start to even out a count that is not a multiple of P. The plan therefore has a multiple of P
+batches (the batches with the most rows are halved until it has) and deals them in rounds of P batches of similar
+token counts, each round's batches in a seeded order: every process runs the same number of micro-batches (no rank
+waits for a step the others never take), every example is trained once per epoch, and the ranks' token counts match
+round by round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from ..errors import CheckpointError, ConfigError
+from .seeding import seeded_generator
+
+FLAG = "--max_tokens_per_batch"
+
+
+def padded_tokens(lengths: Sequence[int], batch: Sequence[int]) -> int:
+    """What a batch costs in the budget: its rows x its longest row."""
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0) -> list[list[int]]:
+    """The run's batches (lists of example indices), in rounds of `num_processes` batches of similar token counts
+    (rounds in the longest-first order): every batch costs at most `max_tokens` padded tokens; every example is in
+    exactly one batch. Refused when an example alone is longer than the budget, or when the examples cannot be dealt
+    to the processes evenly."""
+    if not lengths:
+        raise ConfigError(f"{FLAG} {max_tokens}: the training set is empty.")
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    if lengths[longest] > max_tokens:
+        raise ConfigError(f"{FLAG} {max_tokens}: training example {longest} has {lengths[longest]} tokens, more than "
+                          f"a whole batch may hold. Raise {FLAG} to at least {lengths[longest]}, or truncate the "
+                          "examples (--max_seq_length).")
+    ties = torch.randperm(len(lengths), generator=seeded_generator(seed, -1)).tolist()  # -1: no epoch's order
+    order = sorted(ties, key=lambda i: -lengths[i])  # stable: equal lengths stay in the seeded random order
+    batches: list[list[int]] = []
+    for index in order:  # longest first: a batch's first example is its longest
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    batches = _even_out(batches, num_processes, max_tokens)
+    real = [sum(lengths[i] for i in batch) for batch in batches]
+    ranked = sorted(range(len(batches)), key=lambda b: (-real[b], b))  # rounds of batches of similar token counts
+    return [batches[b] for b in ranked]
+
+
+def _even_out(batches: list[list[int]], num_processes: int, max_tokens: int) -> list[list[int]]:
+    """Halve the batches with the most rows until their count is a multiple of `num_processes` (halves fit the
+    budget too): Accelerate would otherwise repeat examples to give every process as many batches."""
+    while len(batches) % num_processes:
+        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
+        batch = batches[largest]
+        if len(batch) < 2:
+            raise ConfigError(f"{FLAG} {max_tokens}: every batch holds a single example and the {len(batches)} "
+                              f"examples cannot be dealt evenly to {num_processes} processes. Raise {FLAG}, or "
+                              "train on a number of examples divisible by the number of processes.")
+        batches[largest:largest + 1] = [batch[:len(batch) // 2], batch[len(batch) // 2:]]
+    return batches
+
+
+def check_token_plan(state, max_tokens: int, num_processes: int, path) -> None:
+    """A checkpoint's data position counts micro-batches of its run's plan: resuming it needs the same plan (the same
+    budget, and as many processes: the plan is dealt in rounds of one batch per process)."""
+    then = state.max_tokens_per_batch
+    if then == max_tokens and (not max_tokens or state.world_size in (0, num_processes)):
+        return
+    if then != max_tokens:
+        raise CheckpointError(f"{path} was trained with {_batching(then)}, this run asks for {_batching(max_tokens)}: "
+                              "its data "
+                              "position counts the micro-batches of its own plan. Resume with the flags it was "
+                              "trained with, or start a new run.")
+    raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {max_tokens}, this run "
+                          f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, so "
+                          f"its data position does not carry over. Resume on {state.world_size} process(es).")
+
+
+def _batching(max_tokens: int) -> str:
+    return f"{FLAG} {max_tokens}" if max_tokens else f"batches of --per_device_train_batch_size (no {FLAG})"
+
+
+class TokenBudgetOrder:
+    """The epoch a TokenBudgetBatchSampler shuffles for: Accelerate's prepared loader tells its batch sampler's
+    `sampler` the epoch (`set_epoch`), through the sharding wrapper it puts around the batch sampler."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Batches of at most `max_tokens` padded tokens (rows x longest row) over examples of `lengths` tokens:
+    `DataLoader(dataset, batch_sampler=TokenBudgetBatchSampler(lengths, 4096, num_processes, seed))`, or
+    make_loader with --max_tokens_per_batch. The same plan on every process; each epoch the rounds (one batch per
+    process) come in an order drawn from (seed, epoch). No `batch_size`: Accelerate then takes the batches as they
+    are (no evening out by size)."""
+
+    def __init__(self, lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0):
+        self.lengths = list(lengths)
+        self.max_tokens, self.num_processes, self.seed = max_tokens, num_processes, seed
+        self.batches = plan_batches(self.lengths, max_tokens, num_processes, seed)
+        self.sampler = TokenBudgetOrder()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The batches of `epoch` in the order they are dealt (batch i to process i mod P)."""
+        generator = seeded_generator(self.seed, epoch)
+        p = self.num_processes
+        rounds = [self.batches[r:r + p] for r in range(0, len(self.batches), p)]
+        dealt = []
+        for r in torch.randperm(len(rounds), generator=generator).tolist():
+            dealt.extend(rounds[r][k] for k in torch.randperm(p, generator=generator).tolist())
+        return dealt
+
+    def __iter__(self):
+        return iter(self.epoch_batches(self.sampler.epoch))
+
+    def padding_share(self, real: Sequence[int] | None = None) -> float:
+        """The share of pad tokens in the plan's batches (the same in every epoch): of `real` tokens per example when
+        the lengths planned with are the widths the collator pads to (a pad multiple, length buckets)."""
+        padded = sum(padded_tokens(self.lengths, batch) for batch in self.batches)
+        return 1 - sum(self.lengths if real is None else real) / padded

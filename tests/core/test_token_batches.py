@@ -1,0 +1,223 @@
+"""--max_tokens_per_batch (accel_train/core/token_batches.py): training micro-batches of as many examples as fit in N
+padded tokens (rows x longest row). The plan holds the budget and every example once, is dealt by Accelerate evenly
+to 2 processes, is a function of the seed; a step over micro-batches of different sizes is the token-mean gradient of
+its examples (the per-token loss contract) on 1 process and on 2; the schedule is built for the plan's steps; a run
+cut mid-epoch resumes bitwise (with accumulation, bf16 and a weight average: the matrix's rows, tests/core/
+test_matrix.py); what cannot hold is refused before training. Everything runs in this process (the 2-process case on
+the session's gloo ranks)."""
+
+import json
+import random
+
+import pytest
+import token_train
+from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+from conftest import read_jsonl, reset_accelerate, step_gradient, token_gradient_error, token_main
+from torch.utils.data import IterableDataset
+
+from accel_train import TrainConfig, make_loader
+from accel_train.core.state import TrainState
+from accel_train.core.token_batches import TokenBudgetBatchSampler, check_token_plan, padded_tokens, plan_batches
+from accel_train.errors import CheckpointError, ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ONE_SGD_STEP = ["--optim", "sgd", "--sgd_momentum", "0", "--learning_rate", "1", "--max_grad_norm", "0",
+                "--max_steps", "1", "--lr_scheduler_type", "constant", "--weight_decay", "0",
+                "--eval_strategy", "no"]  # as tests/core/test_token_loss.py: the step moves by minus the gradient
+RNG = random.Random(0)
+LENGTHS = [RNG.randint(3, 30) if RNG.random() < 0.5 else RNG.randint(31, 128) for _ in range(300)]  # 3 to 128 tokens
+
+
+def run_tokens(out, *args):
+    reset_accelerate()
+    return token_train.main(["--output_dir", str(out), "--save_initial", "true", *args])
+
+
+def test_the_plan_holds_the_budget_and_every_example_once_and_is_a_function_of_the_seed():
+    for budget in (128, 512):
+        for processes in (1, 2, 3):
+            plan = plan_batches(LENGTHS, budget, processes, seed=0)
+            assert all(padded_tokens(LENGTHS, batch) <= budget for batch in plan)
+            assert sorted(i for batch in plan for i in batch) == list(range(len(LENGTHS)))
+            assert len(plan) % processes == 0
+    sampler = TokenBudgetBatchSampler(LENGTHS, 512, 2, seed=0)
+    assert max(map(len, sampler.batches)) >= 512 // 30  # short examples: many to a batch, the point of a budget
+    first, again, second = sampler.epoch_batches(0), sampler.epoch_batches(0), sampler.epoch_batches(1)
+    assert first == again and first != second and sorted(first) == sorted(second) == sorted(sampler.batches)
+    sampler.set_epoch(1)
+    assert list(sampler) == second
+    assert TokenBudgetBatchSampler(LENGTHS, 512, 2, seed=0).batches == sampler.batches  # seeded: the same plan
+    assert TokenBudgetBatchSampler(LENGTHS, 512, 2, seed=1).epoch_batches(0) != first  # another seed, another one
+
+
+def test_accelerate_deals_the_plan_evenly_every_example_once_with_comparable_tokens():
+    """Accelerate's own sharding of a batch sampler (what `prepare` wraps it in on 2 processes): the same number of
+    micro-batches on both ranks (else one waits for a step the other never takes), no example repeated to even them
+    out, the ranks' tokens close round by round; a resume's skip (SkipBatchSampler) leaves the rest of the epoch."""
+    assert len(plan_batches(LENGTHS, 200, 1)) % 2 == 1  # 105 batches for 1 process: not dealt evenly as they are
+    for budget in (128, 200, 512):
+        sampler = TokenBudgetBatchSampler(LENGTHS, budget, 2, seed=3)
+        sampler.set_epoch(2)
+        shards = [list(BatchSamplerShard(sampler, 2, rank, split_batches=False, even_batches=True))
+                  for rank in (0, 1)]
+        assert len(shards[0]) == len(shards[1]) == len(sampler) // 2
+        assert sorted(i for shard in shards for batch in shard for i in batch) == list(range(len(LENGTHS)))
+        tokens = [[sum(LENGTHS[i] for i in batch) for batch in shard] for shard in shards]
+        assert abs(sum(tokens[0]) - sum(tokens[1])) < 0.05 * sum(tokens[0])
+        # the batches that run side by side are paired as closely as any pairing can (adjacent in token order)
+        ordered = sorted(tokens[0] + tokens[1])
+        closest = sum(ordered[k + 1] - ordered[k] for k in range(0, len(ordered), 2))
+        assert sum(abs(a - b) for a, b in zip(*tokens, strict=True)) == closest
+        assert list(SkipBatchSampler(BatchSamplerShard(sampler, 2, 1), 3)) == shards[1][3:]
+
+
+def test_refused_where_it_cannot_hold(tmp_path):
+    config = TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=64)
+    with pytest.raises(ConfigError, match="training example 2 has 90 tokens, more than a whole batch may hold. "
+                                          "Raise --max_tokens_per_batch to at least 90"):
+        plan_batches([10, 20, 90, 5], 64)
+    with pytest.raises(ConfigError, match="every batch holds a single example and the 3 examples cannot be dealt "
+                                          "evenly to 2 processes"):
+        plan_batches([40, 50, 60], 64, 2)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([[1, 2]])
+
+    with pytest.raises(ConfigError, match="the training set is a stream"):
+        make_loader(Stream(), config, train=True, lengths=[2])
+    with pytest.raises(ConfigError, match="built without the examples' lengths.*--packing.*fills rows to a token "
+                                          "budget already"):
+        make_loader([[1], [2]], config, train=True)
+    with pytest.raises(ConfigError, match="3 lengths for a training set of 2 examples"):
+        make_loader([[1], [2]], config, train=True, lengths=[1, 1, 1])
+    for flag, value in (("auto_find_batch_size", True), ("dataloader_drop_last", True), ("scale_lr", "linear")):
+        with pytest.raises(ConfigError, match=f"--{flag} and --max_tokens_per_batch 64"):
+            TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=64, **{flag: value})
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch=-1"):
+        TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=-1)
+    assert make_loader([[1], [2]], config, train=False).batch_size == 8  # evaluation: batches of examples still
+    check_token_plan(TrainState(max_tokens_per_batch=64, world_size=2), 64, 2, "ckpt")
+    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64, this run asks for batches of "
+                                              "--per_device_train_batch_size"):
+        check_token_plan(TrainState(max_tokens_per_batch=64, world_size=1), 0, 1, "ckpt")
+    with pytest.raises(CheckpointError, match="trained on 2 process.* this run has 1.*Resume on 2"):
+        check_token_plan(TrainState(max_tokens_per_batch=64, world_size=2), 64, 1, "ckpt")
+
+
+def test_a_checkpoint_resumes_only_with_its_own_plan(tmp_path):
+    """Its data position counts the micro-batches of its plan: resuming it with another budget is refused by name."""
+    common = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--eval_strategy", "no"]
+    run_tokens(tmp_path, *common, "--max_tokens_per_batch", "64", "--stop_at_step", "2")
+    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64, this run asks for "
+                                              "--max_tokens_per_batch 80"):
+        run_tokens(tmp_path, *common, "--max_tokens_per_batch", "80", "--resume_from_checkpoint", "latest")
+
+
+def test_a_step_of_token_budget_batches_is_the_token_mean_gradient(tmp_path):
+    """One SGD step over the 16 sequences' whole plan (7 micro-batches of 1 to 4 sequences, 64 padded tokens at most,
+    accumulated): the token-mean gradient of all 16, as one batch of them."""
+    sizes = {len(batch) for batch in plan_batches(list(map(len, token_train.sequences(16, 0))), 64)}
+    assert len(sizes) > 1
+    run_tokens(tmp_path, *ONE_SGD_STEP, "--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "16")
+    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
+
+
+def test_two_processes_run_as_many_micro_batches_and_give_the_token_mean_gradient(tmp_path, ranks):
+    """2 processes on the session's gloo ranks: the plan's 8 micro-batches dealt 4 and 4 (each rank's tokens close to
+    the other's), one accumulated step: the token-mean gradient of all 16 sequences."""
+    ranks.run(token_main, [*ONE_SGD_STEP, "--save_initial", "true", "--max_tokens_per_batch", "64",
+                           "--gradient_accumulation_steps", "16", "--output_dir", str(tmp_path)])
+    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
+    fed = [json.loads(p.read_text())["fed"] for p in sorted(tmp_path.glob("token_rank[01]_*.json"))]
+    assert len(fed[0]) == len(fed[1]) == 4
+    tokens = [sum(real for _, real in rank) for rank in fed]
+    assert sum(tokens) == sum(map(len, token_train.sequences(16, 0)))
+    assert abs(tokens[0] - tokens[1]) <= 0.1 * sum(tokens)
+
+
+def test_the_schedule_is_built_for_the_plans_steps(tmp_path, capsys):
+    """24 sequences, 64 tokens a micro-batch: 11 micro-batches an epoch (not 24 / 8 = 3), 2 accumulated: 6 steps an
+    epoch, 12 in 2 epochs; the linear schedule's warmup and decay are counted in those: lr 0 at the last step, which
+    ends the second epoch. The start-up report gives the budget and the mean samples per step."""
+    plan = plan_batches(list(map(len, token_train.sequences(24, 0))), 64)
+    assert len(plan) == 11
+    run_tokens(tmp_path, "--max_tokens_per_batch", "64", "--num_sequences", "24", "--gradient_accumulation_steps",
+               "2", "--num_train_epochs", "2", "--warmup_ratio", "0.25", "--learning_rate", "0.01",
+               "--logging_steps", "1", "--eval_strategy", "no")
+    printed = capsys.readouterr().out
+    assert "steps            6 per epoch, 12 in total (2 epoch(s))" in printed
+    assert "at most 64 padded tokens per micro-batch (--max_tokens_per_batch" in printed
+    assert "= 4.0 samples per step on average" in printed
+    logged = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "learning_rate" in r]
+    assert [r["step"] for r in logged] == list(range(1, 13))
+    assert logged[2]["learning_rate"] == pytest.approx(0.01)  # warmup: 3 steps (0.25 x 12)
+    assert logged[-1]["learning_rate"] == 0.0 and logged[-1]["epoch"] == 2.0
+    findings = {f["check"]: f["message"] for f in
+                json.loads((tmp_path / "report" / "preflight.json").read_text())["findings"]}
+    assert findings["train_order"] == "training order: shuffled (TokenBudgetOrder)."
+    assert findings["global_batch"].startswith("micro-batches of at most 64 padded tokens (--max_tokens_per_batch)")
+    record = json.loads(next(tmp_path.glob("token_rank0_*.json")).read_text())
+    assert len(record["fed"]) == 22  # every micro-batch of both epochs, none repeated to fill a window
+
+
+LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--config_overrides",
+         "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
+         "max_position_embeddings=128"]
+
+
+def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_otherwise(tmp_path, tiny_bert,
+                                                                                       capsys):
+    """In this process: recipes/nlp_finetune.py (tiny BERT, rows of 1 to 28 words, budget 96 tokens) trains on the
+    plan, whose steps and padding share are what it reports; recipes/text_generation.py (a tiny Llama) refuses the
+    budget with --packing and with --padding_free, naming why, before training; the classification recipe's lengths
+    are the widths its collator pads to (a pad multiple, a length bucket)."""
+    import text_generation
+    from conftest import FILLER
+    from conftest import nlp_main as run_nlp
+
+    from accel_train.tasks.text.buckets import resolve_buckets
+    from accel_train.tasks.text.classification import loader_lengths
+    from accel_train.tasks.text.generation.demo import date_pairs
+
+    config = TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=96)
+    assert loader_lengths([5, 9, 17], config, False, None, 8) == [8, 16, 24]
+    assert loader_lengths([5, 9, 17], config, True, None, None, resolve_buckets("16,32", 32, None)) == [16, 16, 32]
+    assert loader_lengths([5, 9], config, True, 32, None) == [32, 32]
+    assert loader_lengths([5, 9], TrainConfig(output_dir=str(tmp_path)), False, None, None) is None
+
+    rng = random.Random(5)
+    lines = [f"{i % 2} {' '.join(rng.choices(FILLER, k=rng.randint(1, 28)))}\n" for i in range(64)]
+    (tmp_path / "train.txt").write_text("".join(lines))
+    out = tmp_path / "nlp"
+    run_nlp(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.txt"), "--output_dir",
+             str(out), "--report_to", "none", "--disable_tqdm", "--num_train_epochs", "1", "--max_seq_length", "32",
+             "--save_strategy", "no", "--load_best_model_at_end", "false", "--max_tokens_per_batch", "96",
+             "--eval_strategy", "no", "--no_preflight", "--no_run_report"])
+    printed = capsys.readouterr().out
+    results = json.loads((out / "all_results.json").read_text())
+    steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
+    assert results["train_steps"] == steps and steps < 64
+    assert f"train padding ratio {100 * results['train_padding_ratio']:.1f}% (token-budget batches)" in printed
+
+    d = date_pairs(24, 1)
+    data = tmp_path / "dates.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "summary": s}) + "\n"
+                            for t, s in zip(d["text"], d["summary"], strict=True)))
+    common = ["--train_file", str(data), "--text_column", "text", "--summary_column", "summary", *LLAMA,
+              "--validation_split", "4", "--report_to", "none", "--disable_tqdm", "--no_run_report", "--no_preflight",
+              "--max_generate_samples", "0", "--max_source_length", "24", "--max_target_length", "12",
+              "--max_tokens_per_batch", "256"]
+    for flags, why in ((["--packing", "--max_seq_length", "64"], "packing fills rows of --max_seq_length tokens"),
+                       (["--padding_free"], "a padding-free micro-batch is one row of its examples")):
+        reset_accelerate()
+        with pytest.raises(ConfigError, match=why):
+            text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), *flags])
+    reset_accelerate()  # a causal LM's padded batches: planned from the widths its collator pads input_ids to
+    capsys.readouterr()
+    text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), "--num_train_epochs", "1",
+                          "--save_strategy", "no", "--eval_strategy", "no", "--load_best_model_at_end", "false"])
+    printed = capsys.readouterr().out
+    assert "token budget: batches of at most 256 padded tokens (rows x longest row)" in printed
+    steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
+    assert json.loads((tmp_path / "gen" / "all_results.json").read_text())["train_steps"] == steps < 20

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests launch (toy_train, token_train, sharded_cpu, ...)
-CI = ROOT / ".ci"  # the tools: the DeepSpeed op build (deepspeed_ops) and the import-linter plugin (import_contracts)
+CI = ROOT / ".ci"  # the tools: the import-linter plugin (import_contracts)
 SHARED_DATA = ROOT.parent / "shared" / "data"
 ACCELERATE_CONFIGS = ROOT / "accelerate_configs"  # the launcher presets
 # Recipes, test scripts and tools are scripts, not a package: tests import them by their file names.
@@ -91,6 +91,10 @@ def pytest_terminal_summary(terminalreporter):
     lines += ["", "not marked slow, and started processes (the slow marker says which tests start them):"]
     lines += [f"{count:4d}  {test}" for test, count in sorted(_UNMARKED.items())] or ["  none"]
     DURATIONS.write_text("\n".join(lines) + "\n")
+    # every test's seconds, for ranking what to cut next (the text file keeps only the slowest 20)
+    DURATIONS.with_suffix(".json").write_text(json.dumps(
+        {"tests": dict(sorted(_TIMES.items(), key=lambda kv: -kv[1])),
+         "processes": {m: {"started": s, "forked": f} for m, (s, f) in _STARTS.items()}}, indent=1))
     terminalreporter.write_sep("-", f"where the time went (all of it in {DURATIONS.name})")
     for line in lines[:25]:
         terminalreporter.write_line(line)

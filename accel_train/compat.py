@@ -66,6 +66,9 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance("accelerate", ("1.15", "1.16"), "tests/scripts/sharded_cpu.py (tests only)",
              "PartialState._prepare_backend and set_device, patched so gloo CPU processes take the FSDP / DeepSpeed "
              "paths", "the sharded back-ends' tests on CPU"),
+    Reliance("deepspeed", ("0.19",), "tests/scripts/sharded_cpu.py (tests only)",
+             "deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'], set False so that no CPU collectives op is "
+             "built and the collectives are torch.distributed's, as on GPUs", "the DeepSpeed tests on CPU"),
 )
 
 

@@ -10,7 +10,8 @@ group whose backend is gloo and whose device is the CPU. Everything after that (
 sharded checkpoints, state-dict gathering) is the code a GPU run takes, on CPU tensors.
 
 It patches two private methods of `accelerate.state.PartialState`, so it refuses an Accelerate version it was not
-checked with (accel_train/compat.py lists them): re-check `_prepare_backend` and `set_device` before adding one. It
+checked with (accel_train/compat.py lists them): re-check `_prepare_backend` and `set_device` before adding one. Under
+DeepSpeed it also marks DeepSpeed's CPU shared-memory collectives op unavailable (`without_cpu_collectives_op`). It
 lives under tests/ and is applied only by the test launches; the package never imports it.
 
 After the script returns, the process leaves with os._exit, a second guard beside the pause of
@@ -55,8 +56,22 @@ def apply() -> None:
 
     PartialState._prepare_backend = gloo_as_gpu
     PartialState.set_device = cpu_device
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        without_cpu_collectives_op()
     # accel_train joins GPU-less launches into a MULTI_CPU group unless the launcher said otherwise
     os.environ["ACCELERATE_USE_CPU"] = "false"
+
+
+def without_cpu_collectives_op() -> None:
+    """Send DeepSpeed's collectives through torch.distributed, as on GPUs.
+
+    On a CPU accelerator DeepSpeed routes its collectives through a shared-memory C++ op it compiles at its first start
+    (about 150 s on 2 cores, again for every new virtual environment; a killed build leaves a lock that hangs every
+    later start). A GPU run never loads that op: its collectives are torch.distributed's (NCCL). Marked unavailable,
+    the op is neither built nor used, and the launched processes' collectives are torch.distributed's, over gloo."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 if __name__ == "__main__":

@@ -14,13 +14,17 @@ gradient buckets (DDPOptimizer), so a compile can count more than one graph.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
-
-from torch._dynamo.utils import counters
 
 
 def compiled_graphs() -> int:
-    """The graphs dynamo has compiled in this process so far."""
+    """The graphs dynamo has compiled in this process so far (0 while nothing imported dynamo: importing it takes a
+    second or more, which every run that does not compile would pay at start-up)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 

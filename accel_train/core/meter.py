@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -285,8 +286,9 @@ class FlopCount:
         # A compiled model runs this micro-batch uncompiled: dynamo meeting a dispatch mode (the counter) marks every
         # frame it meets as never to compile again, so --torch_compile would have trained eagerly from here on (the
         # graphs compiled before, in the pre-flight check, were all it ever ran). No-op for a model not compiled.
-        # torch.compiler.set_stance is torch >= 2.6; before it, a compiled model still meets the counter.
-        if hasattr(torch.compiler, "set_stance"):
+        # torch.compiler.set_stance is torch >= 2.6; before it, a compiled model still meets the counter. Nothing is
+        # compiled while dynamo is not imported (torch.compile imports it), and importing it costs every run a second.
+        if hasattr(torch.compiler, "set_stance") and "torch._dynamo" in sys.modules:
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(self._mode)
         return stack

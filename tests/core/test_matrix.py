@@ -63,6 +63,13 @@ FEATURES: dict[str, Feature] = {
     "padding-free": Feature("token", ("--padding_free", "true"), 4, record={"padding_free": True}),
     "chunked CE": Feature("token", ("--loss_chunk_size", "8"), 4, record={"loss_chunk_size": 8}),
     "length buckets": Feature("token", ("--length_buckets", "16,32,40"), 4, record={"length_buckets": "16,32,40"}),
+    # 64 padded tokens a micro-batch: 11 micro-batches of 1 to 6 sequences an epoch (tests/core/test_token_batches.py)
+    "token budget": Feature("token", ("--max_tokens_per_batch", "64"), 4, record={"max_tokens_per_batch": 64}),
+    "token budget + accumulation + bf16 + weight averaging": Feature(
+        "token", ("--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "2", "--mixed_precision", "bf16",
+                  "--ema_decay", "0.9"), 3, sigterm=True,
+        record={"max_tokens_per_batch": 64, "gradient_accumulation_steps": 2, "mixed_precision": "bf16",
+                "ema_decay": 0.9}),
     "stream": Feature("toy", ("--max_steps", "20"), 7, stream=True),
     "stream + 2 workers": Feature("toy", ("--max_steps", "20", "--dataloader_num_workers", "2"), 7, stream=True,
                                   record={"dataloader_num_workers": 2}),
@@ -75,6 +82,8 @@ FEATURES: dict[str, Feature] = {
                         record={"on_spike": "rollback"}),
     "rollback + padding-free": Feature("token", (*ROLLBACK[:6], "--padding_free", "true", "--spike_batch", "4"), 8,
                                        record={"on_spike": "rollback", "padding_free": True}),
+    "rollback + token budget": Feature("token", (*ROLLBACK[:6], "--max_tokens_per_batch", "64", "--spike_batch",
+                                                 "4"), 8, record={"on_spike": "rollback", "max_tokens_per_batch": 64}),
     "spike skip": Feature("toy", ("--spike_window", "3", "--spike_threshold", "10", "--on_spike", "skip",
                                   "--spike_index", "20", "--spike_scale", "1e4"), 7, record={"on_spike": "skip"}),
     "dropout": Feature("toy", ("--dropout", "0.2"), 7, record={"dropout": 0.2}),
@@ -139,6 +148,13 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
     ("rollback + padding-free", "2 processes"): ("n/a", "the spiked micro-batch is found by content on 1 process"),
     ("rollback + padding-free", "model FLOPs"): ("n/a", "padding-free rows: attention FLOPs per token depend on "
                                                         "the row's length"),
+    ("token budget", "2 processes"): ("proven", "tests/core/test_token_batches.py::test_two_processes_run_as_many_"
+                                                "micro_batches_and_give_the_token_mean_gradient (a plan for 2 deals "
+                                                "whole batches, one per rank a round: the same number on each rank, "
+                                                "the step the token mean of the examples of both)"),
+    ("token budget + accumulation + bf16 + weight averaging", "2 processes"): (
+        "n/a", "as for a token budget: the plan deals whole batches, not halves of one process's"),
+    ("rollback + token budget", "2 processes"): ("n/a", "the spiked micro-batch is found by content on 1 process"),
     ("spike skip", "2 processes"): ("proven", "tests/core/test_spike_guard.py::test_the_guard_agrees_across_ranks_"
                                               "and_resumes_with_its_window_bitwise"),
     ("packing", "model FLOPs"): ("n/a", "packed rows are longer sequences: attention FLOPs per token differ"),

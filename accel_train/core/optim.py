@@ -48,7 +48,8 @@ def lr_scale(config: TrainConfig, global_batch_size: int) -> float:
 
 def make_plan(config: TrainConfig, batches_per_epoch: int | None, num_processes: int) -> StepPlan:
     gas = config.gradient_accumulation_steps
-    global_batch = config.per_device_train_batch_size * num_processes * gas
+    # 0 with --max_tokens_per_batch: its steps hold varying numbers of samples (the start-up report gives the mean)
+    global_batch = 0 if config.max_tokens_per_batch else config.per_device_train_batch_size * num_processes * gas
     if batches_per_epoch is None:  # a stream: only --max_steps says how long the run is
         if config.max_steps <= 0:
             raise ConfigError("the training loader has no length (an iterable dataset or a stream): give --max_steps "

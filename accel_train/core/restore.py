@@ -42,12 +42,12 @@ def resume(session) -> Resumed:
     manifest = ckpt.verify_checkpoint(path)
     ckpt.check_compatible(path, manifest, session.shapes)
     state = TrainState(**ckpt.load_train_state(path))
+    check_token_plan(state, config, acc.num_processes, path)  # the same plan of batches, the same steps
     if state.global_batch_size != plan.global_batch_size:
         raise CheckpointError(
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
             f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
             "position would not line up: keep the same global batch when resuming.")
-    check_token_plan(state, config.max_tokens_per_batch, acc.num_processes, path)  # the same plan of batches
     unit = config.per_device_train_batch_size * acc.num_processes  # dataset items per micro-batch, all processes
     state.batch_in_epoch = position_in_epoch(state, unit, path)
     state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)

@@ -61,6 +61,7 @@ from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, end_loader_workers, idle_worker_notes, stateful_loaders
+from .token_batches import token_plan
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size,
-                               max_tokens_per_batch=self.config.max_tokens_per_batch,
+                               token_plan=token_plan(self.config),
                                precision=precision_in_effect(acc))
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)

@@ -18,7 +18,8 @@ class TrainState:
     epoch: int = 0  # epoch in progress (0-based)
     batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per process: the data position
     per_device_batch: int = 0  # the micro-batch size batch_in_epoch counts in (0: a checkpoint from before it was kept)
-    max_tokens_per_batch: int = 0  # --max_tokens_per_batch: its plan of batches is what batch_in_epoch counts in
+    # --max_tokens_per_batch and the accumulation it ran with ([] without): its plan is what batch_in_epoch counts in
+    token_plan: list[int] = field(default_factory=list)
     samples_seen: int = 0  # examples consumed, all processes
     samples_in_epoch: int = 0  # examples consumed in this epoch, all processes (what samples/s counts)
     loss_sum: float = 0.0  # sum over logged intervals of (mean loss x weight), for the run's train_loss

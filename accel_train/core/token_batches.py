@@ -77,24 +77,31 @@ def _even_out(batches: list[list[int]], num_processes: int, max_tokens: int) -> 
     return batches
 
 
-def check_token_plan(state, max_tokens: int, num_processes: int, path) -> None:
-    """A checkpoint's data position counts micro-batches of its run's plan: resuming it needs the same plan (the same
-    budget, and as many processes: the plan is dealt in rounds of one batch per process)."""
-    then = state.max_tokens_per_batch
-    if then == max_tokens and (not max_tokens or state.world_size in (0, num_processes)):
+def token_plan(config) -> list[int]:
+    """What a checkpoint records of the plan its data position counts in: [budget, accumulation], or [] without."""
+    return [config.max_tokens_per_batch, config.gradient_accumulation_steps] if config.max_tokens_per_batch else []
+
+
+def check_token_plan(state, config, num_processes: int, path) -> None:
+    """A checkpoint's data position counts micro-batches of its run's plan, its steps windows of them: resuming it
+    needs the same plan (the same budget, as many processes: the plan is dealt in rounds of one batch per process)
+    and the same accumulation (a fixed batch's global batch is checked as such; a budget's has no fixed size)."""
+    then, now = state.token_plan or [], token_plan(config)
+    if then == now and (not now or state.world_size in (0, num_processes)):
         return
-    if then != max_tokens:
-        raise CheckpointError(f"{path} was trained with {_batching(then)}, this run asks for {_batching(max_tokens)}: "
-                              "its data "
-                              "position counts the micro-batches of its own plan. Resume with the flags it was "
-                              "trained with, or start a new run.")
-    raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {max_tokens}, this run "
+    if then != now:
+        raise CheckpointError(f"{path} was trained with {_batching(then)}, this run asks for {_batching(now)}: its "
+                              "data position counts the micro-batches of its own plan, and its steps windows of "
+                              "them. Resume with the flags it was trained with, or start a new run.")
+    raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {now[0]}, this run "
                           f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, so "
                           f"its data position does not carry over. Resume on {state.world_size} process(es).")
 
 
-def _batching(max_tokens: int) -> str:
-    return f"{FLAG} {max_tokens}" if max_tokens else f"batches of --per_device_train_batch_size (no {FLAG})"
+def _batching(plan: list[int]) -> str:
+    if not plan:
+        return f"batches of --per_device_train_batch_size (no {FLAG})"
+    return f"{FLAG} {plan[0]} and --gradient_accumulation_steps {plan[1]}"
 
 
 class TokenBudgetOrder:

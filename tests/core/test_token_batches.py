@@ -97,20 +97,26 @@ def test_refused_where_it_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match="--max_tokens_per_batch=-1"):
         TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=-1)
     assert make_loader([[1], [2]], config, train=False).batch_size == 8  # evaluation: batches of examples still
-    check_token_plan(TrainState(max_tokens_per_batch=64, world_size=2), 64, 2, "ckpt")
-    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64, this run asks for batches of "
-                                              "--per_device_train_batch_size"):
-        check_token_plan(TrainState(max_tokens_per_batch=64, world_size=1), 0, 1, "ckpt")
+    with pytest.raises(ConfigError, match="--overfit_batches needs a training loader with a batch_size"):
+        run_tokens(tmp_path / "overfit", "--max_tokens_per_batch", "64", "--overfit_batches", "2")
+    budget = TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=64, gradient_accumulation_steps=2)
+    check_token_plan(TrainState(token_plan=[64, 2], world_size=2), budget, 2, "ckpt")
+    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64 and --gradient_accumulation_"
+                                              "steps 2, this run asks for batches of --per_device_train_batch_size"):
+        check_token_plan(TrainState(token_plan=[64, 2], world_size=1), TrainConfig(output_dir=str(tmp_path)), 1, "c")
+    with pytest.raises(CheckpointError, match="this run asks for --max_tokens_per_batch 64 and --gradient_"
+                                              "accumulation_steps 2"):
+        check_token_plan(TrainState(token_plan=[64, 1], world_size=1), budget, 1, "ckpt")
     with pytest.raises(CheckpointError, match="trained on 2 process.* this run has 1.*Resume on 2"):
-        check_token_plan(TrainState(max_tokens_per_batch=64, world_size=2), 64, 1, "ckpt")
+        check_token_plan(TrainState(token_plan=[64, 2], world_size=2), budget, 1, "ckpt")
 
 
 def test_a_checkpoint_resumes_only_with_its_own_plan(tmp_path):
     """Its data position counts the micro-batches of its plan: resuming it with another budget is refused by name."""
     common = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--eval_strategy", "no"]
     run_tokens(tmp_path, *common, "--max_tokens_per_batch", "64", "--stop_at_step", "2")
-    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64, this run asks for "
-                                              "--max_tokens_per_batch 80"):
+    with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64 and --gradient_accumulation_"
+                                              "steps 1, this run asks for --max_tokens_per_batch 80"):
         run_tokens(tmp_path, *common, "--max_tokens_per_batch", "80", "--resume_from_checkpoint", "latest")
 
 
@@ -157,6 +163,8 @@ def test_the_schedule_is_built_for_the_plans_steps(tmp_path, capsys):
                 json.loads((tmp_path / "report" / "preflight.json").read_text())["findings"]}
     assert findings["train_order"] == "training order: shuffled (TokenBudgetOrder)."
     assert findings["global_batch"].startswith("micro-batches of at most 64 padded tokens (--max_tokens_per_batch)")
+    plan = json.loads((tmp_path / "report" / "run_info.json").read_text())["plan"]
+    assert plan["steps_per_epoch"] == 6 and plan["global_batch_size"] == 0  # no fixed samples per step to claim
     record = json.loads(next(tmp_path.glob("token_rank0_*.json")).read_text())
     assert len(record["fed"]) == 22  # every micro-batch of both epochs, none repeated to fill a window
 

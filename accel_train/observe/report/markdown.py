@@ -165,7 +165,7 @@ def _setup(run) -> list[str]:
             ("model", f"{info['model']['class']}: {info['model']['parameters']:,} parameters, "
                       f"{info['model']['trainable']:,} trainable"),
             ("training samples", info.get("num_train_samples")),
-            ("global batch", plan.get("global_batch_size")),
+            ("global batch", plan.get("global_batch_size") or "varies (--max_tokens_per_batch)"),
             ("steps", f"{plan.get('steps_per_epoch')} per epoch, {plan.get('total_steps')} planned, "
                       f"{plan.get('warmup_steps')} warmup"),
             ("started / finished", f"{info.get('started_at')} / {info.get('finished_at', '-')}"),

@@ -142,6 +142,23 @@ def test_two_processes_run_as_many_micro_batches_and_give_the_token_mean_gradien
     assert abs(tokens[0] - tokens[1]) <= 0.1 * sum(tokens)
 
 
+def plan_of_a_loader_built_without_the_world(out: str) -> None:
+    """On each rank: make_loader called without num_processes (a user's loop, after building its Accelerator) plans
+    for the world it runs in, not for 1 process (whose odd count Accelerate would even out by repeating a batch)."""
+    from accel_train import build_accelerator
+
+    config = TrainConfig(output_dir=out, max_tokens_per_batch=64)
+    build_accelerator(config)
+    rows = token_train.sequences(16, 0)
+    loader = make_loader(rows, config, train=True, lengths=list(map(len, rows)))
+    assert (loader.batch_sampler.num_processes, len(loader)) == (2, 8)
+    assert len(plan_batches(list(map(len, rows)), 64, 1)) == 7
+
+
+def test_a_loader_built_without_the_number_of_processes_plans_for_the_world(tmp_path, ranks):
+    ranks.run(plan_of_a_loader_built_without_the_world, str(tmp_path))
+
+
 def test_the_schedule_is_built_for_the_plans_steps(tmp_path, capsys):
     """24 sequences, 64 tokens a micro-batch: 11 micro-batches an epoch (not 24 / 8 = 3), 2 accumulated: 6 steps an
     epoch, 12 in 2 epochs; the linear schedule's warmup and decay are counted in those: lr 0 at the last step, which

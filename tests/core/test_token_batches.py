@@ -211,6 +211,19 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     assert loader_lengths([5, 9], config, True, 32, None) == [32, 32]
     assert loader_lengths([5, 9], TrainConfig(output_dir=str(tmp_path)), False, None, None) is None
 
+    import datasets
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from accel_train.tasks.text.generation import GenerationDataArguments, training_set
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * 5, [1] * 20], "labels": [[1] * 5, [1] * 20]})
+    lm, args = token_train.tiny_lm(), GenerationDataArguments()
+    assert training_set(rows, args, 40, 0, 8, lm, None, 96).lengths == [8, 24]  # to the pad multiple
+    assert training_set(rows, args, 40, 0, None, lm, resolve_buckets("16,40", 40, None), 96).lengths == [16, 40]
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError, match="encoder-decoder, whose source and target are padded apart"):
+        training_set(rows, args, 40, 0, None, t5, None, 96)
+
     rng = random.Random(5)
     lines = [f"{i % 2} {' '.join(rng.choices(FILLER, k=rng.randint(1, 28)))}\n" for i in range(64)]
     (tmp_path / "train.txt").write_text("".join(lines))

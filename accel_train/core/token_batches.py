@@ -6,10 +6,11 @@ padding makes it, so the activations' memory is bounded by N whatever the length
 Trainer-style token batching count the same). Counting real tokens instead (the sum of lengths) would let one long
 example and many short ones pad to a batch far over N.
 
-The plan (fairseq's `batch_by_size`): the examples sorted longest first (ties in a seeded random order), cut greedily
-into batches that fit the budget, fixed for the run; each epoch shuffles only the order of the batches, seeded by
-(seed, epoch), so the number of micro-batches — and so the steps per epoch the schedule is built for — is the same in
-every epoch and a resumed run replays the order exactly.
+The plan (fairseq's `batch_by_size`): the examples sorted longest first, cut greedily into batches that fit the
+budget. Its shape (the rows of each batch and their lengths) depends on the sorted lengths alone, so it is the same in
+every epoch: the number of micro-batches — and so the steps per epoch the schedule is built for — never changes. Each
+epoch draws from (seed, epoch) which examples of equal length go together and the order of the batches, so a resumed
+run replays the epoch exactly.
 
 Several processes: Accelerate deals a batch sampler's batches round-robin (batch i to process i mod P) and would
 repeat batches from the start to even out a count that is not a multiple of P. The plan therefore has a multiple of P
@@ -37,11 +38,20 @@ def padded_tokens(lengths: Sequence[int], batch: Sequence[int]) -> int:
     return len(batch) * max(lengths[i] for i in batch)
 
 
-def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0) -> list[list[int]]:
-    """The run's batches (lists of example indices), in rounds of `num_processes` batches of similar token counts
-    (rounds in the longest-first order): every batch costs at most `max_tokens` padded tokens; every example is in
-    exactly one batch. Refused when an example alone is longer than the budget, or when the examples cannot be dealt
-    to the processes evenly."""
+def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0,
+                 epoch: int = -1) -> list[list[int]]:
+    """The batches (lists of example indices) of `epoch` (-1: the run's plan, before any epoch), in rounds of
+    `num_processes` batches of similar token counts (rounds in the longest-first order): every batch costs at most
+    `max_tokens` padded tokens; every example is in exactly one batch. Refused when an example alone is longer than
+    the budget, or when the examples cannot be dealt to the processes evenly."""
+    return cut_batches(lengths, max_tokens, num_processes, seeded_generator(seed, epoch))
+
+
+def cut_batches(lengths: Sequence[int], max_tokens: int, num_processes: int,
+                generator: torch.Generator) -> list[list[int]]:
+    """plan_batches with the order of equal lengths drawn from `generator`. The batches' shape — how many rows, which
+    lengths — depends on the sorted lengths alone, so every draw gives the same number of batches, each with the same
+    padded and real tokens; only which of the examples of equal length go together changes."""
     if not lengths:
         raise ConfigError(f"{FLAG} {max_tokens}: the training set is empty.")
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
@@ -49,8 +59,8 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1
         raise ConfigError(f"{FLAG} {max_tokens}: training example {longest} has {lengths[longest]} tokens, more than "
                           f"a whole batch may hold. Raise {FLAG} to at least {lengths[longest]}, or truncate the "
                           "examples (--max_seq_length).")
-    ties = torch.randperm(len(lengths), generator=seeded_generator(seed, -1)).tolist()  # -1: no epoch's order
-    order = sorted(ties, key=lambda i: -lengths[i])  # stable: equal lengths stay in the seeded random order
+    ties = torch.randperm(len(lengths), generator=generator).tolist()
+    order = sorted(ties, key=lambda i: -lengths[i])  # stable: equal lengths stay in the drawn order
     batches: list[list[int]] = []
     for index in order:  # longest first: a batch's first example is its longest
         if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
@@ -135,10 +145,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return len(self.batches)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """The batches of `epoch` in the order they are dealt (batch i to process i mod P)."""
+        """The batches of `epoch` in the order they are dealt (batch i to process i mod P): the plan's shape, with
+        examples of equal length grouped anew and the rounds in a new order, both drawn from (seed, epoch)."""
         generator = seeded_generator(self.seed, epoch)
         p = self.num_processes
-        rounds = [self.batches[r:r + p] for r in range(0, len(self.batches), p)]
+        batches = cut_batches(self.lengths, self.max_tokens, p, generator)
+        rounds = [batches[r:r + p] for r in range(0, len(batches), p)]
         dealt = []
         for r in torch.randperm(len(rounds), generator=generator).tolist():
             dealt.extend(rounds[r][k] for k in torch.randperm(p, generator=generator).tolist())

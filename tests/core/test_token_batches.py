@@ -43,7 +43,15 @@ def test_the_plan_holds_the_budget_and_every_example_once_and_is_a_function_of_t
     sampler = TokenBudgetBatchSampler(LENGTHS, 512, 2, seed=0)
     assert max(map(len, sampler.batches)) >= 512 // 30  # short examples: many to a batch, the point of a budget
     first, again, second = sampler.epoch_batches(0), sampler.epoch_batches(0), sampler.epoch_batches(1)
-    assert first == again and first != second and sorted(first) == sorted(second) == sorted(sampler.batches)
+    assert first == again and first != second
+    # every epoch the plan's shape (so as many micro-batches, each of the same lengths), other examples of equal
+    # length together, each example once
+    def shape(batches):
+        return sorted(sorted(LENGTHS[i] for i in batch) for batch in batches)
+
+    assert shape(first) == shape(second) == shape(sampler.batches)
+    assert sorted(map(sorted, first)) != sorted(map(sorted, second))
+    assert sorted(i for batch in second for i in batch) == list(range(len(LENGTHS)))
     sampler.set_epoch(1)
     assert list(sampler) == second
     assert TokenBudgetBatchSampler(LENGTHS, 512, 2, seed=0).batches == sampler.batches  # seeded: the same plan

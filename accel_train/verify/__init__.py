@@ -10,6 +10,8 @@
     accounting.py data accounting: what each process fed (observe/fed_record.py), from the runs above
     evidence.py   what is compared, read from the variants' run directories
     diagnose.py   the paragraph a failed check gets: the likely cause and what to change
+    crashes.py    a variant that failed for a cause its log names (an unused parameter under DDP): a finding of the
+                  check that ran it, not an error that stops verify
 """
 
 from .command import CERTIFICATE, main, parse_args

@@ -75,7 +75,8 @@ def data_accounting(runs: Runs) -> Result:
     for name, check, what in SOURCES:
         variant = runs.done.get(name)
         if variant is None or variant.returncode != 0:
-            why = f"the {check} check did not run it (not applicable)" if check in runs.verify.checks else \
+            why = f"its run failed (see {check})" if variant is not None else \
+                f"the {check} check did not run it (not applicable)" if check in runs.verify.checks else \
                 f"add {check} to --checks"
             measured["not_compared"].append(f"{what}: {why}")
             continue

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import ConfigError
 from ..rundir.layout import CONFIG
 from ..sweep.trial import Interrupts
 from ..testing.faults import VARIABLE as FAULT_VARIABLE
+from .crashes import VariantCrashed, recognised_crash
 from .diagnose import accumulation_cause, determinism_cause, resume_cause
 from .evidence import (
+    batch_norm_layers,
     checkpoint_dir,
     final_weights,
     first_loss_difference,
@@ -53,6 +56,11 @@ class Result:
     def as_dict(self) -> dict:
         return {key: value for key, value in self.__dict__.items() if value is not None}
 
+    @classmethod
+    def of_crash(cls, crash: VariantCrashed) -> Result:
+        """A check failed by a variant that crashed for a recognised cause (crashes.py)."""
+        return cls(FAILED, crash.measured, {"run": "finishes"}, [crash.variant.name], crash.cause, crash.diagnosis)
+
 
 class Runs:
     """The variants run so far, by name: a check reuses those another check ran (the reference run). `runner` runs
@@ -62,12 +70,22 @@ class Runs:
     def __init__(self, verify: Verify, interrupts: Interrupts, runner: Callable[..., Variant] = run_variant):
         self.verify, self.interrupts, self.runner = verify, interrupts, runner
         self.done: dict[str, Variant] = {}
+        self.crashed: dict[str, VariantCrashed] = {}
 
     def finished(self, name: str, script_args: Sequence[str] = (), processes: int = 1,
                  env: dict[str, str] | None = None, **more: object) -> Variant:
+        """The variant `name`, run once to its end. A run that failed for a cause its log names raises
+        VariantCrashed (each time it is asked for: the check that asks fails with it); any other failure, the
+        error require_finished gives."""
+        if name in self.crashed:
+            raise self.crashed[name]
         if name not in self.done:
             self.done[name] = self.runner(self.verify, name, self.interrupts, env=env, script_args=script_args,
                                           processes=processes, **more)
+            crash = recognised_crash(self.done[name])
+            if crash is not None:
+                self.crashed[name] = crash
+                raise crash
             require_finished(self.done[name], self.verify)
         return self.done[name]
 
@@ -155,36 +173,64 @@ def _final_checkpoints(a: Path, b: Path, step: int) -> dict:
 
 
 def accumulation(runs: Runs) -> Result:
-    """k micro-batches of B (accumulated) against one batch of kB: the same first step, within ACCUMULATION_RTOL."""
+    """k micro-batches of B (accumulated) against one batch of kB: the same first step, within ACCUMULATION_RTOL. A
+    script that refuses accumulation (a loss over the whole batch) makes it not applicable; a BatchNorm model differs
+    by design (each micro-batch normalised by its own statistics): a property."""
     verify = runs.verify
     k = verify.accumulation
     own = verify.accumulation_args
-    micro = runs.finished("accumulation-micro", own, max_steps=1, gradient_accumulation_steps=k)
-    config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
-    batch = int(config.get("per_device_train_batch_size", 0))
     tolerance = {"loss": f"relative {ACCUMULATION_RTOL:g}", "grad_norm": f"relative {ACCUMULATION_RTOL:g}",
                  "why": "the same float32 numbers added in another order, over other padded shapes: 8e-8 "
                         "(toy_train) to 4.5e-6 (MiniLM) relative measured; the weights after one step are reported, "
                         "not judged: Adam's first update is about lr * sign(gradient), blind to a gradient's scale"}
+    try:
+        micro = runs.finished("accumulation-micro", own, max_steps=1, gradient_accumulation_steps=k)
+    except ConfigError:
+        said = _refused_accumulation(runs.done.get("accumulation-micro"))
+        if said is None:
+            raise
+        return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
+                      tolerance, ["accumulation-micro"])
+    config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
+    batch = int(config.get("per_device_train_batch_size", 0))
     if config.get("gradient_accumulation_steps") != k or batch < 1 or config.get("auto_find_batch_size"):
         return Result(NOT_APPLICABLE, {"reason": "the run changed its micro-batch or accumulation by itself "
                                        "(--auto_find_batch_size, or the script sets them)"}, tolerance)
     full = runs.finished("accumulation-full", own, max_steps=1, per_device_train_batch_size=k * batch,
                          gradient_accumulation_steps=1)
-    first_micro = train_records(micro.output_dir).get(1, {})
-    first_full = train_records(full.output_dir).get(1, {})
-    measured = {"micro_batch": batch, "accumulation_steps": k, "compared_at_step": 1,
-                "loss": [first_micro.get("loss"), first_full.get("loss")],
-                "grad_norm": [first_micro.get("grad_norm"), first_full.get("grad_norm")]}
-    measured["loss_relative"] = relative_difference(*measured["loss"])
-    measured["grad_norm_relative"] = relative_difference(*measured["grad_norm"])
-    weights_micro, weights_full = final_weights(micro.output_dir), final_weights(full.output_dir)
-    if weights_micro is not None and weights_full is not None:
-        rows = tensor_differences(weights_micro, weights_full)
-        measured["weights_max_abs"] = max((row["max_abs"] for row in rows), default=0.0)
+    measured = _first_steps(micro.output_dir, full.output_dir, batch, k)
     result = Result(PASSED, measured, tolerance, ["accumulation-micro", "accumulation-full"])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
     if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst):
         result.status = FAILED
         result.cause, result.diagnosis = accumulation_cause(measured)
+        if measured["batch_norm_layers"]:
+            result.status = PROPERTY
     return result
+
+
+def _refused_accumulation(variant: Variant | None) -> str | None:
+    """What the script said when it refused the accumulation variant's --gradient_accumulation_steps (a ConfigError
+    naming the flag: run_cli's status), or None when it refused something else."""
+    if variant is None or not variant.attempts:
+        return None
+    said = str(variant.attempts[-1].get("status", {}).get("message") or "")
+    return said.strip() if "--gradient_accumulation_steps" in said else None
+
+
+def _first_steps(micro: Path, full: Path, batch: int, k: int) -> dict:
+    """Step 1's loss and gradient norm of both runs, their relative differences, the weights after it, the model's
+    batch-norm layers."""
+    first_micro = train_records(micro).get(1, {})
+    first_full = train_records(full).get(1, {})
+    measured = {"micro_batch": batch, "accumulation_steps": k, "compared_at_step": 1,
+                "loss": [first_micro.get("loss"), first_full.get("loss")],
+                "grad_norm": [first_micro.get("grad_norm"), first_full.get("grad_norm")]}
+    measured["loss_relative"] = relative_difference(*measured["loss"])
+    measured["grad_norm_relative"] = relative_difference(*measured["grad_norm"])
+    weights_micro, weights_full = final_weights(micro), final_weights(full)
+    if weights_micro is not None and weights_full is not None:
+        rows = tensor_differences(weights_micro, weights_full)
+        measured["weights_max_abs"] = max((row["max_abs"] for row in rows), default=0.0)
+    measured["batch_norm_layers"] = batch_norm_layers(weights_micro or {})
+    return measured

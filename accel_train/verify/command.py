@@ -45,6 +45,7 @@ from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
 from .accounting import data_accounting
 from .checks import FAILED, NOT_APPLICABLE, PROPERTY, Result, Runs, accumulation, determinism, resume
+from .crashes import VariantCrashed
 from .evaluation import evaluation
 from .precision import precision
 from .runs import CHECKS, Variant, Verify, run_variant
@@ -122,22 +123,22 @@ def _launch_args_joined(own: list[str]) -> list[str]:
 
 
 def run_checks(runs: Runs, results: dict[str, Result]) -> None:
-    """The checks asked, in order, each result added to `results` as it is known."""
-    checks = runs.verify.checks
-    if "determinism" in checks:
-        results["determinism"] = determinism(runs)
-    if "resume" in checks:
-        results["resume"] = resume(runs, results.get("determinism"))
-    if "accumulation" in checks:
-        results["accumulation"] = accumulation(runs)
-    if "world_size" in checks:
-        results["world_size"] = world_size(runs)
-    if "evaluation" in checks:
-        results["evaluation"] = evaluation(runs)
-    if "precision" in checks:
-        results["precision"] = precision(runs)
-    if "data_accounting" in checks:  # last: it reads the runs the checks above made
-        results["data_accounting"] = data_accounting(runs)
+    """The checks asked, in order, each result added to `results` as it is known. A variant that crashed for a cause
+    verify recognises fails the check that asked for it, named (crashes.py); the other checks go on."""
+    calls = {"determinism": lambda: determinism(runs),
+             "resume": lambda: resume(runs, results.get("determinism")),
+             "accumulation": lambda: accumulation(runs),
+             "world_size": lambda: world_size(runs),
+             "evaluation": lambda: evaluation(runs),
+             "precision": lambda: precision(runs),
+             "data_accounting": lambda: data_accounting(runs)}  # last: it reads the runs the checks above made
+    for name, call in calls.items():
+        if name not in runs.verify.checks:
+            continue
+        try:
+            results[name] = call()
+        except VariantCrashed as crash:
+            results[name] = Result.of_crash(crash)
 
 
 def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: str | None = None,
@@ -171,6 +172,8 @@ def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
 
 def _figure(name: str, result: Result) -> str:
     measured = result.measured
+    if "crashed_variant" in measured:  # crashes.py: the run failed for a recognised cause
+        return f"variant {measured['crashed_variant']} failed: {result.cause}"
     if name == "world_size":
         return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
                 f"{measured['loss_relative']:.2e}, step 1's grad_norm {measured['grad_norm_relative']:.2e} relative "

@@ -97,6 +97,9 @@ def resume_cause(measured: dict) -> tuple[str, str]:
     return "state outside the checkpoint", " ".join(parts)
 
 
+BATCH_NORM_ACCUMULATION = "per-micro-batch batch statistics (BatchNorm): a property of the model, not a bug"
+
+
 def accumulation_cause(measured: dict) -> tuple[str, str]:
     """(cause class, paragraph) for k accumulated micro-batches that do not make the step one batch of kB makes."""
     k = measured["accumulation_steps"]
@@ -106,6 +109,17 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
     where = (f"With {k} micro-batches of {measured['micro_batch']} accumulated, step 1 logs loss {loss_micro} and "
              f"grad_norm {norm_micro}; with one batch of {k * measured['micro_batch']}, loss {loss_full} and grad_norm "
              f"{norm_full} (gradient ratio {ratio:.4g}).")
+    layers = measured.get("batch_norm_layers") or []
+    if layers:
+        return BATCH_NORM_ACCUMULATION, (
+            f"{where} The model has batch norm layers ({', '.join(layers[:4])}): in training each micro-batch is "
+            f"normalised by its own statistics (over {measured['micro_batch']} examples, not "
+            f"{k * measured['micro_batch']}), so k accumulated micro-batches compute other activations and "
+            "gradients than one batch. Accumulation does not make one batch's step for this model by design: "
+            "reported as a property, not a failure (it does not make the exit code 1). What to change, if the steps "
+            "must agree: a per-example norm (LayerNorm, GroupNorm), or no accumulation (a larger micro-batch). The "
+            "batch statistics hide any other difference here (a per-micro-batch loss normalisation, random "
+            "augmentation per micro-batch).")
     if math.isclose(ratio, 1 / k, rel_tol=0.02):
         return "loss scaled by the accumulation count", (
             f"{where} The accumulated gradient is 1/{k} of the batch's: the loss is divided by the accumulation "

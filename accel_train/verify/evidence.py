@@ -17,6 +17,7 @@ from ..rundir.weights import read_weights, weights_file
 
 OPTIMIZER_FILE = "optimizer.bin"  # Accelerate's name for the first optimizer's state in a checkpoint
 RANDOM_STATES = "random_states_0.pkl"  # the main process's generators (Accelerate's name)
+BATCH_NORM_BUFFERS = ("running_mean", "running_var")  # a BatchNorm layer's state (SyncBatchNorm's too)
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
@@ -131,3 +132,8 @@ def relative_difference(x: float | None, y: float | None) -> float:
     if x is None or y is None:
         return math.inf
     return abs(x - y) / max(abs(x), abs(y), 1e-30)
+
+
+def batch_norm_layers(weights: dict) -> list[str]:
+    """The layers whose state holds a batch norm's running statistics (read from the saved weights' names)."""
+    return sorted({name.rsplit(".", 1)[0] for name in weights if name.rsplit(".", 1)[-1] in BATCH_NORM_BUFFERS})

@@ -15,8 +15,9 @@ import yaml
 
 from ..rundir.layout import CONFIG
 from .checks import FAILED, NOT_APPLICABLE, PASSED, PROPERTY, Result, Runs
+from .crashes import DEBUG_VARIABLE
 from .diagnose import world_size_cause
-from .evidence import final_weights, relative_difference, tensor_differences, train_records
+from .evidence import batch_norm_layers, final_weights, relative_difference, tensor_differences, train_records
 
 # 1 process against 2 at the same global batch computes the same numbers over other shapes and in another order (two
 # half-batch means all-reduced against one mean; each half padded to its own longest row). Measured over 6 steps
@@ -30,7 +31,6 @@ from .evidence import final_weights, relative_difference, tensor_differences, tr
 # step alone: equal within 1e-6, or the schedule counts processes.
 WORLD_SIZE_RTOL = 1e-3
 LEARNING_RATE_RTOL = 1e-6
-BATCH_NORM_BUFFERS = ("running_mean", "running_var")  # a BatchNorm layer's state (SyncBatchNorm's too)
 
 
 def world_size(runs: Runs) -> Result:
@@ -57,7 +57,9 @@ def world_size(runs: Runs) -> Result:
     per_device = batch // 2 if batch % 2 == 0 else batch
     one = reference if per_device < batch and not own else \
         runs.finished("world-size-one", own, per_device_train_batch_size=2 * per_device)
-    two = runs.finished("world-size", own, processes=2, per_device_train_batch_size=per_device)
+    # INFO: should DDP fail for a parameter without a gradient, its error names the parameters (crashes.py)
+    two = runs.finished("world-size", own, processes=2, env={DEBUG_VARIABLE: "INFO"},
+                        per_device_train_batch_size=per_device)
     measured = compare_world_sizes(one.output_dir, two.output_dir)
     measured.update(global_batch=2 * per_device, per_device=[2 * per_device, per_device], processes=[1, 2])
     result = Result(PASSED, measured, tolerance, [one.name, two.name])
@@ -97,11 +99,6 @@ def compare_world_sizes(one, two) -> dict:
             "weights_relative": max((row["relative"] for row in rows), default=0.0),
             "largest_differences": rows[:3],
             "batch_norm_layers": batch_norm_layers(weights_one or {})}
-
-
-def batch_norm_layers(weights: dict) -> list[str]:
-    """The layers whose state holds a batch norm's running statistics (read from the saved weights' names)."""
-    return sorted({name.rsplit(".", 1)[0] for name in weights if name.rsplit(".", 1)[-1] in BATCH_NORM_BUFFERS})
 
 
 def launch_refused(launch_args: list[str]) -> str | None:

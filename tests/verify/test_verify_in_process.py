@@ -1,6 +1,7 @@
 """`accel-train verify` on variants whose process is not what the check sees (the evaluation check's seeded bugs, the
-accumulation bug, a generator made without a seed): run in this process (1 process) or on the session's two gloo
-ranks (2), through the runner seam of checks.Runs. The statuses and the cause paragraphs are checked on run
+accumulation bugs (a loss divided by hand, a per-micro-batch token mean), a generator made without a seed, an unused
+parameter under DDP): run in this process (1 process) or on the session's two gloo ranks (2), through the runner seam
+of checks.Runs. The statuses and the cause paragraphs are checked on run
 directories written here. The real process path (a variant resumed from another run's checkpoint under `accel-train
 launch`, the precision flag) is exercised once, by test_verify.py's toy_train certificate.
 """
@@ -12,13 +13,16 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SCRIPTS, reset_accelerate
 
 from accel_train.verify import CERTIFICATE, main, parse_args
-from accel_train.verify.checks import Runs
+from accel_train.verify.checks import ACCUMULATION_RTOL, Runs
+from accel_train.verify.crashes import UNUSED_PARAMETERS
 from accel_train.verify.diagnose import (
     EVALUATION_BATCH,
     EVALUATION_GATHER,
@@ -44,7 +48,12 @@ def script_main(script: str, argv: list[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     reset_accelerate()
-    module.main(argv)
+    # a process reads TORCH_DISTRIBUTED_DEBUG when it imports torch.distributed; the pooled ranks imported it long ago
+    torch.distributed.set_debug_level_from_env()
+    try:
+        module.main(argv)
+    finally:
+        torch.distributed.set_debug_level(torch.distributed.DebugLevel.OFF)
 
 
 @contextlib.contextmanager
@@ -63,24 +72,33 @@ def environment(env: dict[str, str]):
 
 def in_process(ranks):
     """A runner for checks.Runs (run_variant's signature): the variant's own command, its script's main called here
-    for 1 process and on the two ranks for 2."""
+    for 1 process and on the two ranks for 2. A run that raises ends as a process would: exit code 1, no status, its
+    traceback (each rank's) in its log under DIR/logs/."""
     def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
         out = verify.output_dir / name
         command = verify.command(out, script_args, processes, **more)
         argv = command[command.index(verify.script) + 1:]
         env = {**verify.env, **(env or {})}
-        if processes == 1:
-            with environment(env):
-                script_main(verify.script, argv)
-        else:
-            ranks.run(script_main, verify.script, argv, env=env)
+        log = verify.output_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if processes == 1:
+                with environment(env):
+                    script_main(verify.script, argv)
+            else:
+                ranks.run(script_main, verify.script, argv, env=env)
+        except Exception:  # noqa: BLE001 - what a process would print before exiting 1
+            log.write_text(traceback.format_exc())
+            attempt = {"command": command, "env": env, "returncode": 1, "log": str(log), "status": {}}
+            return Variant(name, command, out, env, processes, returncode=1, attempts=[attempt])
         attempt = {"command": command, "env": env, "returncode": 0, "log": None, "status": {"exit": 0}}
         return Variant(name, command, out, env, processes, returncode=0, attempts=[attempt])
     return runner
 
 
-def verify_here(ranks, out, script, checks, *flags) -> tuple[int, dict]:
-    code = main(["--checks", checks, "--output_dir", str(out), "--", str(script), *flags], runner=in_process(ranks))
+def verify_here(ranks, out, script, checks, *flags, steps: int = 6) -> tuple[int, dict]:
+    code = main(["--checks", checks, "--steps", str(steps), "--output_dir", str(out), "--", str(script), *flags],
+                runner=in_process(ranks))
     return code, json.loads((out / CERTIFICATE).read_text())
 
 
@@ -257,3 +275,48 @@ def test_precision_statuses(tmp_path):
     assert result.status == "not applicable" and "forces its precision" in result.measured["reason"]
     assert precision_cause({"precision": ["fp32", "bf16"], "losses_by_step": {1: [1.0, 1.2]},
                             "relative_by_step": {1: 0.2}}, True)[0] == "loss sensitive to low precision"
+
+
+def test_a_per_micro_batch_token_mean_is_flagged_by_accumulation_and_the_token_sum_twin_passes(tmp_path, capsys):
+    """token_mean.py: a token mean per micro-batch over blocks of short (1-4 tokens) and long (17-32) rows, against
+    its twin's token sums and counts (the loss contract): accumulation, 2 x 8 rows against 16, each variant a run of
+    one step in this process (no rank is used: both sides are 1 process). Measured: the bug's gradient norm 16 %
+    relative (0.729 against 0.612), its loss 2.1 %; the twin's gradient norm bitwise, its loss 9.8e-8."""
+    script = BUGS / "token_mean.py"
+    code, certificate = verify_here(None, tmp_path / "bug", script, "accumulation")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"], result["cause"]) == (1, "failed", "normalisation per micro-batch")
+    measured = result["measured"]
+    assert measured["grad_norm_relative"] > 1000 * ACCUMULATION_RTOL and measured["loss_relative"] > 100 * \
+        ACCUMULATION_RTOL
+    assert measured["batch_norm_layers"] == [] and "a token mean over variable-length rows" in result["diagnosis"]
+    assert "{'loss_sum': sum, 'num_items': count}" in result["diagnosis"]
+    assert "accumulation failed (normalisation per micro-batch)" in capsys.readouterr().out
+    code, certificate = verify_here(None, tmp_path / "twin", script, "accumulation", "--fixed", "true")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"]) == (0, "passed")
+    assert result["measured"]["loss_relative"] <= ACCUMULATION_RTOL / 100
+    assert result["measured"]["grad_norm_relative"] <= ACCUMULATION_RTOL / 100
+
+
+@pytest.mark.slow
+def test_an_unused_parameter_is_named_by_the_world_size_check_and_its_twin_passes(tmp_path, ranks, capsys):
+    """unused_param.py: a head built and never called. world_size and data_accounting, 3 steps: the reference here,
+    2 processes on the ranks. DDP's reduction never finishes and step 2 raises: the crash becomes the world-size
+    check's finding, with the parameters' names (TORCH_DISTRIBUTED_DEBUG=INFO, set by verify on those processes) and
+    what to change; data accounting goes on without that run and says why. The twin (no head) passes both."""
+    script = BUGS / "unused_param.py"
+    code, certificate = verify_here(ranks, tmp_path / "bug", script, "world_size,data_accounting", steps=3)
+    world, accounted = certificate["checks"]["world_size"], certificate["checks"]["data_accounting"]
+    assert (code, certificate["passed"], world["status"], world["cause"]) == (1, False, "failed", UNUSED_PARAMETERS)
+    assert world["measured"]["parameters_without_gradient"] == ["aux_head.bias", "aux_head.weight"]
+    assert world["measured"]["parameter_indices"] == [4, 5] and world["variants"] == ["world-size"]
+    assert "aux_head.bias, aux_head.weight got none" in world["diagnosis"]
+    assert "leaves_parameters_unused = True" in world["diagnosis"] and "find_unused_parameters" in world["diagnosis"]
+    assert certificate["variants"]["world-size"]["attempts"][0]["env"]["TORCH_DISTRIBUTED_DEBUG"] == "INFO"
+    assert accounted["status"] == "passed" and accounted["measured"]["not_compared"] == [
+        "two processes: its run failed (see world_size)", "across the resume: add resume to --checks"]
+    assert f"world_size failed ({UNUSED_PARAMETERS})" in capsys.readouterr().out
+    code, certificate = verify_here(ranks, tmp_path / "twin", script, "world_size,data_accounting", "--fixed", "true",
+                                    steps=3)
+    assert (code, [c["status"] for c in certificate["checks"].values()]) == (0, ["passed", "passed"])

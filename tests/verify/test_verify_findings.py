@@ -1,0 +1,90 @@
+"""verify's findings from what the variants left, without running anything: run directories, logs and statuses are
+written here by a runner of checks.Runs's signature (no process, no training). What the 7 recipes' certificates
+(benchmarks/verify_recipes.py) showed the checks must say: a script that refuses accumulation, a BatchNorm model under
+accumulation; a crash whose log names its cause.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import SCRIPTS
+from safetensors.torch import save_file
+
+from accel_train.verify import parse_args
+from accel_train.verify.checks import Runs, accumulation
+from accel_train.verify.crashes import UNUSED_PARAMETERS, recognised_crash
+from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION
+from accel_train.verify.runs import Variant
+
+TOY = SCRIPTS / "toy_train.py"
+REFUSAL = ("--gradient_accumulation_steps 2: a contrastive loss computed per micro-batch sees 2x fewer negatives than "
+           "the batch it stands for, so it is refused.")
+
+
+def written(plans: dict):
+    """A runner that writes each named variant's run directory from `plans[name]`: step 1's loss and grad_norm
+    (metrics.jsonl), config.yaml, the weights' names (model.safetensors); "refused": the run exits 2 with that
+    message in its status, as run_cli writes it for a ConfigError."""
+    def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
+        plan, out = plans[name], verify.output_dir / name
+        out.mkdir(parents=True)
+        if "refused" in plan:
+            status = {"exit": 2, "kind": "config error", "message": plan["refused"]}
+            return Variant(name, [], out, {}, processes, returncode=2, attempts=[{"status": status, "log": None}])
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": plan["loss"], "grad_norm": plan["norm"]}))
+        config = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": more["gradient_accumulation_steps"]}
+        (out / "config.yaml").write_text(json.dumps(config))
+        save_file({name: torch.ones(2) for name in plan["weights"]}, str(out / "model.safetensors"))
+        return Variant(name, [], out, {}, processes, returncode=0, attempts=[{"status": {"exit": 0}, "log": None}])
+    return runner
+
+
+def accumulation_on(tmp_path, plans: dict):
+    verify = parse_args(["--checks", "accumulation", "--output_dir", str(tmp_path), "--", str(TOY)])
+    return accumulation(Runs(verify, None, written(plans)))
+
+
+def test_a_script_that_refuses_accumulation_makes_the_check_not_applicable(tmp_path):
+    """The multimodal recipes' losses couple the batch and refuse --gradient_accumulation_steps > 1 (exit 2): the
+    accumulation check is not applicable, with the script's own reason (it stopped verify with exit code 2)."""
+    result = accumulation_on(tmp_path, {"accumulation-micro": {"refused": REFUSAL}})
+    assert result.status == "not applicable"
+    assert result.measured["reason"] == f"the script refuses --gradient_accumulation_steps 2: {REFUSAL}"
+
+
+def test_batch_norm_under_accumulation_is_a_property_not_a_failure(tmp_path):
+    """A model with BatchNorm normalises each micro-batch by its own statistics: k micro-batches of B never make the
+    step one batch of kB makes (the vision recipes: it failed them). A property, as under world size; a model without
+    batch-norm buffers that differs as much still fails."""
+    bn = ["stem.0.weight", "stem.1.running_mean", "stem.1.running_var", "stem.1.weight"]
+    plans = {"accumulation-micro": {"loss": 2.0, "norm": 1.3, "weights": bn},
+             "accumulation-full": {"loss": 2.1, "norm": 1.0, "weights": bn}}
+    result = accumulation_on(tmp_path / "bn", plans)
+    assert (result.status, result.cause) == ("property", BATCH_NORM_ACCUMULATION)
+    assert result.measured["batch_norm_layers"] == ["stem.1"] and "stem.1" in result.diagnosis
+    for plan in plans.values():
+        plan["weights"] = ["stem.0.weight", "stem.1.weight"]
+    result = accumulation_on(tmp_path / "ln", plans)
+    assert (result.status, result.cause) == ("failed", "normalisation per micro-batch")
+
+
+def test_a_crash_is_named_only_from_what_its_log_says(tmp_path):
+    """DDP's unfinished reduction without TORCH_DISTRIBUTED_DEBUG: the indices, and how to get the names; any other
+    failure (or a refusal, exit 2) is not recognised and stays verify's error."""
+    log = tmp_path / "world-size.log"
+    log.write_text("RuntimeError: Expected to have finished reduction in the prior iteration before starting a new "
+                   "one. ...\nParameter indices which did not receive grad for rank 1: 4 5\n In addition, you can set "
+                   "the environment variable TORCH_DISTRIBUTED_DEBUG ...\n")
+
+    def ended(code):
+        return Variant("world-size", [], tmp_path, processes=2, returncode=code, attempts=[{"log": str(log)}])
+
+    crash = recognised_crash(ended(1))
+    assert crash.cause == UNUSED_PARAMETERS and crash.measured["parameter_indices"] == [4, 5]
+    assert crash.measured["parameters_without_gradient"] == []
+    assert "indices 4 5 of model.parameters() (rerun with TORCH_DISTRIBUTED_DEBUG=INFO" in crash.diagnosis
+    assert recognised_crash(ended(2)) is None and recognised_crash(ended(0)) is None
+    log.write_text("RuntimeError: out of memory\n")
+    assert recognised_crash(ended(1)) is None

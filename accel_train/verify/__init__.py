@@ -1,6 +1,7 @@
 """`accel-train verify`: the exactness checks, run on the user's own script and flags (usage: command.py).
 
     command.py    the command line, the order of the checks, the certificate (verify.json) and the summary
+    report.py     the certificate as a section of a run report (report.md beside verify.json)
     runs.py       the variants: the user's command with verify's flags, each run as processes of its own
     checks.py     determinism, resume, accumulation: which variants each compares, and how
     world.py      world size: 1 process against 2 launched at the same global batch

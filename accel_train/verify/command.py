@@ -27,7 +27,8 @@ in its own directory under --output_dir, and compares them:
                      the runs above (ACCEL_TRAIN_RECORD_FED=1 in each)                        no run of its own
 
 It writes DIR/verify.json (the certificate: each check passed / failed / not applicable / property, measured
-differences, tolerances, the commands run) and a summary; exit code 0 when no check failed (a property is not a
+differences, tolerances, the commands run), DIR/report.md (the certificate as a section of a run report: report.py)
+and a summary; exit code 0 when no check failed (a property is not a
 failure: the certificate lists it under "properties"), 1 when one failed, 2 on bad input. docs/verify.md says what
 each check proves and what it cannot see.
 """
@@ -44,10 +45,11 @@ from pathlib import Path
 from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
 from .accounting import data_accounting
-from .checks import FAILED, NOT_APPLICABLE, PROPERTY, Result, Runs, accumulation, determinism, resume
+from .checks import FAILED, PROPERTY, Result, Runs, accumulation, determinism, resume
 from .crashes import VariantCrashed
 from .evaluation import evaluation
 from .precision import precision
+from .report import REPORT, figure, write_report
 from .runs import CHECKS, Variant, Verify, run_variant
 from .world import world_size
 
@@ -160,44 +162,14 @@ def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: s
 def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
     lines = [f"accel-train verify: {verify.script} ({verify.steps} steps per run)"]
     for name, result in results.items():
-        detail = result.measured.get("reason", "") if result.status == NOT_APPLICABLE else _figure(name, result)
+        detail = figure(name, result)
         lines.append(f"  {name:<15} {result.status.upper():<15} {detail}")
     for name, result in results.items():
         if result.diagnosis:
             verdict = "is a property of the model" if result.status == PROPERTY else "failed"
             lines += ["", f"{name} {verdict} ({result.cause}): {result.diagnosis}"]
-    lines += ["", f"certificate: {path}"]
+    lines += ["", f"certificate: {path} (and {path.parent / REPORT})"]
     return "\n".join(lines)
-
-
-def _figure(name: str, result: Result) -> str:
-    measured = result.measured
-    if "crashed_variant" in measured:  # crashes.py: the run failed for a recognised cause
-        return f"variant {measured['crashed_variant']} failed: {result.cause}"
-    if name == "world_size":
-        return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
-                f"{measured['loss_relative']:.2e}, step 1's grad_norm {measured['grad_norm_relative']:.2e} relative "
-                f"(tolerance {result.tolerance['loss'].split(',')[0]}); weights {measured['weights_relative']:.2e}")
-    if name == "data_accounting":
-        fed = sum(rows["fed"] for rows in measured["rows"].values())
-        planned = sum(rows["planned"] for rows in measured["rows"].values())
-        return (f"{fed} of {planned} planned rows fed, {len(measured['findings'])} finding(s); compared: "
-                f"{', '.join(measured['compared'])}"
-                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
-    if name == "evaluation":
-        compared = [f"{key} {measured[key]['relative']:.2e}" for key in ("again", "batch_size", "world_size")
-                    if key in measured]
-        return (f"eval metrics across {', '.join(compared)} relative (tolerance {result.tolerance['metrics']})"
-                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
-    if name == "precision":
-        return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"
-                f" losses {measured['loss_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
-    if name == "accumulation":
-        return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
-                f"(tolerance {result.tolerance['loss']})")
-    first = measured.get("first_loss_difference")
-    losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
-    return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
 
 
 def main(argv: Sequence[str], runner: Callable[..., Variant] = run_variant) -> int:
@@ -227,4 +199,6 @@ def main(argv: Sequence[str], runner: Callable[..., Variant] = run_variant) -> i
 
 
 def _write(path: Path, document: dict) -> None:
+    """verify.json, and its section of a run report beside it (report.md)."""
     path.write_text(json.dumps(document, indent=2, default=str))
+    write_report(json.loads(path.read_text()), path.parent)  # rendered from what the certificate holds

@@ -1,7 +1,7 @@
 """verify's findings from what the variants left, without running anything: run directories, logs and statuses are
 written here by a runner of checks.Runs's signature (no process, no training). What the 7 recipes' certificates
 (benchmarks/verify_recipes.py) showed the checks must say: a script that refuses accumulation, a BatchNorm model under
-accumulation; a crash whose log names its cause.
+accumulation; a crash whose log names its cause. And the certificate's section of a run report (report.md).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from conftest import SCRIPTS
 from safetensors.torch import save_file
 
 from accel_train.verify import parse_args
-from accel_train.verify.checks import Runs, accumulation
+from accel_train.verify.checks import Result, Runs, accumulation
+from accel_train.verify.command import certificate
 from accel_train.verify.crashes import UNUSED_PARAMETERS, recognised_crash
 from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION
+from accel_train.verify.report import render, write_report
 from accel_train.verify.runs import Variant
 
 TOY = SCRIPTS / "toy_train.py"
@@ -88,3 +90,44 @@ def test_a_crash_is_named_only_from_what_its_log_says(tmp_path):
     assert recognised_crash(ended(2)) is None and recognised_crash(ended(0)) is None
     log.write_text("RuntimeError: out of memory\n")
     assert recognised_crash(ended(1)) is None
+
+
+def test_the_certificate_is_a_section_of_a_run_report(tmp_path):
+    """report.md rendered from a certificate made here (no run): the run report's Markdown, a table per check with its
+    status, measured differences and tolerances, the failure's paragraph, the properties, the variants linked to their
+    own run reports; rendered again from verify.json alone, the same text."""
+    verify = parse_args(["--checks", "determinism,resume,accumulation,world_size", "--output_dir", str(tmp_path),
+                         "--", str(TOY), "--hidden", "8"])
+    runs = Runs(verify, None)
+    for name in ("reference", "repeat"):
+        (tmp_path / name).mkdir()
+        runs.done[name] = Variant(name, ["python", str(TOY)], tmp_path / name, returncode=0,
+                                  attempts=[{"returncode": 0}])
+    (tmp_path / "reference" / "report.md").write_text("# Run report: reference\n")
+    results = {
+        "determinism": Result("passed", {"steps_compared": 6, "first_loss_difference": None, "tensors_differing": 0},
+                              {"loss": "bitwise", "weights": "bitwise"}, ["reference", "repeat"]),
+        "resume": Result("not applicable", {"reason": "the run is not deterministic"}, {"loss": "bitwise"}),
+        "accumulation": Result("failed", {"loss_relative": 0.5, "grad_norm_relative": 0.5},
+                               {"loss": "relative 0.0001", "why": "reduction order"}, ["accumulation-micro"],
+                               "loss scaled by the accumulation count", "The accumulated gradient is 1/2 | of it."),
+        "world_size": Result("property", {"global_batch": 8, "loss_relative": 0.07, "grad_norm_relative": 0.1,
+                                          "weights_relative": 0.2}, {"loss": "relative 0.001, every logged step"},
+                             ["reference", "world-size"], "per-process batch statistics (BatchNorm)", "BatchNorm."),
+    }
+    document = certificate(verify, results, runs)
+    path = write_report(document, tmp_path)
+    text = path.read_text()
+    assert path == tmp_path / "report.md" and text.startswith("# Verify report: toy_train.py\n\n## Verify certificate")
+    assert f"| script | {TOY} --hidden 8 |" in text and "| verdict | **FAILED** |" in text
+    assert "| properties (not failures) | world_size |" in text
+    assert "| accumulation | failed | loss 5.00e-01, grad_norm 5.00e-01 relative (tolerance relative 0.0001) |" in text
+    assert "| resume | not applicable | the run is not deterministic |" in text
+    section = text[text.index("### accumulation: FAILED"):text.index("### world_size")]
+    assert "| tolerance: loss | relative 0.0001 |" in section and "| cause | loss scaled by the accumulation count |" \
+        in section and "*Why this tolerance: reduction order.*" in section
+    assert "**accumulation: failed (loss scaled by the accumulation count).** The accumulated gradient is 1/2 | of " \
+           "it." in section
+    assert "**world_size: a property of the model (per-process batch statistics (BatchNorm)).** BatchNorm." in text
+    assert "| reference | 1 | [reference](reference/report.md) | 0 |" in text and "| repeat | 1 | repeat | 0 |" in text
+    assert render(json.loads(json.dumps(document, default=str))) == text

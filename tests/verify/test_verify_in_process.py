@@ -292,6 +292,9 @@ def test_a_per_micro_batch_token_mean_is_flagged_by_accumulation_and_the_token_s
     assert measured["batch_norm_layers"] == [] and "a token mean over variable-length rows" in result["diagnosis"]
     assert "{'loss_sum': sum, 'num_items': count}" in result["diagnosis"]
     assert "accumulation failed (normalisation per micro-batch)" in capsys.readouterr().out
+    report = (tmp_path / "bug" / "report.md").read_text()  # the certificate's section of a run report, beside it
+    assert "### accumulation: FAILED" in report
+    assert "**accumulation: failed (normalisation per micro-batch).**" in report
     code, certificate = verify_here(None, tmp_path / "twin", script, "accumulation", "--fixed", "true")
     result = certificate["checks"]["accumulation"]
     assert (code, result["status"]) == (0, "passed")

@@ -1,0 +1,118 @@
+"""The certificate as a section of a run report: `DIR/report.md` beside `DIR/verify.json`, in the run report's
+Markdown (observe/report/markdown.py: `#` title, `##` sections, two-column tables), rendered from the certificate
+alone, so `render(json.load(open("DIR/verify.json")))` writes it again.
+
+    ## Verify certificate        what was verified, the verdict, properties, why verify stopped (if it did)
+    ### <check>: <STATUS>        one table per check (status, measured, tolerance, variants compared, cause),
+                                 then the failure's paragraph: the likely cause and what to change
+    ## Variants                  each run directory, with a link to its own run report
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .checks import NOT_APPLICABLE, PROPERTY, Result
+
+REPORT = "report.md"
+SECTION = "## Verify certificate"
+
+
+def figure(name: str, result: Result) -> str:
+    """The check's measured differences against its tolerance, in one line (the summary's and the report's)."""
+    measured = result.measured
+    if result.status == NOT_APPLICABLE:
+        return measured.get("reason", "")
+    if "crashed_variant" in measured:  # crashes.py: the run failed for a recognised cause
+        return f"variant {measured['crashed_variant']} failed: {result.cause}"
+    if name == "world_size":
+        return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
+                f"{measured['loss_relative']:.2e}, step 1's grad_norm {measured['grad_norm_relative']:.2e} relative "
+                f"(tolerance {result.tolerance['loss'].split(',')[0]}); weights {measured['weights_relative']:.2e}")
+    if name == "data_accounting":
+        fed = sum(rows["fed"] for rows in measured["rows"].values())
+        planned = sum(rows["planned"] for rows in measured["rows"].values())
+        return (f"{fed} of {planned} planned rows fed, {len(measured['findings'])} finding(s); compared: "
+                f"{', '.join(measured['compared'])}"
+                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
+    if name == "evaluation":
+        compared = [f"{key} {measured[key]['relative']:.2e}" for key in ("again", "batch_size", "world_size")
+                    if key in measured]
+        return (f"eval metrics across {', '.join(compared)} relative (tolerance {result.tolerance['metrics']})"
+                + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
+    if name == "precision":
+        return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"
+                f" losses {measured['loss_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
+    if name == "accumulation":
+        return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
+                f"(tolerance {result.tolerance['loss']})")
+    first = measured.get("first_loss_difference")
+    losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
+    return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.6g}"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    return ["| | |", "|---|---|", *[f"| {_cell(key)} | {_cell(value)} |" for key, value in rows]]
+
+
+def _check(name: str, result: Result) -> list[str]:
+    rows = [("status", result.status), ("measured", figure(name, result))]
+    rows += [(f"tolerance: {key}", value) for key, value in result.tolerance.items() if key != "why"]
+    if result.variants:
+        rows.append(("variants compared", ", ".join(result.variants)))
+    if result.cause:
+        rows.append(("cause", result.cause))
+    out = [f"### {name}: {result.status.upper()}", "", *_table(rows), ""]
+    if "why" in result.tolerance:
+        out += [f"*Why this tolerance: {result.tolerance['why']}.*", ""]
+    if result.diagnosis:
+        verdict = "a property of the model" if result.status == PROPERTY else "failed"
+        out += [f"**{name}: {verdict} ({result.cause}).** {result.diagnosis}", ""]
+    return out
+
+
+def render(document: dict) -> str:
+    """report.md of a certificate (verify.json's document)."""
+    verdict = "passed" if document.get("passed") else "**FAILED**" if "error" not in document else "**stopped**"
+    command = " ".join([document["script"], *document.get("script_args", [])])
+    rows = [("script", command), ("verdict", verdict), ("exit code", document.get("exit_code")),
+            ("steps per run", document.get("steps")), ("accumulation steps", document.get("accumulation_steps"))]
+    if document.get("launch_args"):
+        rows.append(("launch args", " ".join(document["launch_args"])))
+    if document.get("properties"):
+        rows.append(("properties (not failures)", ", ".join(document["properties"])))
+    if "error" in document:
+        rows.append(("stopped", document["error"]))
+    out = [f"# Verify report: {Path(document['script']).name}", "", SECTION, "", *_table(rows), ""]
+    checks = document.get("checks", {})
+    out += ["| check | status | measured |", "|---|---|---|"]
+    out += [f"| {name} | {_cell(check['status'])} | {_cell(figure(name, Result(**check)))} |"
+            for name, check in checks.items()]
+    out.append("")
+    for name, check in checks.items():
+        out += _check(name, Result(**check))
+    variants = document.get("variants", {})
+    if variants:
+        out += ["## Variants", "", "| variant | processes | run directory | exit codes |", "|---|---|---|---|"]
+        for name, variant in variants.items():
+            folder = Path(variant["output_dir"])
+            link = f"[{folder.name}]({folder.name}/report.md)" if (folder / "report.md").is_file() else folder.name
+            codes = ", ".join(str(attempt.get("returncode")) for attempt in variant.get("attempts", []))
+            out.append(f"| {name} | {variant.get('processes')} | {link} | {codes} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_report(document: dict, directory: Path) -> Path:
+    path = Path(directory) / REPORT
+    path.write_text(render(document))
+    return path

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,17 +47,18 @@ DURATIONS = ROOT / "test-durations.txt"
 _STARTS: dict[str, list[int]] = {}  # module -> [python processes started, forks]
 _TIMES: dict[str, float] = {}  # test id -> seconds (setup + call + teardown)
 _UNMARKED: dict[str, int] = {}  # tests not marked slow that started processes -> how many
-_current = {"module": None, "test": None, "slow": False}
+# This process's starts and forks during the running test. They travel with the test's teardown report: under
+# pytest-xdist the tests run in worker processes and only the reports reach the one that writes the summary.
+_counted = [0, 0]
+_current = {"test": None}
 
 
 def _counting(method, index: int):
     def wrapper(self, *args, **kwargs):
         command = str(args[0] if args else kwargs.get("args", "")) if index == 0 else "fork"
         starts_python = any(word in command for word in ("python", "accelerate", "accel-train", "torchrun", "sbatch"))
-        if _current["module"] is not None and (index == 1 or starts_python):
-            _STARTS.setdefault(_current["module"], [0, 0])[index] += 1
-            if index == 0 and not _current["slow"]:
-                _UNMARKED[_current["test"]] = _UNMARKED.get(_current["test"], 0) + 1
+        if _current["test"] is not None and (index == 1 or starts_python):
+            _counted[index] += 1
         return method(self, *args, **kwargs)
     return wrapper
 
@@ -66,23 +68,54 @@ multiprocessing.process.BaseProcess.start = _counting(multiprocessing.process.Ba
 
 
 def pytest_runtest_setup(item):
-    _current.update(module=item.nodeid.split("::")[0], test=item.nodeid,
-                    slow=item.get_closest_marker("slow") is not None)
+    _current["test"] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "teardown":
+        report.user_properties.append(("process_starts", tuple(_counted)))
+        _counted[:] = [0, 0]
 
 
 def pytest_runtest_logreport(report):
     _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+    for _, (started, forked) in (p for p in report.user_properties if p[0] == "process_starts"):
+        entry = _STARTS.setdefault(report.nodeid.split("::")[0], [0, 0])
+        entry[0] += started
+        entry[1] += forked
+        if started and "slow" not in report.keywords:
+            _UNMARKED[report.nodeid] = started
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not _TIMES:
+_STARTED = time.monotonic()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with the most `slow` tests first, each module's tests in their own order. Under pytest-xdist
+    (`-n 2 --dist loadfile`: a module runs whole on one worker, its module fixtures built once) the long modules then
+    start early instead of leaving one worker alone with the last of them; a plain run gets the same order."""
+    slow: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
+    first_seen = {m: i for i, m in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
+    items.sort(key=lambda item: (-slow[m := item.nodeid.split("::")[0]], first_seen[m]))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     modules: dict[str, list[float]] = {}
     for nodeid, seconds in _TIMES.items():
         entry = modules.setdefault(nodeid.split("::")[0], [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
-    lines = [f"{len(_TIMES)} tests, {sum(_TIMES.values()) / 60:.1f} min in tests", "", "slowest tests:"]
+    workers = getattr(config.option, "numprocesses", None) or 1
+    lines = [f"{len(_TIMES)} tests, {sum(_TIMES.values()) / 60:.1f} min in tests, "
+             f"{(time.monotonic() - _STARTED) / 60:.1f} min from start to summary on {workers} worker(s)", "",
+             "slowest tests:"]
     lines += [f"{s:8.1f} s  {n}" for n, s in sorted(_TIMES.items(), key=lambda kv: -kv[1])[:20]]
     lines += ["", "by module: seconds, tests, python processes started, processes forked"]
     for module, (count, seconds) in sorted(modules.items(), key=lambda kv: -kv[1][1]):

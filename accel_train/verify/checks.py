@@ -183,14 +183,11 @@ def accumulation(runs: Runs) -> Result:
                  "why": "the same float32 numbers added in another order, over other padded shapes: 8e-8 "
                         "(toy_train) to 4.5e-6 (MiniLM) relative measured; the weights after one step are reported, "
                         "not judged: Adam's first update is about lr * sign(gradient), blind to a gradient's scale"}
-    try:
-        micro = runs.finished("accumulation-micro", own, max_steps=1, gradient_accumulation_steps=k)
-    except ConfigError:
-        said = _refused_accumulation(runs.done.get("accumulation-micro"))
-        if said is None:
-            raise
+    said = accumulation_refused(runs)
+    if said is not None:
         return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
                       tolerance, ["accumulation-micro"])
+    micro = runs.finished("accumulation-micro", own, max_steps=1, gradient_accumulation_steps=k)
     config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
     batch = int(config.get("per_device_train_batch_size", 0))
     if config.get("gradient_accumulation_steps") != k or batch < 1 or config.get("auto_find_batch_size"):
@@ -209,13 +206,22 @@ def accumulation(runs: Runs) -> Result:
     return result
 
 
-def _refused_accumulation(variant: Variant | None) -> str | None:
-    """What the script said when it refused the accumulation variant's --gradient_accumulation_steps (a ConfigError
-    naming the flag: run_cli's status), or None when it refused something else."""
-    if variant is None or not variant.attempts:
-        return None
-    said = str(variant.attempts[-1].get("status", {}).get("message") or "")
-    return said.strip() if "--gradient_accumulation_steps" in said else None
+def accumulation_refused(runs: Runs) -> str | None:
+    """What the script said when it refused the accumulation check's first variant (k micro-batches): its loss couples
+    the whole batch (a contrastive loss: core/loss.py's refuse_accumulation) and run_cli's status names
+    --gradient_accumulation_steps; None when the variant ran. Runs that variant if no check did yet."""
+    verify = runs.verify
+    try:
+        runs.finished("accumulation-micro", verify.accumulation_args, max_steps=1,
+                      gradient_accumulation_steps=verify.accumulation)
+    except ConfigError:
+        variant = runs.done.get("accumulation-micro")
+        said = str(variant.attempts[-1].get("status", {}).get("message") or "") if variant and variant.attempts \
+            else ""
+        if "--gradient_accumulation_steps" not in said:
+            raise
+        return said.strip()
+    return None
 
 
 def _first_steps(micro: Path, full: Path, batch: int, k: int) -> dict:

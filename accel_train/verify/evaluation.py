@@ -28,7 +28,7 @@ from ..observe.eval_again import PREFIX as AGAIN
 from ..observe.eval_again import VARIABLE as AGAIN_VARIABLE
 from ..rundir.checkpoint import load_train_state
 from ..rundir.layout import CONFIG, RESULTS, checkpoint_step
-from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
+from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs, accumulation_refused
 from .diagnose import evaluation_cause
 from .evidence import checkpoint_dir, relative_difference
 from .world import launch_refused
@@ -102,11 +102,30 @@ def evaluation(runs: Runs) -> Result:
     else:
         measured["world_size"] = compare_metrics(first, read_metrics(two.output_dir))
         variants.append(two.name)
+    if _loss_alone_differs(measured):
+        said = accumulation_refused(runs)
+        if said is not None:  # a loss over the whole batch: its value depends on the evaluation batch by design
+            for name in COMPARISONS:
+                if name in measured:
+                    measured[name]["differing"] = [m for m in measured[name]["differing"] if m != "loss"]
+            measured["loss_not_judged"] = (
+                "the loss couples the examples of a batch (the script refuses gradient accumulation: "
+                f"{said.removeprefix('accel_train config error: ')}): its value depends on the evaluation batch and "
+                "the processes by design; every other metric is judged")
+            variants.append("accumulation-micro")
     result = Result(PASSED, measured, tolerance, variants)
     if any(measured[name]["differing"] for name in COMPARISONS if name in measured):
         result.status = FAILED
         result.cause, result.diagnosis = evaluation_cause(measured)
     return result
+
+
+def _loss_alone_differs(measured: dict) -> bool:
+    """Two evaluations in one process agree, and eval_loss is the only metric that differs elsewhere: the signature of
+    a loss over the batch (a contrastive loss's negatives are the batch's), or of a loss that depends on padding."""
+    compared = [measured[name] for name in COMPARISONS if name in measured]
+    differing = {metric for comparison in compared for metric in comparison["differing"]}
+    return differing == {"loss"} and not measured.get("again", {}).get("differing")
 
 
 def evaluated_step(run_dir: Path, config: dict, last: int) -> int:

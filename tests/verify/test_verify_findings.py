@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import SCRIPTS
 from safetensors.torch import save_file
@@ -16,7 +17,8 @@ from accel_train.verify import parse_args
 from accel_train.verify.checks import Result, Runs, accumulation
 from accel_train.verify.command import certificate
 from accel_train.verify.crashes import UNUSED_PARAMETERS, recognised_crash
-from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION
+from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION, EVALUATION_BATCH
+from accel_train.verify.evaluation import evaluation
 from accel_train.verify.report import render, write_report
 from accel_train.verify.runs import Variant
 
@@ -27,18 +29,23 @@ REFUSAL = ("--gradient_accumulation_steps 2: a contrastive loss computed per mic
 
 def written(plans: dict):
     """A runner that writes each named variant's run directory from `plans[name]`: step 1's loss and grad_norm
-    (metrics.jsonl), config.yaml, the weights' names (model.safetensors); "refused": the run exits 2 with that
-    message in its status, as run_cli writes it for a ConfigError."""
+    (metrics.jsonl: "loss", "norm"), config.yaml ("config", else the accumulation asked), the weights' names
+    (model.safetensors: "weights"), all_results.json ("results") and a checkpoint at the last step; "refused": the run
+    exits 2 with that message in its status, as run_cli writes it for a ConfigError."""
     def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
         plan, out = plans[name], verify.output_dir / name
         out.mkdir(parents=True)
         if "refused" in plan:
             status = {"exit": 2, "kind": "config error", "message": plan["refused"]}
             return Variant(name, [], out, {}, processes, returncode=2, attempts=[{"status": status, "log": None}])
-        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": plan["loss"], "grad_norm": plan["norm"]}))
-        config = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": more["gradient_accumulation_steps"]}
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": plan.get("loss", 1.0),
+                                                       "grad_norm": plan.get("norm", 1.0)}))
+        config = plan.get("config") or {"per_device_train_batch_size": 8,
+                                        "gradient_accumulation_steps": more.get("gradient_accumulation_steps")}
         (out / "config.yaml").write_text(json.dumps(config))
-        save_file({name: torch.ones(2) for name in plan["weights"]}, str(out / "model.safetensors"))
+        save_file({name: torch.ones(2) for name in plan.get("weights", ["w"])}, str(out / "model.safetensors"))
+        (out / "all_results.json").write_text(json.dumps(plan.get("results", {})))
+        (out / "checkpoints" / f"step-{more.get('max_steps', verify.steps):08d}").mkdir(parents=True)
         return Variant(name, [], out, {}, processes, returncode=0, attempts=[{"status": {"exit": 0}, "log": None}])
     return runner
 
@@ -131,3 +138,29 @@ def test_the_certificate_is_a_section_of_a_run_report(tmp_path):
     assert "**world_size: a property of the model (per-process batch statistics (BatchNorm)).** BatchNorm." in text
     assert "| reference | 1 | [reference](reference/report.md) | 0 |" in text and "| repeat | 1 | repeat | 0 |" in text
     assert render(json.loads(json.dumps(document, default=str))) == text
+
+
+def test_the_loss_of_a_loss_over_the_batch_is_not_judged_across_evaluation_batches(tmp_path):
+    """The multimodal recipes' contrastive eval loss: each pair's loss has the batch's other pairs as negatives, so it
+    changes with the evaluation batch and the processes while every retrieval metric (over the gathered set) agrees;
+    it failed their evaluation check. When eval_loss alone differs (two evaluations in one process agreeing) and the
+    script refuses accumulation (its loss couples the batch), the loss is not judged, said; the same figures from a
+    script that accepts accumulation still fail (padding: outputs depend on the batch)."""
+    same = {"eval_recall@1": 0.125, "eval_samples": 32.0}
+    plans = {"reference": {"results": {**same, "eval_loss": 5.0}, "config": {"per_device_eval_batch_size": 256,
+                                                                              "per_device_train_batch_size": 8}},
+             "evaluation": {"results": {**same, "eval_loss": 4.3, "eval_again_loss": 4.3,
+                                        "eval_again_recall@1": 0.125, "eval_again_samples": 32.0}},
+             "evaluation-two": {"results": {**same, "eval_loss": 6.4}},
+             "accumulation-micro": {"refused": REFUSAL}}
+    verify = parse_args(["--checks", "evaluation", "--output_dir", str(tmp_path / "pairs"), "--", str(TOY)])
+    result = evaluation(Runs(verify, None, written(plans)))
+    assert result.status == "passed" and result.measured["batch_size"]["relative"] == pytest.approx(0.7 / 5)
+    assert result.measured["batch_size"]["differing"] == [] and result.measured["world_size"]["differing"] == []
+    assert result.measured["loss_not_judged"].startswith("the loss couples the examples of a batch (the script refuses "
+                                                         "gradient accumulation: --gradient_accumulation_steps 2: a")
+    assert result.variants == ["reference", "evaluation", "evaluation-two", "accumulation-micro"]
+    plans["accumulation-micro"] = {}
+    verify = parse_args(["--checks", "evaluation", "--output_dir", str(tmp_path / "padding"), "--", str(TOY)])
+    result = evaluation(Runs(verify, None, written(plans)))
+    assert (result.status, result.cause) == ("failed", EVALUATION_BATCH) and "loss_not_judged" not in result.measured

@@ -209,19 +209,26 @@ def accumulation(runs: Runs) -> Result:
 def accumulation_refused(runs: Runs) -> str | None:
     """What the script said when it refused the accumulation check's first variant (k micro-batches): its loss couples
     the whole batch (a contrastive loss: core/loss.py's refuse_accumulation) and run_cli's status names
-    --gradient_accumulation_steps; None when the variant ran. Runs that variant if no check did yet."""
+    --gradient_accumulation_steps; None when the variant ran. Runs that variant if no check did yet; a refusal of
+    something else is the error require_finished gives."""
     verify = runs.verify
-    try:
-        runs.finished("accumulation-micro", verify.accumulation_args, max_steps=1,
-                      gradient_accumulation_steps=verify.accumulation)
-    except ConfigError:
-        variant = runs.done.get("accumulation-micro")
-        said = str(variant.attempts[-1].get("status", {}).get("message") or "") if variant and variant.attempts \
-            else ""
-        if "--gradient_accumulation_steps" not in said:
-            raise
-        return said.strip()
-    return None
+    if "accumulation-micro" not in runs.done:
+        try:
+            runs.finished("accumulation-micro", verify.accumulation_args, max_steps=1,
+                          gradient_accumulation_steps=verify.accumulation)
+        except ConfigError:
+            if "--gradient_accumulation_steps" not in _said(runs.done.get("accumulation-micro")):
+                raise
+    variant = runs.done["accumulation-micro"]
+    said = _said(variant)
+    return said.strip() if variant.returncode != 0 and "--gradient_accumulation_steps" in said else None
+
+
+def _said(variant: Variant | None) -> str:
+    """The message of a variant's last run (run_cli's status), or ''."""
+    if variant is None or not variant.attempts:
+        return ""
+    return str(variant.attempts[-1].get("status", {}).get("message") or "")
 
 
 def _first_steps(micro: Path, full: Path, batch: int, k: int) -> dict:

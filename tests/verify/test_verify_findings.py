@@ -156,6 +156,12 @@ def test_the_loss_of_a_loss_over_the_batch_is_not_judged_across_evaluation_batch
     verify = parse_args(["--checks", "evaluation", "--output_dir", str(tmp_path / "pairs"), "--", str(TOY)])
     result = evaluation(Runs(verify, None, written(plans)))
     assert result.status == "passed" and result.measured["batch_size"]["relative"] == pytest.approx(0.7 / 5)
+    # the accumulation check ran first (verify's order): its refused variant is the evidence, not run again
+    verify = parse_args(["--checks", "accumulation,evaluation", "--output_dir", str(tmp_path / "both"), "--",
+                         str(TOY)])
+    runs = Runs(verify, None, written(plans))
+    assert accumulation(runs).status == "not applicable"
+    assert evaluation(runs).measured["loss_not_judged"] == result.measured["loss_not_judged"]
     assert result.measured["batch_size"]["differing"] == [] and result.measured["world_size"]["differing"] == []
     assert result.measured["loss_not_judged"].startswith("the loss couples the examples of a batch (the script refuses "
                                                          "gradient accumulation: --gradient_accumulation_steps 2: a")

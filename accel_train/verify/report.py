@@ -38,9 +38,12 @@ def figure(name: str, result: Result) -> str:
                 f"{', '.join(measured['compared'])}"
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "evaluation":
-        compared = [f"{key} {measured[key]['relative']:.2e}" for key in ("again", "batch_size", "world_size")
-                    if key in measured]
+        judged = {key: max((row["relative"] for metric, row in measured[key]["metrics"].items()
+                            if metric != "loss" or "loss_not_judged" not in measured), default=0.0)
+                  for key in ("again", "batch_size", "world_size") if key in measured}
+        compared = [f"{key} {relative:.2e}" for key, relative in judged.items()]
         return (f"eval metrics across {', '.join(compared)} relative (tolerance {result.tolerance['metrics']})"
+                + ("; eval_loss not judged: a loss over the batch" if "loss_not_judged" in measured else "")
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "precision":
         return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"

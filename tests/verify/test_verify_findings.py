@@ -19,7 +19,7 @@ from accel_train.verify.command import certificate
 from accel_train.verify.crashes import UNUSED_PARAMETERS, recognised_crash
 from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION, EVALUATION_BATCH
 from accel_train.verify.evaluation import evaluation
-from accel_train.verify.report import render, write_report
+from accel_train.verify.report import figure, render, write_report
 from accel_train.verify.runs import Variant
 
 TOY = SCRIPTS / "toy_train.py"
@@ -166,6 +166,9 @@ def test_the_loss_of_a_loss_over_the_batch_is_not_judged_across_evaluation_batch
     assert result.measured["loss_not_judged"].startswith("the loss couples the examples of a batch (the script refuses "
                                                          "gradient accumulation: --gradient_accumulation_steps 2: a")
     assert result.variants == ["reference", "evaluation", "evaluation-two", "accumulation-micro"]
+    assert figure("evaluation", result) == ("eval metrics across again 0.00e+00, batch_size 0.00e+00, world_size "
+                                            "0.00e+00 relative (tolerance relative 1e-05, each eval_* metric); "
+                                            "eval_loss not judged: a loss over the batch")
     plans["accumulation-micro"] = {}
     verify = parse_args(["--checks", "evaluation", "--output_dir", str(tmp_path / "padding"), "--", str(TOY)])
     result = evaluation(Runs(verify, None, written(plans)))

@@ -23,6 +23,7 @@ from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
 from .meter import cpu_info, device_peak
 from .rendezvous import join_attempt_group, reuses_agent_store
+from .seeding import data_seed
 from .sharded import check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
@@ -59,7 +60,7 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = (), stati
             # than by the main process and sent to the others
             dispatch_batches=False,
             use_seedable_sampler=True,
-            data_seed=config.data_seed if config.data_seed is not None else config.seed,
+            data_seed=data_seed(config),
             non_blocking=config.dataloader_pin_memory,
         ),
         log_with=resolve_trackers(config) or None,

@@ -19,7 +19,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .seeding import seeded_generator
+from .seeding import data_seed, seeded_generator
 from .token_batches import FLAG as TOKEN_FLAG
 from .token_batches import TokenBudgetBatchSampler
 
@@ -199,8 +199,7 @@ def make_loader(
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
     if train and lengths is not None:
-        seed = config.data_seed if config.data_seed is not None else config.seed
-        sampler = LengthGroupedSampler(lengths, batch_size * num_processes, seed)
+        sampler = LengthGroupedSampler(lengths, batch_size * num_processes, data_seed(config))
     return _loader(dataset, config, collate_fn, process_index, batch_size=batch_size,
                    shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
                    sampler=sampler, drop_last=train and config.dataloader_drop_last)
@@ -237,9 +236,9 @@ def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | 
     if len(lengths) != len(dataset):
         raise ConfigError(f"{budget}: {len(lengths)} lengths for a training set of {len(dataset)} examples: pass one "
                           "length per example.")
-    seed = config.data_seed if config.data_seed is not None else config.seed
     # every process plans for the world it runs in (a plan for fewer would leave Accelerate to repeat batches)
-    return TokenBudgetBatchSampler(lengths, config.max_tokens_per_batch, max(num_processes, _world()), seed)
+    return TokenBudgetBatchSampler(lengths, config.max_tokens_per_batch, max(num_processes, _world()),
+                                   data_seed(config))
 
 
 @dataclass

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from ..errors import DataError
-from .data import seeded_generator, take_examples, take_real_tokens
+from .data import take_examples, take_real_tokens
 from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of
 from .meter import StepMeter
 from .objects import steps_each_epoch, steps_each_optimizer_step
 from .rescue import StepBoundary, pending_evaluation
+from .seeding import data_seed, seeded_generator
 from .session import Session
 from .state import TrainState
 
@@ -165,7 +166,7 @@ def _seed_epoch(loader, config, epoch: int) -> None:
     dataset = getattr(loader, "dataset", None)
     if hasattr(dataset, "set_epoch"):  # Accelerate tells the dataset only when the sampler cannot be told (SeededItems)
         dataset.set_epoch(epoch)
-    seed = config.data_seed if config.data_seed is not None else config.seed
+    seed = data_seed(config)
     # On Accelerate's prepared loader, an attribute set lands on the wrapper; the DataLoader that draws the
     # base seed is the wrapped one.
     getattr(loader, "base_dataloader", loader).generator = seeded_generator(seed, epoch)

@@ -10,3 +10,8 @@ def seeded_generator(seed: int, counter: int) -> torch.Generator:
     one derivation the package uses, so that every process and a resumed run draw the same numbers; the large
     prime keeps (seed, epoch) and (seed + 1, epoch - k) apart for any run length."""
     return torch.Generator().manual_seed(seed * 1_000_003 + counter)
+
+
+def data_seed(config) -> int:
+    """The seed of the data order: --data_seed when given, else --seed (the Trainer's rule)."""
+    return config.data_seed if config.data_seed is not None else config.seed

@@ -31,7 +31,7 @@ from .evidence import (
     tensor_differences,
     train_records,
 )
-from .runs import Variant, Verify, killed, require_finished, run_variant
+from .runs import Variant, Verify, killed, launch_refused, one_process_side, require_finished, run_variant
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
 # A difference the model makes by design, not a bug (BatchNorm's per-process batch statistics under world_size): the
@@ -187,16 +187,21 @@ def accumulation(runs: Runs) -> Result:
     if said is not None:
         return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
                       tolerance, ["accumulation-micro"])
-    micro = runs.finished("accumulation-micro", own, max_steps=1, gradient_accumulation_steps=k)
+    micro_flags, shared = accumulation_sides(runs)
+    micro = runs.finished("accumulation-micro", own, **micro_flags)
     config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
     batch = int(config.get("per_device_train_batch_size", 0))
-    if config.get("gradient_accumulation_steps") != k or batch < 1 or config.get("auto_find_batch_size"):
+    asked = micro_flags.get("per_device_train_batch_size", batch)
+    if config.get("gradient_accumulation_steps") != k or not 1 <= batch == asked or config.get("auto_find_batch_size"):
         return Result(NOT_APPLICABLE, {"reason": "the run changed its micro-batch or accumulation by itself "
                                        "(--auto_find_batch_size, or the script sets them)"}, tolerance)
-    full = runs.finished("accumulation-full", own, max_steps=1, per_device_train_batch_size=k * batch,
-                         gradient_accumulation_steps=1)
-    measured = _first_steps(micro.output_dir, full.output_dir, batch, k)
-    result = Result(PASSED, measured, tolerance, ["accumulation-micro", "accumulation-full"])
+    if shared is None:
+        full = runs.finished("accumulation-full", own, max_steps=1, per_device_train_batch_size=k * batch,
+                             gradient_accumulation_steps=1)
+    else:  # the world-size check's 1-process run: one batch of kB, compared at its step 1
+        full = runs.finished(shared[0], own, **shared[1])
+    measured = _first_steps(micro.output_dir, full.output_dir, batch, k, weights=shared is None)
+    result = Result(PASSED, measured, tolerance, ["accumulation-micro", full.name])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
     if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst):
         result.status = FAILED
@@ -204,6 +209,30 @@ def accumulation(runs: Runs) -> Result:
         if measured["batch_norm_layers"]:
             result.status = PROPERTY
     return result
+
+
+def accumulation_sides(runs: Runs) -> tuple[dict, tuple[str, dict] | None]:
+    """The accumulation check's k micro-batches (the flags of its 1-step variant) and, where it can be shared, its one
+    batch of kB: the world-size check's 1-process run (runs.one_process_side) when both checks run with the same
+    flags of their own, the reference ran with a batch G that k divides and no accumulation of its own: then k
+    micro-batches of G/k against that run's step 1, and one variant fewer. Else (None) k micro-batches of the user's
+    B against a 1-step run at kB, accumulation-full."""
+    verify = runs.verify
+    k = verify.accumulation
+    micro = {"max_steps": 1, "gradient_accumulation_steps": k}
+    reference = runs.done.get("reference")
+    if ("world_size" not in verify.checks or verify.accumulation_args != verify.world_size_args
+            or launch_refused(verify.launch_args) or reference is None or reference.returncode != 0):
+        return micro, None
+    config = yaml.safe_load((reference.output_dir / CONFIG).read_text()) or {}
+    batch = int(config.get("per_device_train_batch_size") or 0)
+    if batch < 1 or config.get("auto_find_batch_size") or (config.get("gradient_accumulation_steps") or 1) != 1:
+        return micro, None
+    name, per_device = one_process_side(verify, batch)
+    whole = 2 * per_device
+    if whole % k:
+        return micro, None
+    return {**micro, "per_device_train_batch_size": whole // k}, (name, {"per_device_train_batch_size": whole})
 
 
 def accumulation_refused(runs: Runs) -> str | None:
@@ -214,8 +243,7 @@ def accumulation_refused(runs: Runs) -> str | None:
     verify = runs.verify
     if "accumulation-micro" not in runs.done:
         try:
-            runs.finished("accumulation-micro", verify.accumulation_args, max_steps=1,
-                          gradient_accumulation_steps=verify.accumulation)
+            runs.finished("accumulation-micro", verify.accumulation_args, **accumulation_sides(runs)[0])
         except ConfigError:
             if "--gradient_accumulation_steps" not in _said(runs.done.get("accumulation-micro")):
                 raise
@@ -231,9 +259,9 @@ def _said(variant: Variant | None) -> str:
     return str(variant.attempts[-1].get("status", {}).get("message") or "")
 
 
-def _first_steps(micro: Path, full: Path, batch: int, k: int) -> dict:
-    """Step 1's loss and gradient norm of both runs, their relative differences, the weights after it, the model's
-    batch-norm layers."""
+def _first_steps(micro: Path, full: Path, batch: int, k: int, weights: bool = True) -> dict:
+    """Step 1's loss and gradient norm of both runs, their relative differences, the weights after it (`weights`:
+    both runs ended at step 1), the model's batch-norm layers."""
     first_micro = train_records(micro).get(1, {})
     first_full = train_records(full).get(1, {})
     measured = {"micro_batch": batch, "accumulation_steps": k, "compared_at_step": 1,
@@ -242,7 +270,7 @@ def _first_steps(micro: Path, full: Path, batch: int, k: int) -> dict:
     measured["loss_relative"] = relative_difference(*measured["loss"])
     measured["grad_norm_relative"] = relative_difference(*measured["grad_norm"])
     weights_micro, weights_full = final_weights(micro), final_weights(full)
-    if weights_micro is not None and weights_full is not None:
+    if weights and weights_micro is not None and weights_full is not None:
         rows = tensor_differences(weights_micro, weights_full)
         measured["weights_max_abs"] = max((row["max_abs"] for row in rows), default=0.0)
     measured["batch_norm_layers"] = batch_norm_layers(weights_micro or {})

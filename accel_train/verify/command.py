@@ -12,7 +12,8 @@ in its own directory under --output_dir, and compares them:
                      uninterrupted run's losses after the resume, weights, optimizer state and
                      generator states, bitwise                                                +2 runs (1 killed)
     accumulation     k micro-batches of B against one batch of kB: step 1's loss and gradient
-                     norm within 1e-4 relative                                                2 runs of 1 step
+                     norm within 1e-4 relative (kB: the world-size check's 1-process run
+                     where their flags agree, compared at its step 1)                         2 runs of 1 step, or 1
     world_size       1 process at B against 2 launched at B/2 (the same global batch): every
                      logged loss and step 1's gradient norm within 1e-3 relative, learning
                      rates equal; a BatchNorm model differs by design: status "property"      +1 launch of 2

@@ -31,7 +31,7 @@ from ..rundir.layout import CONFIG, RESULTS, checkpoint_step
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs, accumulation_refused
 from .diagnose import evaluation_cause
 from .evidence import checkpoint_dir, relative_difference
-from .world import launch_refused
+from .runs import launch_refused
 
 # Measured (2 shared CPU cores): bitwise in all three comparisons on toy_train and on the main job's MiniLM
 # (recipes/nlp_finetune.py, 32 evaluation examples, evaluation batch 64 against 16, each padded to its own longest

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..errors import ConfigError, UserError
 from ..observe.fed_record import VARIABLE as FED_VARIABLE
 from ..rundir.layout import HISTORY
@@ -190,3 +192,25 @@ def _tail(path: Path, lines: int = 8) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def one_process_side(verify: Verify, batch: int) -> tuple[str, int]:
+    """The world-size check's 1-process variant for a per-device training batch `batch`, and the 2 processes'
+    per-device batch: the reference itself (at B, against 2 x B/2) when B is even and the check adds no flags of its
+    own, else a run of its own, world-size-one (at 2 x B/2, or 2B against 2 x B when B is odd)."""
+    per_device = batch // 2 if batch % 2 == 0 else batch
+    own = per_device < batch and not verify.world_size_args
+    return ("reference" if own else "world-size-one"), per_device
+
+
+def launch_refused(launch_args: list[str]) -> str | None:
+    """Why the world-size check cannot run with these launcher flags (or on this machine), or None."""
+    if torch.cuda.device_count() == 1 and "--cpu" not in launch_args:
+        return ("one GPU: two processes cannot share it; rerun verify with --launch_args '--cpu' to compare 1 and 2 "
+                "processes on CPU (every variant then runs on CPU)")
+    named = [a for a in launch_args if a.split("=")[0] in ("--num_processes", "--num-processes", "--config_file",
+                                                            "--config-file", "--preset")]
+    if named:
+        return (f"--launch_args {' '.join(launch_args)} choose the processes ({named[0]}): the check compares 1 "
+                "process with 2 by itself; give --launch_args without them (e.g. '--cpu', '--mixed_precision no')")
+    return None

@@ -10,7 +10,6 @@ halved: the 1-process side is then a run of its own at 2B, against 2 processes a
 
 from __future__ import annotations
 
-import torch
 import yaml
 
 from ..rundir.layout import CONFIG
@@ -18,6 +17,7 @@ from .checks import FAILED, NOT_APPLICABLE, PASSED, PROPERTY, Result, Runs
 from .crashes import DEBUG_VARIABLE
 from .diagnose import world_size_cause
 from .evidence import batch_norm_layers, final_weights, relative_difference, tensor_differences, train_records
+from .runs import launch_refused, one_process_side
 
 # 1 process against 2 at the same global batch computes the same numbers over other shapes and in another order (two
 # half-batch means all-reduced against one mean; each half padded to its own longest row). Measured over 6 steps
@@ -54,9 +54,9 @@ def world_size(runs: Runs) -> Result:
         return Result(NOT_APPLICABLE, {"reason": "the run chooses its batch size by itself (--auto_find_batch_size, or "
                                        "the script sets it): no global batch to hold equal"}, tolerance)
     own = verify.world_size_args  # e.g. dropout off: then the 1-process side is a run of its own
-    per_device = batch // 2 if batch % 2 == 0 else batch
-    one = reference if per_device < batch and not own else \
-        runs.finished("world-size-one", own, per_device_train_batch_size=2 * per_device)
+    name, per_device = one_process_side(verify, batch)
+    # the accumulation check may have run it already, as its one batch of kB (checks.accumulation_sides)
+    one = runs.finished(name, own, per_device_train_batch_size=2 * per_device)
     # INFO: should DDP fail for a parameter without a gradient, its error names the parameters (crashes.py)
     two = runs.finished("world-size", own, processes=2, env={DEBUG_VARIABLE: "INFO"},
                         per_device_train_batch_size=per_device)
@@ -99,16 +99,3 @@ def compare_world_sizes(one, two) -> dict:
             "weights_relative": max((row["relative"] for row in rows), default=0.0),
             "largest_differences": rows[:3],
             "batch_norm_layers": batch_norm_layers(weights_one or {})}
-
-
-def launch_refused(launch_args: list[str]) -> str | None:
-    """Why the world-size check cannot run with these launcher flags (or on this machine), or None."""
-    if torch.cuda.device_count() == 1 and "--cpu" not in launch_args:
-        return ("one GPU: two processes cannot share it; rerun verify with --launch_args '--cpu' to compare 1 and 2 "
-                "processes on CPU (every variant then runs on CPU)")
-    named = [a for a in launch_args if a.split("=")[0] in ("--num_processes", "--num-processes", "--config_file",
-                                                            "--config-file", "--preset")]
-    if named:
-        return (f"--launch_args {' '.join(launch_args)} choose the processes ({named[0]}): the check compares 1 "
-                "process with 2 by itself; give --launch_args without them (e.g. '--cpu', '--mixed_precision no')")
-    return None

@@ -90,11 +90,11 @@ def test_a_seeded_bug_is_flagged_by_its_check_and_its_twin_passes(tmp_path, vari
 
 @pytest.mark.slow
 def test_toy_train_is_certified_by_every_check(tmp_path, variant_env):
-    """Eight runs and two launches: two of 6 steps (determinism), one killed after step 5 and resumed from step 3
-    (resume, against the first), two of one step (accumulation 2 x 8 against 16), 2 processes of 4 against the first
-    run's 8 (world size, launched), the first run's last checkpoint evaluated again at an evaluation batch of 4 and on
-    2 launched processes (evaluation), 3 steps in bf16 (precision); data accounting reads the first, the launched and
-    the resumed runs."""
+    """Seven runs and two launches: two of 6 steps (determinism), one killed after step 5 and resumed from step 3
+    (resume, against the first), one of one step (accumulation: 2 x 4 against the first run's step 1 at 8, shared
+    with world size), 2 processes of 4 against the first run's 8 (world size, launched), the first run's last
+    checkpoint evaluated again at an evaluation batch of 4 and on 2 launched processes (evaluation), 3 steps in bf16
+    (precision); data accounting reads the first, the launched and the resumed runs."""
     code, certificate = verify(tmp_path, TOY, ",".join(CHECKS))
     checks = certificate["checks"]
     assert code == 0 and {name: c["status"] for name, c in checks.items()} == dict.fromkeys(checks, "passed")
@@ -108,7 +108,9 @@ def test_toy_train_is_certified_by_every_check(tmp_path, variant_env):
     assert attempts[0]["returncode"] == -9
     assert attempts[1]["command"][-4:-2] == ["--resume_from_checkpoint", "latest"] and attempts[1]["returncode"] == 0
     accumulated = checks["accumulation"]["measured"]
-    assert (accumulated["micro_batch"], accumulated["accumulation_steps"]) == (8, 2)
+    assert (accumulated["micro_batch"], accumulated["accumulation_steps"]) == (4, 2)
+    assert checks["accumulation"]["variants"] == ["accumulation-micro", "reference"]
+    assert "accumulation-full" not in certificate["variants"]
     assert accumulated["loss_relative"] <= 1e-5 and accumulated["grad_norm_relative"] <= 1e-5
     world = checks["world_size"]
     assert world["variants"] == ["reference", "world-size"] and certificate["variants"]["world-size"]["processes"] == 2

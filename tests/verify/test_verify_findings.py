@@ -29,9 +29,9 @@ REFUSAL = ("--gradient_accumulation_steps 2: a contrastive loss computed per mic
 
 def written(plans: dict):
     """A runner that writes each named variant's run directory from `plans[name]`: step 1's loss and grad_norm
-    (metrics.jsonl: "loss", "norm"), config.yaml ("config", else the accumulation asked), the weights' names
-    (model.safetensors: "weights"), all_results.json ("results") and a checkpoint at the last step; "refused": the run
-    exits 2 with that message in its status, as run_cli writes it for a ConfigError."""
+    (metrics.jsonl: "loss", "norm"), config.yaml ("config", else the batch (8) and accumulation asked), the weights'
+    names (model.safetensors: "weights"), all_results.json ("results") and a checkpoint at the last step; "refused":
+    the run exits 2 with that message in its status, as run_cli writes it for a ConfigError."""
     def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
         plan, out = plans[name], verify.output_dir / name
         out.mkdir(parents=True)
@@ -40,7 +40,7 @@ def written(plans: dict):
             return Variant(name, [], out, {}, processes, returncode=2, attempts=[{"status": status, "log": None}])
         (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": plan.get("loss", 1.0),
                                                        "grad_norm": plan.get("norm", 1.0)}))
-        config = plan.get("config") or {"per_device_train_batch_size": 8,
+        config = plan.get("config") or {"per_device_train_batch_size": more.get("per_device_train_batch_size", 8),
                                         "gradient_accumulation_steps": more.get("gradient_accumulation_steps")}
         (out / "config.yaml").write_text(json.dumps(config))
         save_file({name: torch.ones(2) for name in plan.get("weights", ["w"])}, str(out / "model.safetensors"))
@@ -61,6 +61,35 @@ def test_a_script_that_refuses_accumulation_makes_the_check_not_applicable(tmp_p
     result = accumulation_on(tmp_path, {"accumulation-micro": {"refused": REFUSAL}})
     assert result.status == "not applicable"
     assert result.measured["reason"] == f"the script refuses --gradient_accumulation_steps 2: {REFUSAL}"
+
+
+def test_accumulation_shares_the_world_size_checks_one_batch_where_their_flags_agree(tmp_path):
+    """With world_size asked too and the same flags of their own, the accumulation check's one batch is the world-size
+    check's 1-process run, compared at its step 1 (k micro-batches of G/k against G): one variant fewer (the main
+    job's README command: 10 variants, not 11). Where the flags differ, or the reference accumulates by itself, it
+    is a 1-step run of its own at k x B, as before."""
+    def sides(name: str, *flags: str, reference_config: dict | None = None):
+        out = tmp_path / name
+        verify = parse_args(["--checks", "determinism,accumulation,world_size", "--output_dir", str(out), *flags,
+                             "--", str(TOY)])
+        plans = {"reference": {"config": reference_config or {"per_device_train_batch_size": 8}},
+                 "accumulation-micro": {}, "accumulation-full": {}, "world-size-one": {}}
+        runs = Runs(verify, None, written(plans))
+        runs.finished("reference")
+        return accumulation(runs)
+
+    result = sides("same")  # no flags of their own: the reference (B = 8) is the world-size check's 1-process side
+    assert result.variants == ["accumulation-micro", "reference"] and result.measured["micro_batch"] == 4
+    assert "weights_max_abs" not in result.measured  # the reference went on past step 1: its weights are not step 1's
+    dropout_off = "--config_overrides hidden_dropout_prob=0"
+    result = sides("both", "--accumulation_args", dropout_off, "--world_size_args", dropout_off)
+    assert result.variants == ["accumulation-micro", "world-size-one"] and result.measured["micro_batch"] == 4
+    result = sides("one", "--accumulation_args", dropout_off)
+    assert result.variants == ["accumulation-micro", "accumulation-full"] and result.measured["micro_batch"] == 8
+    assert result.measured["weights_max_abs"] == 0.0
+    result = sides("accumulating", reference_config={"per_device_train_batch_size": 8,
+                                                     "gradient_accumulation_steps": 4})
+    assert result.variants == ["accumulation-micro", "accumulation-full"]
 
 
 def test_batch_norm_under_accumulation_is_a_property_not_a_failure(tmp_path):

@@ -22,6 +22,9 @@ in its own directory under --output_dir, and compares them:
                      processes: every eval_* metric within 1e-5 relative                      +1 run, +1 launch of 2
     precision        the first 3 steps in bf16 against fp32 (the reference on one side, the
                      other precision on the other): losses within 1e-2 relative, finite       +1 run of 3 steps
+    packing          --packing / --padding_free only (read from config.yaml): step 1 of packed
+                     rows against the same examples padded: loss and gradient norm within
+                     1e-4 relative (examples packed together must not see each other)       +1 or 2 runs of 1 step
     data_accounting  every index planned once per epoch across the processes, every index
                      planned fed (no item dropped on the way to the loss), the same plan and
                      no micro-batch twice across the resume, dataset[len] raising: read from
@@ -49,6 +52,7 @@ from .accounting import data_accounting
 from .checks import FAILED, PROPERTY, Result, Runs, accumulation, determinism, resume
 from .crashes import VariantCrashed
 from .evaluation import evaluation
+from .packing import packing
 from .precision import precision
 from .report import REPORT, figure, write_report
 from .runs import CHECKS, Variant, Verify, run_variant
@@ -134,6 +138,7 @@ def run_checks(runs: Runs, results: dict[str, Result]) -> None:
              "world_size": lambda: world_size(runs),
              "evaluation": lambda: evaluation(runs),
              "precision": lambda: precision(runs),
+             "packing": lambda: packing(runs),
              "data_accounting": lambda: data_accounting(runs)}  # last: it reads the runs the checks above made
     for name, call in calls.items():
         if name not in runs.verify.checks:

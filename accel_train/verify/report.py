@@ -48,6 +48,9 @@ def figure(name: str, result: Result) -> str:
     if name == "precision":
         return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"
                 f" losses {measured['loss_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
+    if name == "packing":
+        return (f"step 1 {measured['layout'].replace('_', '-')} against padded: loss {measured['loss_relative']:.2e}, "
+                f"grad_norm {measured['grad_norm_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
     if name == "accumulation":
         return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
                 f"(tolerance {result.tolerance['loss']})")

@@ -29,7 +29,8 @@ from ..observe.fed_record import VARIABLE as FED_VARIABLE
 from ..rundir.layout import HISTORY
 from ..sweep.trial import Interrupts, end_process_tree
 
-CHECKS = ("determinism", "resume", "accumulation", "world_size", "evaluation", "precision", "data_accounting")
+CHECKS = ("determinism", "resume", "accumulation", "world_size", "evaluation", "precision", "packing",
+          "data_accounting")
 STATUS_FILE = "status.json"  # beside each variant's log: how its run ended (run_cli's ACCEL_TRAIN_STATUS_FILE)
 LOGS_DIR = "logs"
 

@@ -5,14 +5,17 @@ certificate can be derived again from these files.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pickle
 from pathlib import Path
 
 import torch
+import yaml
 
-from ..rundir.layout import CHECKPOINTS_DIR, HISTORY, checkpoint_name
+from ..rundir.checkpoint import TRAIN_STATE
+from ..rundir.layout import CHECKPOINTS_DIR, CONFIG, HISTORY, checkpoint_name
 from ..rundir.weights import read_weights, weights_file
 
 OPTIMIZER_FILE = "optimizer.bin"  # Accelerate's name for the first optimizer's state in a checkpoint
@@ -137,3 +140,58 @@ def relative_difference(x: float | None, y: float | None) -> float:
 def batch_norm_layers(weights: dict) -> list[str]:
     """The layers whose state holds a batch norm's running statistics (read from the saved weights' names)."""
     return sorted({name.rsplit(".", 1)[0] for name in weights if name.rsplit(".", 1)[-1] in BATCH_NORM_BUFFERS})
+
+
+# What the project's own feature x invariant matrix (tests/core/test_matrix.py) compares besides: the same readers and
+# comparisons judge its cells and a user's run (verify/matrix.py).
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config (config.yaml: TrainConfig and the script's own arguments), or {}."""
+    path = Path(run_dir) / CONFIG
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def history(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records in the order written, the final summary record left out."""
+    path = Path(run_dir) / HISTORY
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [record for record in (json.loads(line) for line in lines if line.strip()) if not record.get("final")]
+
+
+def steps_going_back(run_dir: Path) -> list[tuple[int, int]]:
+    """Each place metrics.jsonl's step goes back (the step before, the step after): [] for one timeline."""
+    steps = [int(record["step"]) for record in history(run_dir)]
+    return [(before, after) for before, after in itertools.pairwise(steps) if after < before]
+
+
+def flop_count(run_dir: Path) -> dict | None:
+    """The FLOPs the run counted (per sample, per token), from its newest checkpoint's train state, or None."""
+    checkpoints = sorted((Path(run_dir) / CHECKPOINTS_DIR).glob("step-*"))
+    state = checkpoints[-1] / TRAIN_STATE if checkpoints else None
+    return json.loads(state.read_text()).get("flop_count") if state is not None and state.is_file() else None
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max |a - b| over every tensor (inf when a tensor is in one only or reshaped, NaN when one is NaN): 0.0 is
+    bitwise equal."""
+    return max((row["max_abs"] for row in tensor_differences(a, b)), default=0.0)
+
+
+def feed_across_resume(uninterrupted: list, cut: list | None, resumed: list) -> list[str]:
+    """The micro-batches a resumed run fed against the uninterrupted run's (each a list of examples, in order): the
+    resumed run goes on with exactly the uninterrupted run's last ones, and the cut run's then the resumed run's are
+    the uninterrupted run's, none twice (`cut`: None when the cut run left no record). What differs, in words."""
+    found = []
+    if resumed != uninterrupted[len(uninterrupted) - len(resumed):]:
+        found.append(f"the resumed run's {len(resumed)} micro-batches are not the uninterrupted run's last ones")
+    if cut is not None and cut + resumed != uninterrupted:
+        found.append(f"the cut run's {len(cut)} micro-batches then the resumed run's {len(resumed)} are not the "
+                     f"uninterrupted run's {len(uninterrupted)}")
+    return found
+
+
+def merged_micro_batches(ranks: list[list[list[int]]]) -> list[list[int]]:
+    """The processes' micro-batches merged step by step (each sorted): what one process at the global batch feeds.
+    Processes that fed other numbers of micro-batches raise ValueError."""
+    return [sorted(index for batch in batches for index in batch) for batches in zip(*ranks, strict=True)]

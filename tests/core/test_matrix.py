@@ -6,6 +6,11 @@ test sees the line), or *n/a* (the reason is in the table). Every cell of FEATUR
 `test_every_cell_is_accounted_for` fails on a new feature or invariant until its cells are filled in; it prints the
 table, which docs/matrix.md holds (a test keeps the two equal).
 
+The table (rows, their flags, each cell's status and reason) is accel_train/verify/matrix.py's: `accel-train verify`
+reads it too, to say what this module proves for the combination a user's run makes. The cells are judged with
+verify's evidence functions (accel_train/verify/evidence.py, checks.bitwise_comparison, accounting's coverage,
+evaluation's metrics): the code that judges a user's run judges the project's own cells.
+
 The runs are tiny and in-process (`main(argv)`); each feature's three runs — uninterrupted, cut (stopped by a hook or
 by SIGTERM, which checkpoints), resumed with `latest` — are made once and shared by that feature's cells. The
 2-process cells run on the session's two gloo ranks (conftest's `ranks`, spawned once): the launcher is not what they
@@ -16,16 +21,30 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
 import token_train
 import toy_train
-from conftest import ROOT, read_jsonl, reset_accelerate
-from safetensors.torch import load_file
+from conftest import ROOT, reset_accelerate
 
 from accel_train import run_cli
+from accel_train.verify import matrix
+from accel_train.verify.accounting import coverage_findings
+from accel_train.verify.checks import bitwise_comparison
+from accel_train.verify.evaluation import compare_metrics, read_metrics
+from accel_train.verify.evidence import (
+    feed_across_resume,
+    final_weights,
+    flop_count,
+    history,
+    largest_difference,
+    merged_micro_batches,
+    run_config,
+    steps_going_back,
+)
+from accel_train.verify.matrix import INVARIANTS, SAID, SPECIAL, cell_status, table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,155 +56,64 @@ TOY = ("--num_samples", "48", "--per_device_train_batch_size", "4", "--num_train
 # hook that cuts it stops at a checkpoint (token_train's StopAt acts on_save), hence even steps
 TOKEN = ("--num_sequences", "24", "--per_device_train_batch_size", "4", "--num_train_epochs", "2", "--learning_rate",
          "0.01", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2")
-ROLLBACK = ("--spike_window", "3", "--spike_threshold", "10", "--on_spike", "rollback", "--shuffle", "false")
-
-
 @dataclass(frozen=True)
-class Feature:
+class Run:
+    """How this module runs a row of the table (accel_train/verify/matrix.py holds the row: its flags, its record)."""
+
     script: str  # "toy" (tests/scripts/toy_train.py) or "token" (token_train.py)
-    flags: tuple[str, ...]
     cut_after: int  # the step after which the cut run is interrupted (mid-epoch)
     sigterm: bool = False  # interrupted by SIGTERM (the loop checkpoints at the next step) instead of a hook's stop
-    record: dict = field(default_factory=dict)  # config.yaml entries that name the feature
     fault: str = ""  # ACCEL_TRAIN_FAULT for every run of it
     stream: bool = False  # the flags need the stream's parquet files (--stream_dir)
     parity: tuple[str, ...] = ()  # flags of both sides of the 2-process comparison (bf16: a few plain SGD steps)
 
 
-FEATURES: dict[str, Feature] = {
-    "map-style data": Feature("toy", (), 7),
-    "accumulation": Feature("toy", ("--gradient_accumulation_steps", "2"), 4,
-                            record={"gradient_accumulation_steps": 2}),
-    "bf16": Feature("toy", ("--mixed_precision", "bf16"), 7, record={"mixed_precision": "bf16"},
-                    parity=("--max_steps", "3", "--optim", "sgd")),
-    "packing": Feature("token", ("--pack_width", "40", "--per_device_train_batch_size", "2"), 2,
-                       record={"pack_width": 40}),
-    "padding-free": Feature("token", ("--padding_free", "true"), 4, record={"padding_free": True}),
-    "chunked CE": Feature("token", ("--loss_chunk_size", "8"), 4, record={"loss_chunk_size": 8}),
-    "length buckets": Feature("token", ("--length_buckets", "16,32,40"), 4, record={"length_buckets": "16,32,40"}),
-    # 64 padded tokens a micro-batch: 11 micro-batches of 1 to 6 sequences an epoch (tests/core/test_token_batches.py)
-    "token budget": Feature("token", ("--max_tokens_per_batch", "64"), 4, record={"max_tokens_per_batch": 64}),
-    "token budget + accumulation + bf16 + weight averaging": Feature(
-        "token", ("--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "2", "--mixed_precision", "bf16",
-                  "--ema_decay", "0.9"), 3, sigterm=True,
-        record={"max_tokens_per_batch": 64, "gradient_accumulation_steps": 2, "mixed_precision": "bf16",
-                "ema_decay": 0.9}),
-    "stream": Feature("toy", ("--max_steps", "20"), 7, stream=True),
-    "stream + 2 workers": Feature("toy", ("--max_steps", "20", "--dataloader_num_workers", "2"), 7, stream=True,
-                                  record={"dataloader_num_workers": 2}),
-    "shuffled stream": Feature("toy", ("--max_steps", "20", "--stream_shuffle", "8"), 7, sigterm=True, stream=True,
-                               record={"stream_shuffle": 8}),
-    "augmentation (SeededItems)": Feature("toy", ("--augment", "0.3", "--seeded_items", "true",
-                                                  "--dataloader_num_workers", "2"), 7,
-                                          record={"augment": 0.3, "seeded_items": True}),
-    "rollback": Feature("toy", (*ROLLBACK, "--spike_index", "20", "--spike_scale", "1e4"), 9,
-                        record={"on_spike": "rollback"}),
-    "rollback + padding-free": Feature("token", (*ROLLBACK[:6], "--padding_free", "true", "--spike_batch", "4"), 8,
-                                       record={"on_spike": "rollback", "padding_free": True}),
-    "rollback + token budget": Feature("token", (*ROLLBACK[:6], "--max_tokens_per_batch", "64", "--spike_batch",
-                                                 "4"), 8, record={"on_spike": "rollback", "max_tokens_per_batch": 64}),
-    "spike skip": Feature("toy", ("--spike_window", "3", "--spike_threshold", "10", "--on_spike", "skip",
-                                  "--spike_index", "20", "--spike_scale", "1e4"), 7, record={"on_spike": "skip"}),
-    "dropout": Feature("toy", ("--dropout", "0.2"), 7, record={"dropout": 0.2}),
-    "weight averaging": Feature("toy", ("--ema_decay", "0.9"), 7, record={"ema_decay": 0.9}),
-    "gradient checkpointing": Feature("token", ("--gradient_checkpointing", "true"), 4,
-                                      record={"gradient_checkpointing": True}),
-    "automatic batch size": Feature("toy", ("--per_device_train_batch_size", "8", "--gradient_accumulation_steps",
-                                            "1", "--auto_find_batch_size", "true"), 4, fault="oom_above:4",
-                                    record={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}),
-    "best model + early stopping": Feature("toy", ("--metric_for_best_model", "eval_loss", "--load_best_model_at_end",
-                                                   "true", "--early_stopping_patience", "20"), 7,
-                                           record={"metric_for_best_model": "eval_loss"}),
-    "SIGTERM": Feature("toy", ("--dropout", "0.2"), 7, sigterm=True, record={"dropout": 0.2}),
-    "Muon": Feature("toy", ("--optim", "muon"), 7, record={"optim": "muon"}),
-    "Muon + accumulation": Feature("toy", ("--optim", "muon", "--gradient_accumulation_steps", "2"), 4,
-                                   record={"optim": "muon", "gradient_accumulation_steps": 2}),
-    "Muon + bf16": Feature("toy", ("--optim", "muon", "--mixed_precision", "bf16"), 7,
-                           record={"optim": "muon", "mixed_precision": "bf16"}),
-    "Muon + weight averaging + SIGTERM": Feature("toy", ("--optim", "muon", "--ema_decay", "0.9"), 7, sigterm=True,
-                                                 record={"optim": "muon", "ema_decay": 0.9}),
-    # checkpoints written in the background (the race itself, a write slower than the steps: test_async_save.py)
-    "async save": Feature("toy", ("--async_save", "true"), 7, record={"async_save": True}),
-    "async save + stream": Feature("toy", ("--max_steps", "20", "--async_save", "true"), 7, stream=True,
-                                   record={"async_save": True}),
-    "async save + weight averaging + SIGTERM": Feature("toy", ("--async_save", "true", "--ema_decay", "0.9"), 7,
-                                                       sigterm=True, record={"async_save": True, "ema_decay": 0.9}),
-}
-BASELINES = {"toy": "map-style data", "token": "token baseline"}  # model FLOPs are compared with these
-RUNS = {**FEATURES, "token baseline": Feature("token", (), 4)}  # what RunCache can make
+@dataclass(frozen=True)
+class Feature(Run):
+    flags: tuple[str, ...] = ()
+    record: dict = field(default_factory=dict)  # config.yaml entries that name the feature
 
-INVARIANTS = ("resume", "data", "history", "2 processes", "model FLOPs", "run record")
-INVARIANT_TEXT = {
-    "resume": "cut mid-epoch (a stop, or SIGTERM) and resumed with `latest`: bitwise the uninterrupted run's weights",
-    "data": "each example fed once per epoch; the resumed run feeds exactly the uninterrupted run's batches after "
-            "the checkpoint",
-    "history": "metrics.jsonl: one timeline, its steps never go back",
-    "2 processes": "2 processes x B/2 = 1 process x B: the same data (the ranks' halves of each micro-batch), weights "
-                   "and evaluation, within TOLERANCE (AdamW "
-                   "turns rounding-sized gradient differences into up to 2 x lr on its first steps: bf16 is compared "
-                   "after 3 SGD steps)",
-    "model FLOPs": "the FLOPs counted per sample (per token) are the model's, as without the feature",
-    "run record": "config.yaml names what ran",
+
+HOW: dict[str, Run] = {
+    "map-style data": Run("toy", 7),
+    "accumulation": Run("toy", 4),
+    "bf16": Run("toy", 7, parity=("--max_steps", "3", "--optim", "sgd")),
+    "packing": Run("token", 2),
+    "padding-free": Run("token", 4),
+    "chunked CE": Run("token", 4),
+    "length buckets": Run("token", 4),
+    "token budget": Run("token", 4),
+    "token budget + accumulation + bf16 + weight averaging": Run("token", 3, sigterm=True),
+    "stream": Run("toy", 7, stream=True),
+    "stream + 2 workers": Run("toy", 7, stream=True),
+    "shuffled stream": Run("toy", 7, sigterm=True, stream=True),
+    "augmentation (SeededItems)": Run("toy", 7),
+    "rollback": Run("toy", 9),
+    "rollback + padding-free": Run("token", 8),
+    "rollback + token budget": Run("token", 8),
+    "spike skip": Run("toy", 7),
+    "dropout": Run("toy", 7),
+    "weight averaging": Run("toy", 7),
+    "gradient checkpointing": Run("token", 4),
+    "automatic batch size": Run("toy", 4, fault="oom_above:4"),
+    "best model + early stopping": Run("toy", 7),
+    "SIGTERM": Run("toy", 7, sigterm=True),
+    "Muon": Run("toy", 7),
+    "Muon + accumulation": Run("toy", 4),
+    "Muon + bf16": Run("toy", 7),
+    "Muon + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
+    "async save": Run("toy", 7),
+    "async save + stream": Run("toy", 7, stream=True),
+    "async save + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
 }
+FEATURES: dict[str, Feature] = {name: Feature(**asdict(HOW[name]), flags=row.flags, record=row.record)
+                                for name, row in matrix.FEATURES.items() if name in HOW}
+BASELINES = {"toy": "map-style data", "token": "token baseline"}  # model FLOPs are compared with these
+RUNS = {**FEATURES, "token baseline": Feature("token", 4)}  # what RunCache can make
 
 # 2 processes against 1: the largest weight difference allowed (measured: toy fp32 < 1e-6 after 24 AdamW steps, the
 # token model 2.2e-5 after 12, bf16 SGD 3 steps ~1e-4)
 TOLERANCE = {"toy": 1e-5, "token": 1e-4, "bf16": 2e-3}
-
-# Cells that are not proven by the tests below: (status, reason or the test that proves it elsewhere).
-ELSEWHERE = "tests/core/test_spike_guard.py::test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch"
-SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
-    ("stream", "2 processes"): ("n/a", "each process reads its own shards: the global batch holds other examples "
-                                       "than one process's; tests/core/test_stream_resume.py resumes 2 bitwise"),
-    ("stream + 2 workers", "2 processes"): ("n/a", "as for a stream"),
-    ("shuffled stream", "2 processes"): ("n/a", "as for a stream"),
-    ("async save + stream", "2 processes"): ("n/a", "as for a stream"),
-    ("stream", "data"): ("proven", "here, on the resumed run; a stream has no epoch-wide index to check once-ness"),
-    ("rollback", "data"): ("proven", ELSEWHERE + " (the kept batches are the run's without the spiked one)"),
-    ("rollback", "2 processes"): ("proven", "here, with a rank that does not see the newest checkpoint yet; with "
-                                            "accumulation: tests/core/test_spike_guard.py::test_rollback_agrees_"
-                                            "across_ranks_with_accumulation"),
-    ("rollback + padding-free", "2 processes"): ("n/a", "the spiked micro-batch is found by content on 1 process"),
-    ("rollback + padding-free", "model FLOPs"): ("n/a", "padding-free rows: attention FLOPs per token depend on "
-                                                        "the row's length"),
-    ("token budget", "2 processes"): ("proven", "tests/core/test_token_batches.py::test_two_processes_run_as_many_"
-                                                "micro_batches_and_give_the_token_mean_gradient (a plan for 2 deals "
-                                                "whole batches, one per rank a round: the same number on each rank, "
-                                                "the step the token mean of the examples of both)"),
-    ("token budget + accumulation + bf16 + weight averaging", "2 processes"): (
-        "n/a", "as for a token budget: the plan deals whole batches, not halves of one process's"),
-    ("rollback + token budget", "2 processes"): ("n/a", "the spiked micro-batch is found by content on 1 process"),
-    ("spike skip", "2 processes"): ("proven", "tests/core/test_spike_guard.py::test_the_guard_agrees_across_ranks_"
-                                              "and_resumes_with_its_window_bitwise"),
-    ("packing", "model FLOPs"): ("n/a", "packed rows are longer sequences: attention FLOPs per token differ"),
-    ("padding-free", "model FLOPs"): ("n/a", "one row of every example: attention FLOPs per token differ"),
-    ("packing", "2 processes"): ("proven", "tests/tasks/test_packing.py::test_a_packed_step_on_two_processes_is_the_"
-                                           "padded_steps_gradient"),
-    ("padding-free", "2 processes"): ("n/a", "the rows of 2 processes are 2 rows, not one: a different batch shape "
-                                             "(the step gradient equals the padded one's, test_packing.py)"),
-    ("automatic batch size", "2 processes"): ("proven", "tests/core/test_speed.py::test_auto_batch_size_agrees_"
-                                                        "across_processes"),
-    ("augmentation (SeededItems)", "2 processes"): ("proven", "here: each item's noise is a function of (seed, "
-                                                              "epoch, index), on any rank"),
-    ("dropout", "2 processes"): ("n/a", "each process draws its own dropout masks; resumed bitwise on 2: "
-                                        "tests/launch/test_distributed.py::test_resume_mid_epoch_is_exact"),
-    ("Muon + bf16", "2 processes"): ("n/a", "Muon, as AdamW, makes bf16's rounding-sized gradient differences "
-                                            "update-sized (Newton-Schulz lifts every direction of the gradient to "
-                                            "~1: 0.012 after 3 steps at lr 0.05); bf16 on 2 processes is the bf16 "
-                                            "row's (SGD), Muon on 2 the Muon rows' (fp32: 0 difference in its matrix)"),
-    ("SIGTERM", "2 processes"): ("n/a", "dropout, as above; SIGTERM agreed across ranks: tests/rundir/"
-                                        "test_reliability.py::test_sigterm_saves_at_the_step_boundary_and_exits_"
-                                        "cleanly (slow)"),
-}
-SAID = {  # feature -> the start-up line a run without the fix gets (a test below sees it)
-    "augmentation (global RNG)": "the training set's items draw from the global random generator(s) of torch",
-}
-
-
-def cell_status(feature: str, invariant: str) -> tuple[str, str]:
-    if (feature, invariant) in SPECIAL:
-        return SPECIAL[(feature, invariant)]
-    return "proven", "here"
 
 
 # ------------------------------------------------------------------------------------------------------ the runs
@@ -291,7 +219,8 @@ def fed(record: dict) -> list:
 
 
 def weights(out: Path) -> dict:
-    return load_file(out / "model.safetensors")
+    assert (out / "model.safetensors").is_file(), f"{out}: no final weights"
+    return final_weights(out)
 
 
 # ----------------------------------------------------------------------------------------------- the cells
@@ -309,15 +238,15 @@ def test_cell(runs, feature, invariant):
 
 
 def check_resume(runs: RunCache, name: str) -> None:
+    """verify's resume comparison: the weights bitwise, and the losses logged after the checkpoint bitwise."""
     r = runs.get(name)
-    a, b = weights(r.full), weights(r.cut)
-    assert a.keys() == b.keys()
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst == 0.0, f"{name}: the resumed run's weights differ by {worst}"
+    weights(r.full), weights(r.cut)  # both wrote their final weights
+    compared = bitwise_comparison(r.full, r.cut, after=r.checkpoint_step)
+    assert compared["weights_compared"] and compared["tensors_differing"] == 0, \
+        f"{name}: the resumed run's weights differ: {compared['largest_differences']}"
+    assert compared["first_loss_difference"] is None, f"{name}: {compared['first_loss_difference']}"
     if r.feature.record.get("ema_decay"):  # the average too: it is what eval_ema_* measured
-        full = json.loads((r.full / "all_results.json").read_text())
-        cut = json.loads((r.cut / "all_results.json").read_text())
-        assert full["eval_ema_loss"] == cut["eval_ema_loss"]
+        assert read_metrics(r.full, "eval_ema")["loss"] == read_metrics(r.cut, "eval_ema")["loss"]
 
 
 def check_data(runs: RunCache, name: str) -> None:
@@ -325,63 +254,55 @@ def check_data(runs: RunCache, name: str) -> None:
     script = r.feature.script
     full = fed(records(r.full, script)[-1])
     cut = records(r.cut, script)  # a run stopped by SIGTERM writes no record: only the resumed one is there
-    resumed = fed(cut[-1])
-    assert resumed == full[len(full) - len(resumed):], f"{name}: the resumed run fed other batches"
-    if len(cut) == 2:  # the cut run's batches, then the resumed run's: the uninterrupted run's, none twice
-        assert fed(cut[0]) + resumed == full, f"{name}: cut + resumed != the uninterrupted run's batches"
+    differ = feed_across_resume(full, fed(cut[0]) if len(cut) == 2 else None, fed(cut[-1]))
+    assert differ == [], f"{name}: {differ}"
     if r.feature.record.get("padding_free") and not r.feature.record.get("on_spike"):  # examples, not rows, counted
         state = json.loads((r.cut / "checkpoints" / f"step-{r.checkpoint_step:08d}" / "train_state.json").read_text())
         assert state["samples_seen"] == 4 * r.checkpoint_step, f"{name}: samples counted as rows"
     if script == "toy" and not r.feature.record.get("on_spike"):  # each point once in every whole epoch
         flat = [i for batch in full for i in batch]
         assert len(flat) >= 48
-        for epoch in range(len(flat) // 48):
-            assert sorted(flat[epoch * 48:(epoch + 1) * 48]) == list(range(48)), f"{name}: epoch {epoch} not once"
+        for epoch in range(len(flat) // 48):  # one process, no fill: each index exactly once
+            found = coverage_findings(name, epoch, [[flat[epoch * 48:(epoch + 1) * 48]]], {"dataset_length": 48})
+            assert found == [], f"{name}: epoch {epoch} not once: {found}"
 
 
 def check_history(runs: RunCache, name: str) -> None:
     r = runs.get(name)
     for out in (r.full, r.cut):
-        steps = [rec["step"] for rec in read_jsonl(out / "metrics.jsonl") if not rec.get("final")]
-        assert steps == sorted(steps), f"{name}: metrics.jsonl's steps go back in {out.name}: {steps}"
+        assert steps_going_back(out) == [], f"{name}: metrics.jsonl's steps go back in {out.name}"
     if r.feature.record.get("on_spike") == "rollback":
-        marks = [rec for rec in read_jsonl(r.full / "metrics.jsonl") if "spike_rollback_step" in rec]
+        marks = [rec for rec in history(r.full) if "spike_rollback_step" in rec]
         assert marks and all(m["step"] < m["spike_rollback_step"] for m in marks)
 
 
 def check_two_processes(runs: RunCache, name: str) -> None:
     r = runs.two_processes(name)
     tolerance = TOLERANCE["bf16" if "bf16" in name else r.feature.script]
-    a, b = weights(r.one), weights(r.two)
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    worst = largest_difference(weights(r.one), weights(r.two))
     assert worst <= tolerance, f"{name}: 2 processes differ from 1 by {worst}"
-    one = json.loads((r.one / "all_results.json").read_text())
-    two = json.loads((r.two / "all_results.json").read_text())
-    for key in (k for k in one if k.startswith("eval_") and isinstance(one[k], float)):
-        assert two[key] == pytest.approx(one[key], abs=tolerance, rel=tolerance), key
+    one, two = read_metrics(r.one), read_metrics(r.two)
+    compared = compare_metrics(one, two)
+    assert compared["missing"] == [] and compared["metrics"], f"{name}: {compared['missing']}"
+    for key, row in compared["metrics"].items():  # within the tolerance absolute or relative (pytest.approx's)
+        a, b = row["values"]
+        assert abs(a - b) <= max(tolerance, tolerance * abs(a)), f"{name}: eval_{key} {a} against {b}"
     if r.feature.script == "toy":  # the two ranks' halves of every micro-batch are the 1-process micro-batch
         halves = [fed(json.loads(p.read_text())) for p in sorted(r.two.glob("toy_rank[01]_*.json"))]
-        merged = [sorted(a + b) for a, b in zip(*halves, strict=True)]
+        merged = merged_micro_batches(halves)
         assert merged == [sorted(b) for b in fed(records(r.one, "toy")[-1])], f"{name}: the ranks fed other data"
 
 
 def check_model_flops(runs: RunCache, name: str) -> None:
     r = runs.get(name)
     key = "per_sample" if r.feature.script == "toy" else "per_token"
-    reference = _flops(runs.get(BASELINES[r.feature.script]).full)[key]
-    assert _flops(r.full)[key] == pytest.approx(reference, rel=1e-6), f"{name}: other FLOPs than the model's"
-
-
-def _flops(out: Path) -> dict:
-    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
-    return json.loads((newest / "train_state.json").read_text())["flop_count"]
+    reference = flop_count(runs.get(BASELINES[r.feature.script]).full)[key]
+    assert flop_count(r.full)[key] == pytest.approx(reference, rel=1e-6), f"{name}: other FLOPs than the model's"
 
 
 def check_run_record(runs: RunCache, name: str) -> None:
-    import yaml
-
     r = runs.get(name)
-    saved = yaml.safe_load((r.cut / "config.yaml").read_text())
+    saved = run_config(r.cut)
     for key, value in r.feature.record.items():
         assert saved.get(key) == value, f"{name}: config.yaml has {key}={saved.get(key)!r}, ran with {value!r}"
 
@@ -397,10 +318,9 @@ def test_every_rank_rolls_back_to_the_main_processes_checkpoint_whatever_its_own
     argv = [*_argv(FEATURES["rollback"], tmp_path / "two", runs.data), "--per_device_train_batch_size", "2",
             "--ddp_timeout", "60"]
     runs.ranks.run(_forked_stale_view, argv)
-    a, b = weights(one), weights(tmp_path / "two")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= TOLERANCE["toy"]
-    marks = [r["rolled_back_to"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl") if "rolled_back_to" in r]
-    assert marks == [r["rolled_back_to"] for r in read_jsonl(one / "metrics.jsonl") if "rolled_back_to" in r]
+    assert largest_difference(weights(one), weights(tmp_path / "two")) <= TOLERANCE["toy"]
+    marks = [r["rolled_back_to"] for r in history(tmp_path / "two") if "rolled_back_to" in r]
+    assert marks == [r["rolled_back_to"] for r in history(one) if "rolled_back_to" in r]
 
 
 def _forked_stale_view(argv: list[str]) -> None:
@@ -420,28 +340,18 @@ def _forked_stale_view(argv: list[str]) -> None:
 
 
 def test_augmentation_from_the_global_generator_is_said_before_training(tmp_path, capsys, monkeypatch):
-    feature = Feature("toy", ("--augment", "0.3", "--max_steps", "2"), 1)
+    feature = Feature("toy", 1, flags=("--augment", "0.3", "--max_steps", "2"))
     _run(feature, _argv(feature, tmp_path, tmp_path), monkeypatch)
     assert SAID["augmentation (global RNG)"] in capsys.readouterr().out
 
 
-def table() -> str:
-    head = "| feature | " + " | ".join(INVARIANTS) + " |"
-    rows = [head, "|" + "---|" * (len(INVARIANTS) + 1)]
-    for name in FEATURES:
-        cells = []
-        for invariant in INVARIANTS:
-            status, where = cell_status(name, invariant)
-            cells.append(status if where == "here" else f"{status}: {where}")
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    rows.append("| augmentation (global RNG) | said: " + SAID["augmentation (global RNG)"] + " ... |" +
-                " said |" * (len(INVARIANTS) - 1))
-    return "\n".join(rows)
-
-
 def test_every_cell_is_accounted_for_and_the_docs_hold_the_table():
+    """The table is accel_train/verify/matrix.py's; each of its rows is run here (HOW), and its every cell has a
+    status."""
+    assert HOW.keys() == matrix.FEATURES.keys() == FEATURES.keys(), "a row of the table is not run here (HOW)"
+    assert set(matrix.INVARIANT_TEXT) == set(INVARIANTS) == set(CHECKS)
     statuses = {cell_status(f, i)[0] for f in FEATURES for i in INVARIANTS}
-    assert statuses <= {"proven", "refused", "said", "n/a"}
+    assert statuses <= set(matrix.STATUSES)
     for (feature, invariant), (_, where) in SPECIAL.items():
         assert feature in FEATURES and invariant in INVARIANTS, (feature, invariant)
         for path, name in re.findall(r"(tests/\S+\.py)::(\w+)", where):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from accel_train.core.meter import measured_peak  # noqa: E402
+from accel_train.core.peak import measured_peak  # noqa: E402
 
 SST2 = ROOT.parent / "shared" / "data" / "sentence-classification" / "stsa.binary.train"
 BATCH, LENGTH, LR, WARMUP = 32, 48, 1e-4, 3

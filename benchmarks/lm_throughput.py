@@ -531,14 +531,14 @@ def chunk_rows(results: dict, row: str, columns, versus) -> list[str]:
 
 def mfu_lines(results: dict, plan: dict) -> list[str]:
     """On a GPU: each run's model FLOP utilisation, 6 x parameters x real tokens/s over the device's dense bf16 peak
-    (the datasheet's, accel_train.core.meter.datasheet_tflops), the same formula for both tools."""
+    (the datasheet's, accel_train.core.peak.datasheet_tflops), the same formula for both tools."""
     import torch
 
     if not GPU:
         return []
     if not torch.cuda.is_available():
         return ["MFU: LM_THROUGHPUT_GPU=1 without a GPU (a smoke test of the code path): none.", ""]
-    from accel_train.core.meter import datasheet_tflops
+    from accel_train.core.peak import datasheet_tflops
 
     name = torch.cuda.get_device_name()
     peak = datasheet_tflops(name, "bf16")  # the exact device: an L40 is no L4, an H100 PCIe no SXM part
@@ -592,7 +592,7 @@ def machine() -> str:
     import transformers
     import trl
 
-    from accel_train.core.meter import cpu_info
+    from accel_train.core.peak import cpu_info
 
     return (f"{cpu_info('model name') or platform.processor()}, {os.cpu_count()} cores, {THREADS} torch threads per "
             f"run; Python {platform.python_version()}, torch {torch.__version__}, transformers "

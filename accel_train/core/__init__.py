@@ -12,6 +12,7 @@
     stream.py      a stream's loader position in checkpoints: exact resume without re-reading
     accelerator.py build_accelerator and the checks of what is really running
     meter.py       loss, throughput, MFU and memory between log events
+    peak.py        the peak an MFU is measured against: a GPU's datasheet, a CPU's fastest timed matmul (cached)
     state.py       TrainState (saved with checkpoints) and TrainResult
     batch_size.py  --auto_find_batch_size
 """

@@ -21,7 +21,7 @@ from ..compat import unchecked_notes
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
-from .meter import cpu_info, device_peak
+from .peak import cpu_info, device_peak
 from .rendezvous import join_attempt_group, reuses_agent_store
 from .seeding import data_seed
 from .sharded import check_engine

@@ -1,21 +1,20 @@
 """The meters behind the training log: loss, throughput, data wait, MFU and peak memory between two log events.
-Reductions run on every rank; nothing here writes a file."""
+Reductions run on every rank; nothing here writes a file of the run (a CPU peak proven stale leaves the peak cache:
+peak.forget_peak)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import platform
 import sys
 import time
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+
+from .peak import REMEASURE, device_peak, forget_peak, precision_of_matmuls
 
 
 class StepMeter:
@@ -115,142 +114,11 @@ class StepMeter:
         flops = self.flops.model_flops(samples / elapsed / devices, tokens / elapsed / devices)  # per device
         if flops is not None and self.flops.peak:
             record["model_tflops"] = flops / 1e12
-            record["mfu"] = flops / self.flops.peak
+            if self.flops.within_peak(flops):
+                record["mfu"] = flops / self.flops.peak
         record.update(peak_memory(acc.device))
         self.reset()
         return record
-
-
-# Dense (no 2:4 sparsity) peak TFLOP/s of the matmuls in each precision, keyed by the exact name
-# torch.cuda.get_device_name (and nvidia-smi) reports: a form factor has its own peak (an H100 PCIe or NVL has fewer
-# SMs or lower clocks than the SXM part), and a name that is not here (another GPU, a MIG slice, AWS's A10G, which has
-# no NVIDIA datasheet) has no peak rather than a neighbour's: the log then has no MFU. Sources: NVIDIA's datasheets,
-# whose tensor-core figures are quoted with sparsity (halved here), fp32 being the non-tensor figure: H100
-# (SXM 1,979 bf16 / 989 tf32 / 67 fp32 TFLOPS, i.e. the Hopper whitepaper's dense 989.4 / 494.7 / 66.9; PCIe 1,513 /
-# 756 / 51; NVL 1,671 / 835 / 60), H200 (SXM as H100 SXM; NVL 1,671 / 835 / 60), A100 (SXM4 and PCIe, 40 and 80 GB
-# alike: dense 312 / 156 / 19.5), HGX B200 (per GPU 4.5 PF / 2.2 PF / 75), L40S (dense 362.05 / 183 / 91.6), L40
-# (dense 181.05 / 90.5 / 90.5), L4 (242 / 120 / 30.3), A10 (dense 125 / 62.5 / 31.2), V100 (fp16 tensor: SXM2 125,
-# PCIe 112, V100S 130; fp32 15.7 / 14 / 16.4; no bf16 or tf32), T4 (fp16 65, fp32 8.1).
-_HOPPER_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}
-_HOPPER_NVL = {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}
-_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "NVIDIA H100 80GB HBM3": _HOPPER_SXM,  # the SXM5 part
-    "NVIDIA H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0},
-    "NVIDIA H100 NVL": _HOPPER_NVL,
-    "NVIDIA H200": _HOPPER_SXM,  # the SXM part
-    "NVIDIA H200 NVL": _HOPPER_NVL,
-    "NVIDIA B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
-    "NVIDIA A100-SXM4-40GB": _A100,
-    "NVIDIA A100-SXM4-80GB": _A100,
-    "NVIDIA A100-PCIE-40GB": _A100,
-    "NVIDIA A100 80GB PCIe": _A100,
-    "NVIDIA L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
-    "NVIDIA L40": {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5},
-    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "Tesla V100-SXM2-16GB": {"fp16": 125.0, "fp32": 15.7},
-    "Tesla V100-SXM2-32GB": {"fp16": 125.0, "fp32": 15.7},
-    "Tesla V100-PCIE-16GB": {"fp16": 112.0, "fp32": 14.0},
-    "Tesla V100-PCIE-32GB": {"fp16": 112.0, "fp32": 14.0},
-    "Tesla V100S-PCIE-32GB": {"fp16": 130.0, "fp32": 16.4},
-    "Tesla T4": {"fp16": 65.0, "fp32": 8.1},
-}
-
-
-def datasheet_tflops(name: str, precision: str) -> float | None:
-    """The dense datasheet peak of the GPU called exactly `name` in `precision` (TFLOP/s), None when unknown."""
-    return PEAK_TFLOPS.get(name, {}).get(precision)
-
-
-MATMUL_SIDE = 2048  # the square matmul whose speed is this machine's measured peak
-PEAK_CACHE = Path(os.environ.get("ACCEL_TRAIN_CACHE", Path.home() / ".cache" / "accel_train")) / "matmul_peak.json"
-
-
-def precision_of_matmuls(accelerator: Accelerator) -> str:
-    """bf16 / fp16 under mixed precision, else tf32 (GPUs with TF32 on) or fp32."""
-    if accelerator.mixed_precision in ("bf16", "fp16"):
-        return accelerator.mixed_precision
-    tf32 = accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return "tf32" if tf32 else "fp32"
-
-
-def device_peak(accelerator: Accelerator) -> tuple[float | None, str]:
-    """The peak the MFU is measured against, in FLOP/s, for the precision the matmuls run in, and what it is (the
-    start-up report's line): a GPU's dense datasheet peak (`PEAK_TFLOPS`, by its exact name), a CPU's measured
-    matmul peak (`measured_peak`), else None: "peak unknown", and no MFU is logged rather than a wrong one."""
-    precision = precision_of_matmuls(accelerator)
-    device = accelerator.device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tflops = datasheet_tflops(name, precision)
-        if tflops is None:
-            return None, (f"peak unknown: {name} has no dense {precision} datasheet peak in "
-                          "accel_train.core.meter.PEAK_TFLOPS, so no MFU is logged")
-        return tflops * 1e12, f"{tflops:g} TFLOP/s, the dense {precision} datasheet peak of the {name}"
-    if device.type != "cpu":  # mps, xpu, ...: no datasheet here, and a timed matmul there is not a peak
-        return None, f"peak unknown: no {precision} peak for {device.type} devices, so no MFU is logged"
-    peak = measured_peak(device, precision)
-    if peak is None:
-        return None, f"peak unknown: this cpu has no {precision} matmul, so no MFU is logged"
-    return peak, (f"{peak / 1e12:.3g} TFLOP/s, the measured {precision} matmul peak of this cpu (a {MATMUL_SIDE}² "
-                  f"matmul at {torch.get_num_threads()} thread(s), cached in {PEAK_CACHE})")
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_info("model name") or platform.processor() or platform.machine()
-
-
-def cpu_info(field: str) -> str | None:
-    """The value of the first `field` line of /proc/cpuinfo ("model name", "flags"), or None (not Linux, no such
-    line)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
-    except OSError:
-        return None
-
-
-def measured_peak(device: torch.device, precision: str, side: int = MATMUL_SIDE) -> float | None:
-    """The dense matmul speed of `device` in `precision` (fp32, tf32, bf16, fp16), FLOP/s: the best of five timed
-    `side` x `side` matmuls after a warm-up, at this process's thread count. Measured once per machine, device,
-    thread count, torch version and precision, and cached in ~/.cache/accel_train/matmul_peak.json (a run
-    reads it; `ACCEL_TRAIN_CACHE` moves it). None where the precision has no matmul on the device."""
-    key = f"{device_name(device)} | {device.type} | {torch.get_num_threads()} threads | torch {torch.__version__} | " \
-          f"{precision}"
-    try:
-        cache = json.loads(PEAK_CACHE.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return cache[key]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    try:
-        generator = torch.Generator(device).manual_seed(0)  # never the global one: a run's RNG stream stays its own
-        a = torch.randn(side, side, device=device, generator=generator).to(dtype)
-        b = torch.randn(side, side, device=device, generator=generator).to(dtype)
-        best = math.inf
-        for i in range(6):
-            _sync(device)
-            started = time.perf_counter()
-            a @ b
-            _sync(device)
-            if i:  # the first is the warm-up
-                best = min(best, time.perf_counter() - started)
-    except RuntimeError:  # e.g. fp16 matmuls on a CPU without them
-        return None
-    cache[key] = 2 * side**3 / best
-    with contextlib.suppress(OSError):
-        PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        PEAK_CACHE.write_text(json.dumps(cache, indent=2))
-    return cache[key]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class FlopCount:
@@ -262,10 +130,14 @@ class FlopCount:
     effect, CPUs included; none known, no MFU). For a transformer the count is 6 x parameters per token plus
     attention: 3 x the forward when every weight trains. Model FLOPs, not hardware FLOPs (PaLM's MFU): the forward
     that activation checkpointing recomputes during backward is not counted (`model_flop_formulas`), so
-    --gradient_checkpointing does not raise the MFU by the work it adds."""
+    --gradient_checkpointing does not raise the MFU by the work it adds. A model FLOP/s above the peak proves the
+    peak wrong (`within_peak`): from then on the run logs no MFU, and publishes none."""
 
     def __init__(self, accelerator: Accelerator):
         self.peak, self.peak_source = device_peak(accelerator)
+        self.device, self.precision = accelerator.device, precision_of_matmuls(accelerator)
+        self.stale: str | None = None  # why this run publishes no MFU: its model ran faster than the peak
+        self._unsaid = False  # `stale` not yet written by `say_stale`
         self.per_sample: float | None = None
         self.per_token: float | None = None
         self._pending = self.peak is not None
@@ -306,7 +178,24 @@ class FlopCount:
 
     def mfu(self, samples_per_second: float, tokens_per_second: float = 0.0) -> float | None:
         flops = self.model_flops(samples_per_second, tokens_per_second)
-        return flops / self.peak if flops is not None and self.peak else None
+        return flops / self.peak if flops is not None and self.peak and self.within_peak(flops) else None
+
+    def within_peak(self, flops: float) -> bool:
+        """Whether an MFU may be published at `flops` model FLOP/s: not above the peak, and no interval of this run
+        was (an MFU above 1 is impossible: the peak is what is wrong, and the MFU of every interval used it). A
+        CPU's stale peak leaves the cache, so that the next run measures it afresh."""
+        if self.stale is None and self.peak and flops > self.peak:
+            self.stale = stale_peak_message(self, flops)
+            self._unsaid = True
+            if self.device.type == "cpu":
+                forget_peak(self.device, self.precision, self.peak)
+        return self.stale is None
+
+    def say_stale(self, write: Callable[[str], None]) -> None:
+        """Write why this run publishes no MFU, once, after an interval proved the peak stale."""
+        if self._unsaid:
+            write(self.stale)
+            self._unsaid = False
 
     def model_flops(self, samples_per_second: float, tokens_per_second: float = 0.0) -> float | None:
         """Model FLOP/s at this throughput (per device), or None before the count."""
@@ -318,6 +207,19 @@ class FlopCount:
         if self.per_token and tokens_per_second:
             return self.per_token * tokens_per_second
         return self.per_sample * samples_per_second if self.per_sample else None
+
+
+def stale_peak_message(flops: FlopCount, model_flops: float) -> str:
+    ran = (f"peak stale: the model ran at {model_flops / 1e12:.3g} TFLOP/s, which is above the "
+           f"{flops.peak / 1e12:.3g} TFLOP/s")
+    if flops.device.type != "cpu":
+        return (f"{ran} dense {flops.precision} datasheet peak of this {flops.device.type} device in "
+                "accel_train.core.peak.PEAK_TFLOPS: that entry is wrong for this device, so no MFU is published for "
+                "this run (nor in all_results.json).")
+    return (f"{ran} {flops.precision} matmul peak its MFU is measured against: that peak was timed while other work "
+            "loaded the cores, so no MFU is published for this run (nor in all_results.json; the intervals logged "
+            "before used the same peak). It is removed from the cache: the next run measures it afresh; "
+            f"{REMEASURE}=1 re-measures it on purpose, on an idle machine.")
 
 
 def model_flop_formulas() -> dict[Any, Any]:

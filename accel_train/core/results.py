@@ -35,7 +35,7 @@ def final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float],
 def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime: float) -> dict[str, float]:
     """train_loss, runtime, steps, this session's samples/s (not a resumed run's), epoch, peak memory, skipped
     steps (fp16 overflow, non-finite, spikes), and the model FLOP/s and MFU as means over the logged intervals
-    (evaluations excluded)."""
+    (evaluations excluded; none where an interval proved the peak stale, meter.FlopCount.within_peak)."""
     samples = state.samples_seen - session.start_samples
     figures: dict[str, float] = dict(
         train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
@@ -50,7 +50,7 @@ def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime:
     if state.spike_rollbacks:
         figures["train_spike_rollbacks"] = state.spike_rollbacks
     throughput = session.throughput
-    if throughput and meter.flops.peak:
+    if throughput and meter.flops.peak and not meter.flops.stale:  # stale: a model above the peak, no MFU
         figures.update(train_model_tflops=sum(t for t, _ in throughput) / len(throughput),
                        train_mfu=sum(m for _, m in throughput) / len(throughput),
                        train_peak_tflops=meter.flops.peak / 1e12)

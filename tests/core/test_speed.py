@@ -140,27 +140,30 @@ def test_mfu_counts_forward_and_backward_flops(tmp_path):
 
 
 def test_the_matmul_peak_is_measured_per_precision_once_and_cached(tmp_path, monkeypatch):
+    """Measured per precision and thread count, once per process: a second call reads the file (which another
+    process may have raised) and times nothing (core/test_peak.py: the cache is only ever raised)."""
     import json
 
     import torch
 
-    from accel_train.core import meter
+    from accel_train.core import peak
 
-    monkeypatch.setattr(meter, "PEAK_CACHE", tmp_path / "peak.json")
-    fp32 = meter.measured_peak(torch.device("cpu"), "fp32", side=256)
-    bf16 = meter.measured_peak(torch.device("cpu"), "bf16", side=256)
-    cached = json.loads((tmp_path / "peak.json").read_text())
+    monkeypatch.setenv("ACCEL_TRAIN_CACHE", str(tmp_path))
+    fp32 = peak.measured_peak(torch.device("cpu"), "fp32", side=256)
+    bf16 = peak.measured_peak(torch.device("cpu"), "bf16", side=256)
+    cached = json.loads((tmp_path / "matmul_peak.json").read_text())
     assert sorted(v for v in cached.values()) == sorted([fp32, bf16]) and fp32 > 1e8 and bf16 > 1e8
     assert all(f"{torch.get_num_threads()} threads" in key for key in cached)
-    cached = {k: 1.0 for k in cached}  # a second call reads the file, it does not measure again
-    (tmp_path / "peak.json").write_text(json.dumps(cached))
-    assert meter.measured_peak(torch.device("cpu"), "fp32", side=256) == 1.0
+    cached = {k: 1e15 for k in cached}  # raised by another process: a second call reads the file
+    (tmp_path / "matmul_peak.json").write_text(json.dumps(cached))
+    monkeypatch.setattr(peak, "time_matmul", None)  # and does not time again (calling None would raise)
+    assert peak.measured_peak(torch.device("cpu"), "fp32", side=256) == 1e15
 
 
 def test_a_cpu_run_reports_its_mfu_against_the_measured_peak(tmp_path, capsys):
     import toy_train
 
-    from accel_train.core.meter import measured_peak
+    from accel_train.core.peak import measured_peak
 
     reset_accelerate()
     toy_train.main(["--output_dir", str(tmp_path), *QUIET, "--max_steps", "4", "--logging_steps", "2",
@@ -278,7 +281,7 @@ def test_a_device_without_a_known_peak_logs_no_mfu(monkeypatch):
         torch.nn.Linear(16, 8)(torch.randn(4, 16)).sum().backward()
     assert meter.flops.mfu(samples_per_second=1000) is None and meter.flops.counts() == {}
     assert meter.flops.peak_source == ("peak unknown: NVIDIA A10G has no dense bf16 datasheet peak in "
-                                       "accel_train.core.meter.PEAK_TFLOPS, so no MFU is logged")
+                                       "accel_train.core.peak.PEAK_TFLOPS, so no MFU is logged")
 
 
 def test_mfu_is_per_device_and_the_count_per_sample_under_accumulation_and_processes(tmp_path):

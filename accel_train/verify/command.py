@@ -1,6 +1,7 @@
 """`accel-train verify`: the project's exactness checks, run on the user's own script and flags.
 
-    accel-train verify [--checks determinism,resume,accumulation,world_size,evaluation,precision,data_accounting]
+    accel-train verify [--checks determinism,resume,accumulation,world_size,evaluation,precision,packing,
+                                 data_accounting] (export: opt-in, add it by name)
                        [--steps N]
                        [--launch_args '...'] [--output_dir DIR] -- SCRIPT [script flags]
 
@@ -25,6 +26,10 @@ in its own directory under --output_dir, and compares them:
     packing          --packing / --padding_free only (read from config.yaml): step 1 of packed
                      rows against the same examples padded: loss and gradient norm within
                      1e-4 relative (examples packed together must not see each other)       +1 or 2 runs of 1 step
+    export           (opt-in) the reference's final model exported (accel_train.deploy, here,
+                     as exported_program or the run's --export_formats) and loaded back: its
+                     outputs within 1e-4 of the model's on held-out inputs (not applicable
+                     when the run directory cannot be exported, with the exporter's reason)   no run of its own
     data_accounting  every index planned once per epoch across the processes, every index
                      planned fed (no item dropped on the way to the loss), the same plan and
                      no micro-batch twice across the resume, dataset[len] raising: read from
@@ -52,10 +57,11 @@ from .accounting import data_accounting
 from .checks import FAILED, PROPERTY, Result, Runs, accumulation, determinism, resume
 from .crashes import VariantCrashed
 from .evaluation import evaluation
+from .export import export
 from .packing import packing
 from .precision import precision
 from .report import REPORT, figure, write_report
-from .runs import CHECKS, Variant, Verify, run_variant
+from .runs import CHECKS, DEFAULT_CHECKS, Variant, Verify, run_variant
 from .world import world_size
 
 CERTIFICATE = "verify.json"
@@ -71,8 +77,9 @@ def parse_args(argv: Sequence[str]) -> Verify:
     own, user = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(prog="accel-train verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checks", default=",".join(CHECKS), help="comma-separated, of: " + ", ".join(CHECKS) +
-                        " (data_accounting reads the runs of the others asked: alone, the reference run only)")
+    parser.add_argument("--checks", default=",".join(DEFAULT_CHECKS), help="comma-separated, of: " + ", ".join(CHECKS)
+                        + " (default: all but export, which is asked by name; data_accounting reads the runs of "
+                        "the others asked: alone, the reference run only)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each full variant (>= 3)")
     parser.add_argument("--accumulation_steps", type=int, default=2, help="k of the accumulation check (>= 2)")
     parser.add_argument("--output_dir", default="verify", help="where the variants' run directories and "
@@ -139,6 +146,7 @@ def run_checks(runs: Runs, results: dict[str, Result]) -> None:
              "evaluation": lambda: evaluation(runs),
              "precision": lambda: precision(runs),
              "packing": lambda: packing(runs),
+             "export": lambda: export(runs),
              "data_accounting": lambda: data_accounting(runs)}  # last: it reads the runs the checks above made
     for name, call in calls.items():
         if name not in runs.verify.checks:

@@ -51,6 +51,12 @@ def figure(name: str, result: Result) -> str:
     if name == "packing":
         return (f"step 1 {measured['layout'].replace('_', '-')} against padded: loss {measured['loss_relative']:.2e}, "
                 f"grad_norm {measured['grad_norm_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
+    if name == "export":
+        if "error" in measured:
+            return f"{measured['format']} artifact written, its verification failed: {measured['error'][:160]}"
+        return (f"{measured['format']} loaded back: max |difference| {measured['max_abs_diff']:.2e} against the "
+                f"trained model over {sum(len(a['checks']) for a in measured['artifacts'])} inputs (tolerance "
+                f"{result.tolerance['outputs'].split()[-1]})")
     if name == "accumulation":
         return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
                 f"(tolerance {result.tolerance['loss']})")

@@ -17,7 +17,7 @@ from conftest import ROOT, SCRIPTS, run_toy, toy_records
 from accel_train import ConfigError
 from accel_train.cli import main as cli_main
 from accel_train.observe.fed_record import VARIABLE as FED_VARIABLE
-from accel_train.verify import CERTIFICATE, CHECKS, main, parse_args
+from accel_train.verify import CERTIFICATE, main, parse_args
 from accel_train.verify.accounting import Fed, account, coverage_findings, data_accounting, read_fed
 from accel_train.verify.checks import Result, Runs
 from accel_train.verify.command import certificate
@@ -30,7 +30,7 @@ from accel_train.verify.diagnose import (
     world_size_cause,
 )
 from accel_train.verify.evidence import final_weights, tensor_differences, train_records
-from accel_train.verify.runs import Variant, killed
+from accel_train.verify.runs import DEFAULT_CHECKS, Variant, killed
 from accel_train.verify.world import world_size
 
 BUGS = SCRIPTS / "verify"
@@ -95,11 +95,11 @@ def test_toy_train_is_certified_by_every_check(tmp_path, variant_env):
     with world size), 2 processes of 4 against the first run's 8 (world size, launched), the first run's last
     checkpoint evaluated again at an evaluation batch of 4 and on 2 launched processes (evaluation), 3 steps in bf16
     (precision); data accounting reads the first, the launched and the resumed runs."""
-    code, certificate = verify(tmp_path, TOY, ",".join(CHECKS))
+    code, certificate = verify(tmp_path, TOY, ",".join(DEFAULT_CHECKS))  # export is opt-in
     checks = certificate["checks"]
     assert code == 0 and {name: c["status"] for name, c in checks.items()} == {
         **dict.fromkeys(checks, "passed"), "packing": "not applicable"}  # toy_train does not pack
-    assert list(checks) == list(CHECKS) and len(CHECKS) == 8 and certificate["properties"] == []
+    assert list(checks) == list(DEFAULT_CHECKS) and len(DEFAULT_CHECKS) == 8 and certificate["properties"] == []
     assert checks["determinism"]["measured"]["steps_compared"] == 6
     resumed = checks["resume"]["measured"]
     assert (resumed["killed_after_step"], resumed["resumed_from_step"], resumed["steps_compared"]) == (5, 3, 3)

@@ -54,12 +54,13 @@ from pathlib import Path
 from ..errors import ConfigError, UserError
 from ..sweep.trial import Interrupts, SweepInterrupted
 from .accounting import data_accounting
-from .checks import FAILED, PROPERTY, Result, Runs, accumulation, determinism, resume
+from .checks import FAILED, NOT_APPLICABLE, PROPERTY, Result, Runs, accumulation, determinism, resume
 from .crashes import VariantCrashed
 from .evaluation import evaluation
 from .export import export
 from .packing import packing
 from .precision import precision
+from .proofs import certificate_part, checked
 from .report import REPORT, figure, write_report
 from .runs import CHECKS, DEFAULT_CHECKS, Variant, Verify, run_variant
 from .world import world_size
@@ -152,7 +153,7 @@ def run_checks(runs: Runs, results: dict[str, Result]) -> None:
         if name not in runs.verify.checks:
             continue
         try:
-            results[name] = call()
+            results[name] = checked(runs, name, call)  # with the project's matrix's word on it
         except VariantCrashed as crash:
             results[name] = Result.of_crash(crash)
 
@@ -167,17 +168,25 @@ def certificate(verify: Verify, results: dict[str, Result], runs: Runs, error: s
                 "properties": [name for name, result in results.items() if result.status == PROPERTY],
                 "exit_code": exit_code if exit_code is not None else 1 if failed else 0,
                 "checks": {name: result.as_dict() for name, result in results.items()},
-                "variants": {name: variant.record() for name, variant in runs.done.items()}}
+                "variants": {name: variant.record() for name, variant in runs.done.items()},
+                "matrix": certificate_part(runs)}
     if error is not None:
         document["error"] = error
     return document
 
 
-def summary(verify: Verify, results: dict[str, Result], path: Path) -> str:
+def summary(verify: Verify, results: dict[str, Result], path: Path, matrix: dict | None = None) -> str:
     lines = [f"accel-train verify: {verify.script} ({verify.steps} steps per run)"]
+    if matrix and matrix.get("features") is not None:  # what the project's own matrix proves of this combination
+        said = "".join(f"; {key.replace('_', ' ')}: {', '.join(matrix[key])}" for key in ("said", "refused")
+                       if matrix[key])
+        lines.append(f"  the project's matrix: {', '.join(matrix['features']) or 'no feature of it'} "
+                     f"({matrix['combination']}){said}")
     for name, result in results.items():
         detail = figure(name, result)
         lines.append(f"  {name:<15} {result.status.upper():<15} {detail}")
+        if "matrix" in result.measured and result.status != NOT_APPLICABLE:
+            lines.append(f"  {'':<31} matrix: {result.measured['matrix']['said']}")
     for name, result in results.items():
         if result.diagnosis:
             verdict = "is a property of the model" if result.status == PROPERTY else "failed"
@@ -208,7 +217,7 @@ def main(argv: Sequence[str], runner: Callable[..., Variant] = run_variant) -> i
             raise
     document = certificate(verify, results, runs)
     _write(path, document)
-    print(summary(verify, results, path))
+    print(summary(verify, results, path, document["matrix"]))
     return document["exit_code"]
 
 

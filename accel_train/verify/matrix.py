@@ -219,9 +219,15 @@ def features_of(config: dict) -> list[str]:
     return [name for name, row in FEATURES.items() if row.parts and all(PARTS[part](config) for part in row.parts)]
 
 
-def combination(features: list[str]) -> dict:
+def said_rows(startup: str) -> list[str]:
+    """The rows of SAID whose start-up line a run's output holds: a property of the data config.yaml cannot show."""
+    return [name for name, line in SAID.items() if line in startup]
+
+
+def combination(features: list[str], said: list[str] = ()) -> dict:
     """What the certificate says of the run as a whole: its rows, whether the table holds the combination itself as
-    a row (else each row is proven on its own), and the rows the table says or refuses."""
+    a row (else each row is proven on its own), and the rows the table says (`said`: SAID's rows the run's start-up
+    report holds) or refuses, or where a cell is n/a."""
     parts = {part for name in features for part in FEATURES[name].parts}
     whole = next((name for name in features if set(FEATURES[name].parts) == parts), None)
     cells = {name: {invariant: cell_status(name, invariant) for invariant in INVARIANTS} for name in features}
@@ -233,18 +239,22 @@ def combination(features: list[str]) -> dict:
         whole_text = f"a row of the table: {whole}"
     else:
         whole_text = "not a row of the table: each of its rows is proven on its own, not together"
-    return {"features": features, "combination": whole_text, "said": named[SAID_STATUS], "refused": named[REFUSED],
+    return {"features": features, "combination": whole_text, "said": sorted({*named[SAID_STATUS], *said}),
+            "refused": named[REFUSED],
             "not_applicable": named[NA], "not_looked_up": NOT_SEEN}
 
 
-def said_for(check: str, features: list[str]) -> dict | None:
-    """What the table says for verify's `check` on a run that combines `features` (None: the table has no invariant
-    for it): the status (refused, then n/a, then said, before proven) and one line that names each cell."""
+def said_for(check: str, features: list[str], said: list[str] = ()) -> dict | None:
+    """What the table says for verify's `check` on a run that combines `features` (and whose start-up report said
+    the rows `said`); None: the table has no invariant for that check. The status is the first of refused, n/a, said
+    found in those cells, else proven; the line names each cell of that status (and where a proven one is proven)."""
     invariants = CHECK_INVARIANTS.get(check)
     if invariants is None:
         return None
-    rows = features or ["map-style data"]
+    rows = features or ([] if said else ["map-style data"])
     cells = [(name, invariant, *cell_status(name, invariant)) for name in rows for invariant in invariants]
+    cells += [(name, invariant, SAID_STATUS, f"the start-up report: {SAID[name]}") for name in said
+              for invariant in invariants]
     status = next((s for s in (REFUSED, NA, SAID_STATUS) if any(cell[2] == s for cell in cells)), PROVEN)
     shown = [cell for cell in cells if cell[2] == status]
     text = "; ".join(f"{name} x {invariant}: {s}" + ("" if where == HERE else f" ({where})")
@@ -252,5 +262,5 @@ def said_for(check: str, features: list[str]) -> dict | None:
     if status == PROVEN:
         text = f"proven for {', '.join(rows)} ({', '.join(invariants)}): tests/core/test_matrix.py" + \
             "".join(f"; {where}" for *_, where in shown if where != HERE)
-    return {"status": status, "invariants": list(invariants), "said": text,
-            "judged": check in JUDGED and status == NA}
+    judged = any(cell[1] == JUDGED.get(check) and cell[2] == NA for cell in cells)
+    return {"status": status, "invariants": list(invariants), "said": text, "judged": judged}

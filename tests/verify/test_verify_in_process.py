@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from accel_train.verify.diagnose import (
     precision_cause,
 )
 from accel_train.verify.evaluation import EVALUATION_RTOL, compare_metrics, evaluation
+from accel_train.verify.matrix import SAID, SPECIAL
 from accel_train.verify.precision import PRECISION_RTOL, precision
 from accel_train.verify.runs import Variant
 
@@ -46,6 +48,7 @@ def script_main(script: str, argv: list[str]) -> None:
         sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(f"verify_script_{Path(script).stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass of the script looks its module up (toy_train's, token_train's)
     spec.loader.exec_module(module)
     reset_accelerate()
     # a process reads TORCH_DISTRIBUTED_DEBUG when it imports torch.distributed; the pooled ranks imported it long ago
@@ -81,17 +84,19 @@ def in_process(ranks):
         env = {**verify.env, **(env or {})}
         log = verify.output_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        printed = io.StringIO()  # what the process would print (its start-up report): its log, as run_variant's
         try:
             if processes == 1:
-                with environment(env):
+                with environment(env), contextlib.redirect_stdout(printed):
                     script_main(verify.script, argv)
             else:
                 ranks.run(script_main, verify.script, argv, env=env)
         except Exception:  # noqa: BLE001 - what a process would print before exiting 1
-            log.write_text(traceback.format_exc())
+            log.write_text(printed.getvalue() + traceback.format_exc())
             attempt = {"command": command, "env": env, "returncode": 1, "log": str(log), "status": {}}
             return Variant(name, command, out, env, processes, returncode=1, attempts=[attempt])
-        attempt = {"command": command, "env": env, "returncode": 0, "log": None, "status": {"exit": 0}}
+        log.write_text(printed.getvalue())
+        attempt = {"command": command, "env": env, "returncode": 0, "log": str(log), "status": {"exit": 0}}
         return Variant(name, command, out, env, processes, returncode=0, attempts=[attempt])
     return runner
 
@@ -323,3 +328,63 @@ def test_an_unused_parameter_is_named_by_the_world_size_check_and_its_twin_passe
     code, certificate = verify_here(ranks, tmp_path / "twin", script, "world_size,data_accounting", "--fixed", "true",
                                     steps=3)
     assert (code, [c["status"] for c in certificate["checks"].values()]) == (0, ["passed", "passed"])
+
+
+def test_a_world_size_difference_where_the_matrix_marks_the_cell_n_a_is_reported_with_the_matrixs_reason(tmp_path,
+                                                                                                        capsys):
+    """Run directories written here (no run), through main: a padding-free run (config.yaml) whose 2-process losses
+    differ by 7 %. The project's matrix (accel_train/verify/matrix.py, docs/matrix.md) marks padding-free x 2
+    processes n/a (two rows on two processes are another batch shape than one row): the world-size check is not
+    applicable with that reason and the figures it measured, not failed; verify exits 0. The same difference on a
+    run the matrix proves on 2 processes (accumulation alone) still fails."""
+    losses = {"losses": [0.7, 0.69, 0.68]}
+    config = {"padding_free": True, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}
+    planned = {"reference": {**losses, "config": config}, "world-size": {"losses": [0.75, 0.74, 0.73]}}
+    argv = ["--checks", "world_size", "--steps", "3", "--output_dir", str(tmp_path / "free"), "--", str(EVAL_BUGS)]
+    assert main(argv, runner=fabricated(planned)) == 0
+    certificate = json.loads((tmp_path / "free" / CERTIFICATE).read_text())
+    assert certificate["matrix"]["features"] == ["accumulation", "padding-free"]
+    assert certificate["matrix"]["combination"].startswith("not a row of the table")
+    assert certificate["matrix"]["not_applicable"] == ["padding-free"] and certificate["matrix"]["said"] == []
+    world = certificate["checks"]["world_size"]
+    reason = SPECIAL[("padding-free", "2 processes")][1]
+    assert world["status"] == "not applicable" and reason in world["measured"]["reason"] and "cause" not in world
+    assert world["measured"]["matrix"]["judged"] and world["measured"]["loss_relative"] == pytest.approx(0.05 / 0.73)
+    assert world["measured"]["unjudged"]["cause"] and "losses 6.85e-02" in world["measured"]["reason"]
+    out = capsys.readouterr().out
+    assert "the project's matrix: accumulation, padding-free (not a row of the table" in out
+    assert "world_size      NOT APPLICABLE  the project's matrix (docs/matrix.md) marks it n/a" in out
+    assert reason in out and "world_size failed" not in out
+
+    planned = {"reference": {**losses, "config": {**config, "padding_free": False}},
+               "world-size": {"losses": [0.75, 0.74, 0.73]}}
+    argv[argv.index(str(tmp_path / "free"))] = str(tmp_path / "padded")
+    assert main(argv, runner=fabricated(planned)) == 1
+    world = json.loads((tmp_path / "padded" / CERTIFICATE).read_text())["checks"]["world_size"]
+    assert world["status"] == "failed" and world["measured"]["matrix"]["status"] == "proven"
+    assert "matrix: proven for accumulation (2 processes)" in capsys.readouterr().out
+
+
+def test_the_certificate_says_what_the_projects_matrix_proves_for_a_real_runs_combination(tmp_path, capsys):
+    """token_train --padding_free true --gradient_accumulation_steps 2, data_accounting alone, 3 steps: the reference
+    runs in this process. Its config.yaml names two rows of the project's matrix; the data cells of both are proven
+    there, which the certificate and the summary say beside the check's own verdict."""
+    flags = ("--padding_free", "true", "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "4")
+    code, certificate = verify_here(None, tmp_path, SCRIPTS / "token_train.py", "data_accounting", *flags, steps=3)
+    assert code == 0 and certificate["matrix"]["features"] == ["accumulation", "padding-free"]
+    accounted = certificate["checks"]["data_accounting"]
+    assert accounted["status"] == "passed" and accounted["measured"]["matrix"]["status"] == "proven"
+    assert accounted["measured"]["matrix"]["said"].startswith("proven for accumulation, padding-free (data)")
+    assert "matrix: proven for accumulation, padding-free (data)" in capsys.readouterr().out
+
+
+def test_a_row_the_matrix_says_is_named_from_the_reference_runs_start_up_report(tmp_path, capsys):
+    """toy_train --augment 0.3 (noise from torch's global generator in __getitem__): the start-up report says it, the
+    matrix's row for it is "said" in every cell, and config.yaml cannot show it: verify reads the reference's log.
+    data_accounting alone: the reference (3 steps) in this process."""
+    code, certificate = verify_here(None, tmp_path, SCRIPTS / "toy_train.py", "data_accounting", "--augment", "0.3",
+                                    steps=3)
+    assert certificate["matrix"]["features"] == [] and certificate["matrix"]["said"] == ["augmentation (global RNG)"]
+    matrix = certificate["checks"]["data_accounting"]["measured"]["matrix"]
+    assert matrix["status"] == "said" and SAID["augmentation (global RNG)"] in matrix["said"]
+    assert "; said: augmentation (global RNG)" in capsys.readouterr().out

@@ -8,6 +8,8 @@
     evaluation.py evaluation: the reference's weights evaluated again (observe/eval_again.py), at another batch
                   size, on 2 processes
     precision.py  precision: the first steps in bf16 against fp32
+    packing.py    packing: a packed (or padding-free) step against the same examples padded
+    export.py     export (opt-in): the reference run exported and verified by accel_train.deploy, in process
     accounting.py data accounting: what each process fed (observe/fed_record.py), from the runs above
     evidence.py   what is compared, read from the variants' run directories
     diagnose.py   the paragraph a failed check gets: the likely cause and what to change

@@ -83,6 +83,8 @@ def _check(name: str, result: Result) -> list[str]:
         rows.append(("variants compared", ", ".join(result.variants)))
     if result.cause:
         rows.append(("cause", result.cause))
+    if "matrix" in result.measured:  # what the project's own matrix proves for this check and this combination
+        rows.append(("the project's matrix", result.measured["matrix"]["said"]))
     out = [f"### {name}: {result.status.upper()}", "", *_table(rows), ""]
     if "why" in result.tolerance:
         out += [f"*Why this tolerance: {result.tolerance['why']}.*", ""]
@@ -102,6 +104,11 @@ def render(document: dict) -> str:
         rows.append(("launch args", " ".join(document["launch_args"])))
     if document.get("properties"):
         rows.append(("properties (not failures)", ", ".join(document["properties"])))
+    if (document.get("matrix") or {}).get("features") is not None:
+        matrix = document["matrix"]
+        rows.append(("the project's matrix", f"{', '.join(matrix['features']) or 'no feature of it'} "
+                     f"({matrix['combination']})" + "".join(f"; {key}: {', '.join(matrix[key])}"
+                                                            for key in ("said", "refused") if matrix[key])))
     if "error" in document:
         rows.append(("stopped", document["error"]))
     out = [f"# Verify report: {Path(document['script']).name}", "", SECTION, "", *_table(rows), ""]

@@ -355,6 +355,9 @@ def test_a_world_size_difference_where_the_matrix_marks_the_cell_n_a_is_reported
     assert "the project's matrix: accumulation, padding-free (not a row of the table" in out
     assert "world_size      NOT APPLICABLE  the project's matrix (docs/matrix.md) marks it n/a" in out
     assert reason in out and "world_size failed" not in out
+    report = (tmp_path / "free" / "report.md").read_text()  # the certificate's section of a run report
+    assert "| the project's matrix | accumulation, padding-free (not a row of the table" in report
+    assert "| the project's matrix | padding-free x 2 processes: n/a (the rows of 2 processes" in report
 
     planned = {"reference": {**losses, "config": {**config, "padding_free": False}},
                "world-size": {"losses": [0.75, 0.74, 0.73]}}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import token_train
+import torch
 import toy_train
 from conftest import ROOT, reset_accelerate
 
@@ -334,6 +335,25 @@ def _forked_stale_view(argv: list[str]) -> None:
         _forked_run("toy", argv)
     finally:
         guard.list_checkpoints = listed
+
+
+def test_the_evidence_the_cells_are_judged_with_sees_each_difference(tmp_path):
+    """verify's evidence functions, on what a broken feature would leave (no run): a resumed run that replays a
+    micro-batch, a history that goes back, a rank that fed another half, weights of another shape."""
+    full = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert feed_across_resume(full, full[:2], full[2:]) == [] and feed_across_resume(full, None, full[2:]) == []
+    assert len(feed_across_resume(full, full[:2], [full[1], full[3]])) == 2  # one replayed, one skipped
+    assert len(feed_across_resume(full, full[:1], full[2:])) == 1  # the cut run's last batch lost
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}, {"step": 1, "loss": 1.0}, {"step": 3, "final": True})))
+    assert steps_going_back(tmp_path) == [(2, 1)] and [r["step"] for r in history(tmp_path)] == [1, 2, 1]
+    assert merged_micro_batches([[[0], [3]], [[1], [2]]]) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        merged_micro_batches([[[0], [3]], [[1]]])
+    a = {"w": torch.zeros(2)}
+    assert largest_difference(a, {"w": torch.tensor([0.0, 0.5])}) == 0.5 and largest_difference(a, a) == 0.0
+    assert largest_difference(a, {"w": torch.zeros(3)}) == float("inf") and largest_difference(a, {}) == float("inf")
+    assert coverage_findings("x", 0, [[[0, 1, 1]]], {"dataset_length": 3})[0]["kind"] == "coverage"
 
 
 # ------------------------------------------------------------------------------- said before training, and the table

@@ -33,6 +33,7 @@ from .deploy import RecordModelFactory, check_exportable, describe_model, export
 from .errors import PeerTimeout, Preempted
 from .observe.eval_again import evaluate_again
 from .observe.fed_record import fed_recorder
+from .observe.gradient_record import record_gradient
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
 from .rundir.metrics_log import end_training_safely
@@ -108,7 +109,8 @@ def train(
         stop = any_rank(session.accelerator, call_hooks(session.hooks, "on_train_start", state))
         started = time.perf_counter()
         with observer.probe(state.step) as probe:
-            run_loop(session, state, meter, probe, stop)
+            # ACCEL_TRAIN_RECORD_GRADIENT=1: step 1's gradient, what verify's accumulation and world-size checks compare
+            run_loop(session, state, meter, record_gradient(session, probe), stop)
         formats = session.config.export_formats
         result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
     except Preempted:  # a checkpoint was saved on purpose: not a crash

@@ -18,7 +18,7 @@ from ..rundir.layout import CONFIG
 from ..sweep.trial import Interrupts
 from ..testing.faults import VARIABLE as FAULT_VARIABLE
 from .crashes import VariantCrashed, recognised_crash
-from .diagnose import accumulation_cause, determinism_cause, resume_cause
+from .diagnose import accumulation_cause, determinism_cause, direction_cause, resume_cause
 from .evidence import (
     batch_norm_layers,
     checkpoint_dir,
@@ -31,6 +31,7 @@ from .evidence import (
     tensor_differences,
     train_records,
 )
+from .gradients import RECORD_ENV, gradient_direction
 from .runs import Variant, Verify, killed, launch_refused, one_process_side, require_finished, run_variant
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
@@ -42,6 +43,17 @@ PROPERTY = "property"
 # (dropout off). 1e-4 leaves a margin of 20 over that; the bugs meant (a loss scaled by 1/k, a mean over another
 # denominator) move the loss or the gradient norm by a percent or more.
 ACCUMULATION_RTOL = 1e-4
+# Step 1's whole gradient (observe/gradient_record.py: accumulated, before clipping), k micro-batches against one
+# batch: ||g_micro - g_full|| / ||g_full|| over every parameter. The norm averages rounding out, the whole vector keeps
+# it: measured 6.9e-8 on toy_train and 1.8e-7 on the main job's MiniLM in fp32 (dropout off), but 2.0e-3 with the
+# recipe's default --mixed_precision auto, which computes in bf16 on a CPU that has it: bf16 matmuls round to 2^-8,
+# over other shapes (the norm: 4.5e-6). 1e-2 leaves a margin of 5 over bf16's; the bugs meant turn the gradient by
+# far more (labels left unsorted by a sorting collator, sorted_rows.py: 0.90, cosine 0.59, with the loss and the norm
+# equal; a per-micro-batch token mean: 1.04; a loss divided by k: 0.50, cosine 1).
+ACCUMULATION_GRADIENT_RTOL = 1e-2
+# The variants whose step-1 gradients the accumulation and world-size checks compare (gradients.py): they record it
+# (one file each); the reference only when it may be the world-size check's 1-process side.
+GRADIENT_VARIANTS = ("accumulation-micro", "accumulation-full", "reference", "world-size-one", "world-size")
 
 
 @dataclass
@@ -79,6 +91,8 @@ class Runs:
         error require_finished gives."""
         if name in self.crashed:
             raise self.crashed[name]
+        if name in GRADIENT_VARIANTS and (name != "reference" or "world_size" in self.verify.checks):
+            env = {**RECORD_ENV, **(env or {})}
         if name not in self.done:
             self.done[name] = self.runner(self.verify, name, self.interrupts, env=env, script_args=script_args,
                                           processes=processes, **more)
@@ -180,9 +194,12 @@ def accumulation(runs: Runs) -> Result:
     k = verify.accumulation
     own = verify.accumulation_args
     tolerance = {"loss": f"relative {ACCUMULATION_RTOL:g}", "grad_norm": f"relative {ACCUMULATION_RTOL:g}",
+                 "gradient": f"relative L2 {ACCUMULATION_GRADIENT_RTOL:g}, step 1's whole gradient (its direction)",
                  "why": "the same float32 numbers added in another order, over other padded shapes: 8e-8 "
-                        "(toy_train) to 4.5e-6 (MiniLM) relative measured; the weights after one step are reported, "
-                        "not judged: Adam's first update is about lr * sign(gradient), blind to a gradient's scale"}
+                        "(toy_train) to 4.5e-6 (MiniLM) relative measured; step 1's whole gradient 6.9e-8 (toy_train) "
+                        "and 2.0e-3 (MiniLM in bf16 autocast; 1.8e-7 in fp32), bf16's rounding over other shapes; the "
+                        "weights after one step are reported, not judged: Adam's first update is about "
+                        "lr * sign(gradient), blind to a gradient's scale"}
     said = accumulation_refused(runs)
     if said is not None:
         return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
@@ -203,9 +220,12 @@ def accumulation(runs: Runs) -> Result:
     measured = _first_steps(micro.output_dir, full.output_dir, batch, k, weights=shared is None)
     result = Result(PASSED, measured, tolerance, ["accumulation-micro", full.name])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
-    if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst):
+    turned = not measured.get("gradient_relative", 0.0) <= ACCUMULATION_GRADIENT_RTOL  # NaN fails too
+    if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst) or turned:
         result.status = FAILED
         result.cause, result.diagnosis = accumulation_cause(measured)
+        if worst <= ACCUMULATION_RTOL and not measured["batch_norm_layers"]:  # equal totals, another direction
+            result.cause, result.diagnosis = direction_cause(measured, f"{k} accumulated micro-batches and one batch")
         if measured["batch_norm_layers"]:
             result.status = PROPERTY
     return result
@@ -274,4 +294,5 @@ def _first_steps(micro: Path, full: Path, batch: int, k: int, weights: bool = Tr
         rows = tensor_differences(weights_micro, weights_full)
         measured["weights_max_abs"] = max((row["max_abs"] for row in rows), default=0.0)
     measured["batch_norm_layers"] = batch_norm_layers(weights_micro or {})
+    measured.update(gradient_direction(micro, full))  # the whole gradient: its direction too
     return measured

@@ -108,7 +108,7 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
     ratio = norm_micro / norm_full if norm_micro is not None and norm_full else math.nan
     where = (f"With {k} micro-batches of {measured['micro_batch']} accumulated, step 1 logs loss {loss_micro} and "
              f"grad_norm {norm_micro}; with one batch of {k * measured['micro_batch']}, loss {loss_full} and grad_norm "
-             f"{norm_full} (gradient ratio {ratio:.4g}).")
+             f"{norm_full} (gradient ratio {ratio:.4g}).{direction_sentence(measured)}")
     layers = measured.get("batch_norm_layers") or []
     if layers:
         return BATCH_NORM_ACCUMULATION, (
@@ -146,6 +146,31 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
         "'num_items': count}.")
 
 
+def direction_sentence(measured: dict) -> str:
+    """' Step 1's gradients differ by ... (cosine ...).', from the recorded gradients (verify/gradients.py), or ''."""
+    if "gradient_relative" not in measured:
+        return ""
+    return (f" Step 1's whole gradients, as the optimizer is given them, differ by {measured['gradient_relative']:.2e} "
+            f"of the reference side's norm (cosine {measured['gradient_cosine']:.6f}).")
+
+
+GRADIENT_DIRECTION = "gradient direction: examples weighted or paired differently"
+
+
+def direction_cause(measured: dict, sides: str) -> tuple[str, str]:
+    """(cause class, paragraph) for two runs (`sides`: "k accumulated micro-batches and one batch", "1 process and
+    2") whose step-1 loss and gradient norm agree and whose gradients point elsewhere."""
+    return GRADIENT_DIRECTION, (
+        f"{sides[0].upper()}{sides[1:]} log the same step-1 loss and gradient norm, but the gradients point elsewhere:"
+        f"{direction_sentence(measured)} Equal totals with another direction mean the examples were weighted or "
+        "paired differently when the batch was split: rows reordered or shifted within the batch without their "
+        "labels (a collator that sorts rows by length and leaves the labels in place, a shift along the batch axis "
+        "instead of the sequence axis), a weighting that depends on the micro-batch's or process's own rows (a "
+        "per-batch normalisation of sample weights, in-batch targets), or augmentation drawn per split. What to "
+        "change: make each example's loss a function of that example alone (its inputs with its own labels), and "
+        "let the loop average over the window and the processes.")
+
+
 BATCH_NORM = "per-process batch statistics (BatchNorm): a property of the model, not a bug"
 
 
@@ -156,6 +181,7 @@ def world_size_cause(measured: dict) -> tuple[str, str]:
              f"at step {first['step']} ({first['loss'][0]} against {first['loss'][1]}, {first['relative']:.2e} "
              "relative)" if first else "The logged losses agree")
     where += f"; the final weights differ by up to {measured.get('weights_relative', 0.0):.2e} of their largest value."
+    where += direction_sentence(measured)
     layers = measured.get("batch_norm_layers") or []
     if layers:
         return BATCH_NORM, (

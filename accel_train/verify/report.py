@@ -30,7 +30,8 @@ def figure(name: str, result: Result) -> str:
     if name == "world_size":
         return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
                 f"{measured['loss_relative']:.2e}, step 1's grad_norm {measured['grad_norm_relative']:.2e} relative "
-                f"(tolerance {result.tolerance['loss'].split(',')[0]}); weights {measured['weights_relative']:.2e}")
+                f"(tolerance {result.tolerance['loss'].split(',')[0]}){direction(result)}; weights "
+                f"{measured['weights_relative']:.2e}")
     if name == "data_accounting":
         fed = sum(rows["fed"] for rows in measured["rows"].values())
         planned = sum(rows["planned"] for rows in measured["rows"].values())
@@ -59,10 +60,22 @@ def figure(name: str, result: Result) -> str:
                 f"{result.tolerance['outputs'].split()[-1]})")
     if name == "accumulation":
         return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
-                f"(tolerance {result.tolerance['loss']})")
+                f"(tolerance {result.tolerance['loss']}){direction(result)}")
     first = measured.get("first_loss_difference")
     losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
     return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
+
+
+def direction(result: Result) -> str:
+    """'; step 1's gradient ... (cosine ...)': the direction figure of the accumulation and world-size checks."""
+    measured = result.measured
+    if "gradient_relative" in measured:
+        tolerance = result.tolerance.get("gradient", "").split(",")[0]
+        return (f"; step 1's gradient {measured['gradient_relative']:.2e} relative L2, cosine "
+                f"{measured['gradient_cosine']:.6f} (tolerance {tolerance})")
+    if "gradient_not_compared" in measured:
+        return f"; gradient direction not compared: {measured['gradient_not_compared']}"
+    return ""
 
 
 def _cell(value) -> str:

@@ -1,0 +1,122 @@
+"""The direction of step 1's gradient in `accel-train verify`'s accumulation and world-size checks: the opt-in record
+(ACCEL_TRAIN_RECORD_GRADIENT=1, observe/gradient_record.py), its comparison (verify/gradients.py), a seeded bug that
+only the direction shows (tests/scripts/verify/sorted_rows.py: equal loss and gradient norm by construction).
+Variants run in this process (1 process) or on the session's two gloo ranks (2), through checks.Runs' runner seam
+(test_verify_in_process.py's verify_here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import toy_main
+from safetensors.torch import load_file, save_file
+from test_verify_in_process import BUGS, verify_here
+
+from accel_train.observe.gradient_record import VARIABLE, gradient_file
+from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL
+from accel_train.verify.diagnose import GRADIENT_DIRECTION
+from accel_train.verify.gradients import gradient_direction
+from accel_train.verify.world import WORLD_GRADIENT_RTOL, WORLD_SIZE_RTOL
+
+SORTED_ROWS = BUGS / "sorted_rows.py"
+
+
+def whole_relative(a, b) -> float:
+    """||a - b|| / ||b|| over every tensor of two recorded gradients, computed here again from the files."""
+    difference = sum(float((a[n].double() - b[n].double()).square().sum()) for n in b)
+    return math.sqrt(difference / sum(float(b[n].double().square().sum()) for n in b))
+
+
+def test_a_sorted_collator_is_seen_by_the_gradient_direction_only_and_its_twin_passes(tmp_path, capsys):
+    """sorted_rows.py: the labels left unsorted by a collator that sorts the rows; accumulation, 2 x 8 rows against
+    16, one step each in this process. Step 1's loss (log 4) and gradient norm agree within ACCUMULATION_RTOL by
+    construction, so the loss-and-norm check passed this bug; the whole gradient differs by 0.90 of its norm
+    (cosine 0.59). The twin's gradients agree within 1e-6."""
+    code, certificate = verify_here(None, tmp_path / "bug", SORTED_ROWS, "accumulation")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"], result["cause"]) == (1, "failed", GRADIENT_DIRECTION)
+    measured = result["measured"]
+    assert measured["loss_relative"] <= ACCUMULATION_RTOL and measured["grad_norm_relative"] <= ACCUMULATION_RTOL
+    assert measured["gradient_relative"] > 50 * ACCUMULATION_GRADIENT_RTOL and measured["gradient_cosine"] < 0.9
+    assert (measured["gradient_values"], measured["gradient_only_one_side"]) == (4 * 64 + 4, [])
+    micro = load_file(gradient_file(tmp_path / "bug" / "accumulation-micro"))
+    full = load_file(gradient_file(tmp_path / "bug" / "accumulation-full"))
+    assert sorted(micro) == ["bias", "weight"]  # the bare model's names, one file per variant
+    assert whole_relative(micro, full) == pytest.approx(measured["gradient_relative"], rel=1e-9)  # re-derivable
+    assert "the gradients point elsewhere" in result["diagnosis"] and "What to change" in result["diagnosis"]
+    assert f"accumulation failed ({GRADIENT_DIRECTION})" in capsys.readouterr().out
+    assert "relative L2, cosine 0.59" in (tmp_path / "bug" / "report.md").read_text()
+
+    code, certificate = verify_here(None, tmp_path / "twin", SORTED_ROWS, "accumulation", "--fixed", "true")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"]) == (0, "passed")
+    assert result["measured"]["gradient_relative"] <= 1e-6 and result["measured"]["gradient_cosine"] > 1 - 1e-9
+
+
+def test_the_record_is_opt_in_and_changes_nothing_the_run_computes(tmp_path, monkeypatch):
+    """toy_train, 3 steps with accumulation 2, in this process: without ACCEL_TRAIN_RECORD_GRADIENT no file; with it
+    one file holding step 1's gradient, and the same losses and final weights bitwise as without."""
+    args = ["--max_steps", "3", "--gradient_accumulation_steps", "2", "--logging_steps", "1", "--report_to", "none",
+            "--save_strategy", "no", "--eval_strategy", "no", "--max_grad_norm", "0.01"]
+    monkeypatch.delenv(VARIABLE, raising=False)
+    toy_main([*args, "--output_dir", str(tmp_path / "off")])
+    monkeypatch.setenv(VARIABLE, "1")
+    toy_main([*args, "--output_dir", str(tmp_path / "on")])
+    assert not gradient_file(tmp_path / "off").exists() and not (tmp_path / "off" / "diagnostics").exists()
+    grads = load_file(gradient_file(tmp_path / "on"))
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    # recorded before clipping: --max_grad_norm 0.01 clips step 1, the file keeps the norm the loop logged
+    logged = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in logged if r.get("step") == 1 and "grad_norm" in r)
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    assert norm == pytest.approx(first["grad_norm"], rel=1e-5) and norm > 0.01
+    losses = [(tmp_path / run / "metrics.jsonl").read_text() for run in ("off", "on")]
+    assert [json.loads(line).get("loss") for line in losses[0].splitlines()] == \
+        [json.loads(line).get("loss") for line in losses[1].splitlines()]
+    weights = [load_file(tmp_path / run / "model.safetensors") for run in ("off", "on")]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+def test_the_comparison_counts_a_missing_gradient_as_zero_and_says_why_none_was_compared(tmp_path):
+    """Files written here: a parameter with a gradient on one side only counts as zero on the other and is named; a
+    run whose record was skipped (FSDP / DeepSpeed) or is missing is not compared, with the reason."""
+    for run, tensors in (("a", {"w": torch.tensor([3.0, 0.0]), "extra": torch.tensor([4.0])}),
+                         ("b", {"w": torch.tensor([3.0, 4.0])})):
+        gradient_file(tmp_path / run).parent.mkdir(parents=True)
+        save_file(tensors, str(gradient_file(tmp_path / run)))
+    measured = gradient_direction(tmp_path / "a", tmp_path / "b")
+    # a - b = (0, -4, 4): sqrt(32) / 5; a . b = 9 over |a| = 5, |b| = 5
+    assert measured["gradient_relative"] == pytest.approx(math.sqrt(32) / 5)
+    assert measured["gradient_cosine"] == pytest.approx(9 / 25)
+    assert measured["gradient_only_one_side"] == ["extra"]
+    gradient_file(tmp_path / "sharded").parent.mkdir(parents=True)
+    save_file({}, str(gradient_file(tmp_path / "sharded")), metadata={"skipped": "under FSDP each process holds a "
+                                                                                 "shard"})
+    assert gradient_direction(tmp_path / "sharded", tmp_path / "b") == {
+        "gradient_not_compared": "sharded: under FSDP each process holds a shard"}
+    assert "did not reach an optimizer step" in gradient_direction(tmp_path / "b", tmp_path / "none")[
+        "gradient_not_compared"]
+
+
+@pytest.mark.slow
+def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction(tmp_path, ranks):
+    """sorted_rows.py, world_size only, 2 steps: the reference (8 rows, in this process, with its run report) against
+    2 processes of 4 rows (the ranks); each process sorts its own rows, so the labels go to other rows than in one
+    process: the logged losses and step 1's gradient norm agree, the whole gradient does not. The twin passes."""
+    code, certificate = verify_here(ranks, tmp_path / "bug", SORTED_ROWS, "world_size", "--run_report", "true",
+                                    steps=2)
+    result = certificate["checks"]["world_size"]
+    assert (code, result["status"], result["cause"]) == (1, "failed", GRADIENT_DIRECTION)
+    measured = result["measured"]
+    assert measured["loss_relative"] <= WORLD_SIZE_RTOL and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
+    assert measured["gradient_relative"] > 50 * WORLD_GRADIENT_RTOL
+    assert gradient_file(tmp_path / "bug" / "reference").is_file()  # the 1-process side recorded it
+    code, certificate = verify_here(ranks, tmp_path / "twin", SORTED_ROWS, "world_size", "--fixed", "true", steps=2)
+    result = certificate["checks"]["world_size"]
+    assert (code, result["status"]) == (0, "passed") and result["measured"]["gradient_relative"] <= 1e-6
+    assert os.environ.get(VARIABLE) is None  # the runner's environment is put back

@@ -1,6 +1,8 @@
 """The certificate as a section of a run report: `DIR/report.md` beside `DIR/verify.json`, in the run report's
 Markdown (observe/report/markdown.py: `#` title, `##` sections, two-column tables), rendered from the certificate
-alone, so `render(json.load(open("DIR/verify.json")))` writes it again.
+alone, so `render(json.load(open("DIR/verify.json")))` writes it again. The same section is also put into the reference
+run's own report (`DIR/reference/report.md`, written by observe/report/), between two markers, so a verify that runs
+again replaces it instead of adding a second one.
 
     ## Verify certificate        what was verified, the verdict, properties, why verify stopped (if it did)
     ### <check>: <STATUS>        one table per check (status, measured, tolerance, variants compared, cause),
@@ -18,6 +20,9 @@ from .checks import NOT_APPLICABLE, PROPERTY, Result
 
 REPORT = "report.md"
 SECTION = "## Verify certificate"
+REFERENCE = "reference"  # the variant whose run report gets the section too
+BEGIN = "<!-- accel-train verify: the certificate (verify.json); replaced when verify writes it again -->"
+END = "<!-- accel-train verify: end of the certificate -->"
 
 
 def figure(name: str, result: Result) -> str:
@@ -109,6 +114,12 @@ def _check(name: str, result: Result) -> list[str]:
 
 def render(document: dict) -> str:
     """report.md of a certificate (verify.json's document)."""
+    return "\n".join([f"# Verify report: {Path(document['script']).name}", "", *_section(document)])
+
+
+def _section(document: dict, inside: bool = False) -> list[str]:
+    """The certificate's `## Verify certificate` section; `inside`: in a variant's own run report (the variants one
+    heading lower, linked from beside it)."""
     verdict = "passed" if document.get("passed") else "**FAILED**" if "error" not in document else "**stopped**"
     command = " ".join([document["script"], *document.get("script_args", [])])
     rows = [("script", command), ("verdict", verdict), ("exit code", document.get("exit_code")),
@@ -124,7 +135,7 @@ def render(document: dict) -> str:
                                                             for key in ("said", "refused") if matrix[key])))
     if "error" in document:
         rows.append(("stopped", document["error"]))
-    out = [f"# Verify report: {Path(document['script']).name}", "", SECTION, "", *_table(rows), ""]
+    out = [SECTION, "", *_table(rows), ""]
     checks = document.get("checks", {})
     out += ["| check | status | measured |", "|---|---|---|"]
     out += [f"| {name} | {_cell(check['status'])} | {_cell(figure(name, Result(**check)))} |"
@@ -134,17 +145,39 @@ def render(document: dict) -> str:
         out += _check(name, Result(**check))
     variants = document.get("variants", {})
     if variants:
-        out += ["## Variants", "", "| variant | processes | run directory | exit codes |", "|---|---|---|---|"]
+        heading, up = ("### Variants", "../") if inside else ("## Variants", "")
+        out += [heading, "", "| variant | processes | run directory | exit codes |", "|---|---|---|---|"]
         for name, variant in variants.items():
             folder = Path(variant["output_dir"])
-            link = f"[{folder.name}]({folder.name}/report.md)" if (folder / "report.md").is_file() else folder.name
+            link = f"[{folder.name}]({up}{folder.name}/report.md)" if (folder / "report.md").is_file() else folder.name
             codes = ", ".join(str(attempt.get("returncode")) for attempt in variant.get("attempts", []))
             out.append(f"| {name} | {variant.get('processes')} | {link} | {codes} |")
         out.append("")
-    return "\n".join(out)
+    return out
 
 
 def write_report(document: dict, directory: Path) -> Path:
+    """DIR/report.md, and the section in the reference run's report.md when this verify ran the reference and it
+    wrote one (a script with --run_report false writes none)."""
     path = Path(directory) / REPORT
     path.write_text(render(document))
+    if REFERENCE in document.get("variants", {}):
+        add_to_run_report(document, Path(directory) / REFERENCE / REPORT)
     return path
+
+
+def add_to_run_report(document: dict, report: Path) -> bool:
+    """Put the certificate's section into the run report `report` (at the end, or in place of the section an earlier
+    verify put there); False when there is no such report."""
+    if not report.is_file():
+        return False
+    text = report.read_text()
+    section = "\n".join([BEGIN, *_section(document, inside=True), END])
+    start = text.find(BEGIN)
+    stop = text.find(END, start) if start >= 0 else -1
+    if start >= 0 and stop >= 0:
+        text = text[:start] + section + text[stop + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    report.write_text(text)
+    return True

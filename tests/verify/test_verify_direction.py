@@ -1,8 +1,8 @@
 """The direction of step 1's gradient in `accel-train verify`'s accumulation and world-size checks: the opt-in record
 (ACCEL_TRAIN_RECORD_GRADIENT=1, observe/gradient_record.py), its comparison (verify/gradients.py), a seeded bug that
-only the direction shows (tests/scripts/verify/sorted_rows.py: equal loss and gradient norm by construction).
-Variants run in this process (1 process) or on the session's two gloo ranks (2), through checks.Runs' runner seam
-(test_verify_in_process.py's verify_here).
+only the direction shows (tests/scripts/verify/sorted_rows.py: equal loss and gradient norm by construction) and the
+certificate's section in the reference run's own report.md. Variants run in this process (1 process) or on the
+session's two gloo ranks (2), through checks.Runs' runner seam (test_verify_in_process.py's verify_here).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from accel_train.observe.gradient_record import VARIABLE, gradient_file
 from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL
 from accel_train.verify.diagnose import GRADIENT_DIRECTION
 from accel_train.verify.gradients import gradient_direction
+from accel_train.verify.report import BEGIN, END, SECTION, add_to_run_report, write_report
 from accel_train.verify.world import WORLD_GRADIENT_RTOL, WORLD_SIZE_RTOL
 
 SORTED_ROWS = BUGS / "sorted_rows.py"
@@ -103,11 +104,47 @@ def test_the_comparison_counts_a_missing_gradient_as_zero_and_says_why_none_was_
         "gradient_not_compared"]
 
 
+def certificate_document(tmp_path, status: str) -> dict:
+    differs = {"step": 2} if status == "failed" else None
+    check = {"status": status, "measured": {"steps_compared": 6, "first_loss_difference": differs,
+                                            "tensors_differing": 3 if differs else 0},
+             "tolerance": {"loss": "bitwise"}, "variants": ["reference", "repeat"]}
+    return {"script": "job.py", "script_args": [], "passed": status != "failed", "exit_code": int(status == "failed"),
+            "steps": 6, "accumulation_steps": 2, "checks": {"determinism": check},
+            "variants": {"reference": {"output_dir": str(tmp_path / "reference"), "processes": 1, "attempts": []},
+                         "repeat": {"output_dir": str(tmp_path / "repeat"), "processes": 1, "attempts": []}}}
+
+
+def test_the_certificate_is_a_section_of_the_reference_runs_report_replaced_when_verify_writes_it_again(tmp_path):
+    """Run directories written here: verify's report goes into DIR/reference/report.md after the run report's own
+    sections, its variants linked from there; written again, the section is replaced, not repeated, and what the run
+    report holds around it stays. Without a run report (--run_report false) nothing is written there."""
+    (tmp_path / "repeat").mkdir()
+    (tmp_path / "repeat" / "report.md").write_text("# repeat\n")
+    run_report = tmp_path / "reference" / "report.md"
+    assert not add_to_run_report(certificate_document(tmp_path, "passed"), run_report)
+    run_report.parent.mkdir()
+    run_report.write_text("# Run report\n\n## Results\n\n| | |\n")
+    write_report(certificate_document(tmp_path, "passed"), tmp_path)
+    first = run_report.read_text()
+    assert first.startswith("# Run report\n\n## Results\n") and first.count(SECTION) == 1
+    assert "### determinism: PASSED" in first and "[repeat](../repeat/report.md)" in first
+    assert (tmp_path / "report.md").read_text().count(SECTION) == 1  # DIR/report.md is kept, links beside it
+    assert "[repeat](repeat/report.md)" in (tmp_path / "report.md").read_text()
+    run_report.write_text(first + "\nwritten after the section\n")
+    write_report(certificate_document(tmp_path, "failed"), tmp_path)
+    again = run_report.read_text()
+    assert again.count(SECTION) == again.count(BEGIN) == again.count(END) == 1
+    assert "### determinism: FAILED" in again and "PASSED" not in again
+    assert again.startswith("# Run report\n\n## Results\n") and again.endswith("\nwritten after the section\n")
+
+
 @pytest.mark.slow
 def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction(tmp_path, ranks):
     """sorted_rows.py, world_size only, 2 steps: the reference (8 rows, in this process, with its run report) against
     2 processes of 4 rows (the ranks); each process sorts its own rows, so the labels go to other rows than in one
-    process: the logged losses and step 1's gradient norm agree, the whole gradient does not. The twin passes."""
+    process: the logged losses and step 1's gradient norm agree, the whole gradient does not. The twin passes. The
+    certificate is a section of the reference's report.md."""
     code, certificate = verify_here(ranks, tmp_path / "bug", SORTED_ROWS, "world_size", "--run_report", "true",
                                     steps=2)
     result = certificate["checks"]["world_size"]
@@ -116,6 +153,8 @@ def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction
     assert measured["loss_relative"] <= WORLD_SIZE_RTOL and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
     assert measured["gradient_relative"] > 50 * WORLD_GRADIENT_RTOL
     assert gradient_file(tmp_path / "bug" / "reference").is_file()  # the 1-process side recorded it
+    report = (tmp_path / "bug" / "reference" / "report.md").read_text()
+    assert report.count(SECTION) == 1 and f"**world_size: failed ({GRADIENT_DIRECTION}).**" in report
     code, certificate = verify_here(ranks, tmp_path / "twin", SORTED_ROWS, "world_size", "--fixed", "true", steps=2)
     result = certificate["checks"]["world_size"]
     assert (code, result["status"]) == (0, "passed") and result["measured"]["gradient_relative"] <= 1e-6

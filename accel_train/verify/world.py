@@ -78,7 +78,11 @@ def world_size(runs: Runs) -> Result:
     if not (agree and measured.get("gradient_relative", 0.0) <= WORLD_GRADIENT_RTOL):
         result.status = FAILED
         result.cause, result.diagnosis = world_size_cause(measured)
-        if agree and not measured["batch_norm_layers"]:  # equal totals, another direction
+        first = measured["first_loss_difference"]
+        step_one = (first is None or first["step"] > 1) and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
+        turned = not measured.get("gradient_relative", 0.0) <= WORLD_GRADIENT_RTOL
+        if step_one and turned and measured["learning_rate_relative"] <= LEARNING_RATE_RTOL \
+                and not measured["batch_norm_layers"]:  # step 1's totals equal, another direction: what came after
             result.cause, result.diagnosis = direction_cause(measured, "1 process and 2")
         if measured["batch_norm_layers"]:
             result.status = PROPERTY

@@ -141,21 +141,23 @@ def test_the_certificate_is_a_section_of_the_reference_runs_report_replaced_when
 
 @pytest.mark.slow
 def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction(tmp_path, ranks):
-    """sorted_rows.py, world_size only, 2 steps: the reference (8 rows, in this process, with its run report) against
+    """sorted_rows.py, world_size only, 3 steps: the reference (8 rows, in this process, with its run report) against
     2 processes of 4 rows (the ranks); each process sorts its own rows, so the labels go to other rows than in one
-    process: the logged losses and step 1's gradient norm agree, the whole gradient does not. The twin passes. The
-    certificate is a section of the reference's report.md."""
+    process: step 1's loss and gradient norm agree, the whole gradient does not (and step 2's loss follows). The twin
+    passes. The certificate is a section of the reference's report.md."""
     code, certificate = verify_here(ranks, tmp_path / "bug", SORTED_ROWS, "world_size", "--run_report", "true",
-                                    steps=2)
+                                    steps=3)
     result = certificate["checks"]["world_size"]
     assert (code, result["status"], result["cause"]) == (1, "failed", GRADIENT_DIRECTION)
     measured = result["measured"]
-    assert measured["loss_relative"] <= WORLD_SIZE_RTOL and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
-    assert measured["gradient_relative"] > 50 * WORLD_GRADIENT_RTOL
+    # step 1 agrees in loss and norm; the updates that followed the turned gradient move step 2's loss
+    assert measured["losses_by_step"]["1"] <= WORLD_SIZE_RTOL and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
+    assert measured["first_loss_difference"]["step"] == 2
+    assert measured["gradient_relative"] > 50 * WORLD_GRADIENT_RTOL and measured["gradient_cosine"] < 0.5
     assert gradient_file(tmp_path / "bug" / "reference").is_file()  # the 1-process side recorded it
     report = (tmp_path / "bug" / "reference" / "report.md").read_text()
     assert report.count(SECTION) == 1 and f"**world_size: failed ({GRADIENT_DIRECTION}).**" in report
-    code, certificate = verify_here(ranks, tmp_path / "twin", SORTED_ROWS, "world_size", "--fixed", "true", steps=2)
+    code, certificate = verify_here(ranks, tmp_path / "twin", SORTED_ROWS, "world_size", "--fixed", "true", steps=3)
     result = certificate["checks"]["world_size"]
     assert (code, result["status"]) == (0, "passed") and result["measured"]["gradient_relative"] <= 1e-6
     assert os.environ.get(VARIABLE) is None  # the runner's environment is put back

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from conftest import toy_main
 from safetensors.torch import load_file, save_file
 from test_verify_in_process import BUGS, verify_here
 
-from accel_train.observe.gradient_record import VARIABLE, gradient_file
+from accel_train.observe.gradient_record import VARIABLE, GradientRecorder, gradient_file
 from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL
 from accel_train.verify.diagnose import GRADIENT_DIRECTION
 from accel_train.verify.gradients import gradient_direction
@@ -161,3 +162,30 @@ def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction
     result = certificate["checks"]["world_size"]
     assert (code, result["status"]) == (0, "passed") and result["measured"]["gradient_relative"] <= 1e-6
     assert os.environ.get(VARIABLE) is None  # the runner's environment is put back
+
+
+def test_the_recorder_divides_by_the_fp16_loss_scale_and_skips_a_sharded_gradient_saying_why(tmp_path):
+    """The recorder on a stand-in accelerator (no run): under an fp16 loss scaler the saved gradient is the unscaled
+    one the optimizer steps with; under FSDP the file holds no tensor, its reason, which the comparison reports; only
+    step 1 is saved, and only by the main process."""
+    model = torch.nn.Linear(2, 1)
+    model.weight.grad, model.bias.grad = torch.full((1, 2), 1024.0), torch.tensor([2048.0])
+    scaler = SimpleNamespace(get_scale=lambda: 1024.0)
+
+    def accelerator(kind: str, main: bool = True):
+        return SimpleNamespace(unwrap_model=lambda m: m, is_main_process=main, scaler=scaler,
+                               distributed_type=SimpleNamespace(value=kind))
+
+    GradientRecorder(accelerator("MULTI_GPU", main=False), model, tmp_path / "other").before_clip(1)
+    recorder = GradientRecorder(accelerator("MULTI_GPU"), model, tmp_path / "ddp")
+    recorder.before_clip(2)
+    assert not gradient_file(tmp_path / "ddp").exists() and not gradient_file(tmp_path / "other").exists()
+    recorder.before_clip(1)
+    saved = load_file(gradient_file(tmp_path / "ddp"))
+    assert torch.equal(saved["weight"], torch.ones(1, 2)) and torch.equal(saved["bias"], torch.tensor([2.0]))
+    assert model.weight.grad[0, 0] == 1024.0  # the run's own gradient untouched
+    GradientRecorder(accelerator("FSDP"), model, tmp_path / "fsdp").before_clip(1)
+    assert load_file(gradient_file(tmp_path / "fsdp")) == {}
+    assert gradient_direction(tmp_path / "fsdp", tmp_path / "ddp") == {
+        "gradient_not_compared": "fsdp: under FSDP each process holds a shard of the gradient: no whole gradient to "
+                                 "record"}

@@ -52,7 +52,7 @@ ACCUMULATION_RTOL = 1e-4
 # equal; a per-micro-batch token mean: 1.04; a loss divided by k: 0.50, cosine 1).
 ACCUMULATION_GRADIENT_RTOL = 1e-2
 # The variants whose step-1 gradients the accumulation and world-size checks compare (gradients.py): they record it
-# (one file each); the reference only when it may be the world-size check's 1-process side.
+# (one file each); the reference only when it may be the world-size check's 1-process side (Runs.reference_compared).
 GRADIENT_VARIANTS = ("accumulation-micro", "accumulation-full", "reference", "world-size-one", "world-size")
 
 
@@ -84,6 +84,11 @@ class Runs:
         self.done: dict[str, Variant] = {}
         self.crashed: dict[str, VariantCrashed] = {}
 
+    def reference_compared(self) -> bool:
+        """Whether the reference may be the world-size check's 1-process side (runs.one_process_side: not with
+        --world_size_args, which give that side a run of its own): then it records its step-1 gradient too."""
+        return "world_size" in self.verify.checks and not self.verify.world_size_args
+
     def finished(self, name: str, script_args: Sequence[str] = (), processes: int = 1,
                  env: dict[str, str] | None = None, **more: object) -> Variant:
         """The variant `name`, run once to its end. A run that failed for a cause its log names raises
@@ -91,7 +96,7 @@ class Runs:
         error require_finished gives."""
         if name in self.crashed:
             raise self.crashed[name]
-        if name in GRADIENT_VARIANTS and (name != "reference" or "world_size" in self.verify.checks):
+        if name in GRADIENT_VARIANTS and (name != "reference" or self.reference_compared()):
             env = {**RECORD_ENV, **(env or {})}
         if name not in self.done:
             self.done[name] = self.runner(self.verify, name, self.interrupts, env=env, script_args=script_args,

@@ -7,6 +7,7 @@ session's two gloo ranks (2), through checks.Runs' runner seam (test_verify_in_p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,10 +20,12 @@ from safetensors.torch import load_file, save_file
 from test_verify_in_process import BUGS, verify_here
 
 from accel_train.observe.gradient_record import VARIABLE, GradientRecorder, gradient_file
-from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL
+from accel_train.verify import parse_args
+from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL, Runs
 from accel_train.verify.diagnose import GRADIENT_DIRECTION
 from accel_train.verify.gradients import gradient_direction
 from accel_train.verify.report import BEGIN, END, SECTION, add_to_run_report, write_report
+from accel_train.verify.runs import Variant
 from accel_train.verify.world import WORLD_GRADIENT_RTOL, WORLD_SIZE_RTOL
 
 SORTED_ROWS = BUGS / "sorted_rows.py"
@@ -189,3 +192,27 @@ def test_the_recorder_divides_by_the_fp16_loss_scale_and_skips_a_sharded_gradien
     assert gradient_direction(tmp_path / "fsdp", tmp_path / "ddp") == {
         "gradient_not_compared": "fsdp: under FSDP each process holds a shard of the gradient: no whole gradient to "
                                  "record"}
+
+
+def test_only_the_variants_a_direction_is_judged_on_record_their_gradient(tmp_path):
+    """What each variant's environment gets (no run: a runner that keeps it): the accumulation and world-size sides
+    record; the reference only when it may be the world-size check's 1-process side (not with --world_size_args,
+    which give that side a run of its own); the other checks' variants never."""
+    def asked(*flags) -> dict:
+        verify = parse_args(["--output_dir", str(tmp_path), *flags, "--", str(SORTED_ROWS)])
+        seen = {}
+
+        def runner(verify, name, interrupts, env=None, **more):
+            seen[name] = (env or {}).get(VARIABLE)
+            return Variant(name, [], tmp_path / name, env or {}, returncode=0, attempts=[{"status": {"exit": 0}}])
+
+        runs = Runs(verify, None, runner)
+        for name in ("reference", "repeat", "accumulation-micro", "world-size-one", "world-size", "precision"):
+            with contextlib.suppress(Exception):  # require_finished reads files these runs did not write
+                runs.finished(name)
+        return seen
+
+    assert asked() == {"reference": "1", "repeat": None, "accumulation-micro": "1", "world-size-one": "1",
+                       "world-size": "1", "precision": None}
+    assert asked("--world_size_args", "--seed 3")["reference"] is None
+    assert asked("--checks", "determinism,accumulation")["reference"] is None

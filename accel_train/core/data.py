@@ -155,9 +155,11 @@ def _same_numpy_state(a, b) -> bool:
 
 class LengthGroupedSampler(Sampler[int]):
     """Random order, but each run of `group_size` consecutive indices has similar lengths, which cuts
-    padding. Group by the *global* micro-batch (per-device batch x processes): the processes then split
-    a group of similar lengths between them, and N processes see the batches one process with N times the
-    batch would see. Uses transformers' `get_length_grouped_indices`, reseeded from (seed, epoch)."""
+    padding. Group by the optimizer step's *global* batch (per-device batch x processes x accumulation steps, as
+    the Trainer does): the processes then split a group of similar lengths between them, N processes see the
+    batches one process with N times the batch would see, and k accumulated micro-batches of B hold the examples
+    one batch of kB holds (grouped by the micro-batch, the megabatches and the longest-first swap would differ).
+    Uses transformers' `get_length_grouped_indices`, reseeded from (seed, epoch)."""
 
     def __init__(self, lengths: Sequence[int], group_size: int, seed: int = 0):
         self.lengths = list(lengths)
@@ -199,7 +201,8 @@ def make_loader(
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
     if train and lengths is not None:
-        sampler = LengthGroupedSampler(lengths, batch_size * num_processes, data_seed(config))
+        step = batch_size * num_processes * config.gradient_accumulation_steps  # one optimizer step's examples
+        sampler = LengthGroupedSampler(lengths, step, data_seed(config))
     return _loader(dataset, config, collate_fn, process_index, batch_size=batch_size,
                    shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
                    sampler=sampler, drop_last=train and config.dataloader_drop_last)

@@ -17,48 +17,15 @@ the plan positions fed and the rows that reached the loss. Judged:
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..observe.fed_record import fed_file
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
 from .diagnose import accounting_cause
+from .evidence import Fed, read_fed
 
 # The runs it reads, by the check that runs them: (variant, processes, what it shows).
 SOURCES = (("reference", "determinism", "one process"), ("world-size", "world_size", "two processes"),
            ("resumed", "resume", "across the resume"))
-
-
-@dataclass
-class Fed:
-    """What one process of a run recorded (the last record of a step wins: a resumed run replays steps)."""
-
-    plans: dict[int, list[list[int]]] = field(default_factory=dict)  # epoch -> micro-batches (the last recorded)
-    replays: dict[int, list[list[list[int]]]] = field(default_factory=dict)  # epoch -> each process run's plan
-    meta: dict[int, dict] = field(default_factory=dict)  # epoch -> dataset_length, num_processes, batch_size, ...
-    steps: dict[int, dict] = field(default_factory=dict)
-    probe: dict | None = None
-
-
-def read_fed(run_dir: Path, rank: int) -> Fed | None:
-    path = fed_file(run_dir, rank)
-    if not path.is_file():
-        return None
-    fed = Fed()
-    for line in path.read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
-        if "plan" in record:
-            epoch = int(record["plan"])
-            fed.plans[epoch] = record["batches"]
-            fed.replays.setdefault(epoch, []).append(record["batches"])
-            fed.meta[epoch] = {k: v for k, v in record.items() if k not in ("plan", "batches")}
-        elif "probe" in record:
-            fed.probe = record["probe"]
-        elif "step" in record:
-            fed.steps[int(record["step"])] = record
-    return fed
 
 
 def data_accounting(runs: Runs) -> Result:

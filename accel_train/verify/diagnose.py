@@ -146,6 +146,24 @@ def accumulation_cause(measured: dict) -> tuple[str, str]:
         "'num_items': count}.")
 
 
+OTHER_EXAMPLES = "step 1 held other examples: the order depends on the batch size"
+
+
+def accumulation_examples_cause(measured: dict) -> tuple[str, str]:
+    """(cause class, paragraph) for k micro-batches whose step held other examples than the one batch of kB."""
+    k, batch = measured["accumulation_steps"], measured["micro_batch"]
+    only = measured["examples_only_in"]
+    return OTHER_EXAMPLES, (
+        f"With {k} micro-batches of {batch} accumulated, step 1 fed other dataset examples than one batch of "
+        f"{k * batch} did (indices only in the micro-batches: {only['micro-batches']}; only in the one batch: "
+        f"{only['one batch']}; read from what each run fed, ACCEL_TRAIN_RECORD_FED). The loss and gradient figures "
+        "compare other data, so they prove nothing either way. Likely cause: the training order is built per "
+        "micro-batch (a sampler or batch sampler that groups, sorts or buckets by --per_device_train_batch_size), so "
+        "accumulation changes which examples make an optimizer step. What to change: group by the optimizer step's "
+        "batch (per-device batch x processes x gradient_accumulation_steps), as accel_train.make_loader's length "
+        "grouping and the Trainer's do, or build the order independently of the batch size.")
+
+
 def direction_sentence(measured: dict) -> str:
     """' Step 1's gradients differ by ... (cosine ...).', from the recorded gradients (verify/gradients.py), or ''."""
     if "gradient_relative" not in measured:

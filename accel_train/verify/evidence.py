@@ -9,11 +9,13 @@ import itertools
 import json
 import math
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
+from ..observe.fed_record import fed_file
 from ..rundir.checkpoint import TRAIN_STATE
 from ..rundir.layout import CHECKPOINTS_DIR, CONFIG, HISTORY, checkpoint_name
 from ..rundir.weights import read_weights, weights_file
@@ -195,3 +197,47 @@ def merged_micro_batches(ranks: list[list[list[int]]]) -> list[list[int]]:
     """The processes' micro-batches merged step by step (each sorted): what one process at the global batch feeds.
     Processes that fed other numbers of micro-batches raise ValueError."""
     return [sorted(index for batch in batches for index in batch) for batches in zip(*ranks, strict=True)]
+
+
+@dataclass
+class Fed:
+    """What one process of a run recorded (the last record of a step wins: a resumed run replays steps)."""
+
+    plans: dict[int, list[list[int]]] = field(default_factory=dict)  # epoch -> micro-batches (the last recorded)
+    replays: dict[int, list[list[list[int]]]] = field(default_factory=dict)  # epoch -> each process run's plan
+    meta: dict[int, dict] = field(default_factory=dict)  # epoch -> dataset_length, num_processes, batch_size, ...
+    steps: dict[int, dict] = field(default_factory=dict)
+    probe: dict | None = None
+
+
+def read_fed(run_dir: Path, rank: int) -> Fed | None:
+    path = fed_file(run_dir, rank)
+    if not path.is_file():
+        return None
+    fed = Fed()
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if "plan" in record:
+            epoch = int(record["plan"])
+            fed.plans[epoch] = record["batches"]
+            fed.replays.setdefault(epoch, []).append(record["batches"])
+            fed.meta[epoch] = {k: v for k, v in record.items() if k not in ("plan", "batches")}
+        elif "probe" in record:
+            fed.probe = record["probe"]
+        elif "step" in record:
+            fed.steps[int(record["step"])] = record
+    return fed
+
+
+def step_examples(run_dir: Path, processes: int, step: int) -> list[int] | None:
+    """The dataset indices every process fed in optimizer step `step` (all its micro-batches), sorted; None when a
+    process recorded nothing (ACCEL_TRAIN_RECORD_FED was off, a stream has no indices)."""
+    indices: list[int] = []
+    for rank in range(processes):
+        fed = read_fed(run_dir, rank)
+        record = fed.steps.get(step) if fed is not None else None
+        if record is None or not fed.plans:
+            return None
+        for epoch, first, last in record.get("segments", []):
+            indices += [i for batch in fed.plans.get(int(epoch), [])[first:last] for i in batch]
+    return sorted(indices)

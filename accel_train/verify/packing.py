@@ -35,8 +35,9 @@ from .precision import precision_of
 # Step 1 of the same examples packed against padded, fp32, 2 shared CPU cores: the text-generation recipe's tiny Llama
 # (48 date pairs) 1.0e-7 relative on the loss, 0 on the gradient norm with --packing (16 examples in one batch);
 # 0 and 6.0e-8 with --padding_free (its reference run's step 1); the seeded twin's GPT-2 9.4e-8 and 8.0e-8. The
-# same float32 numbers summed over other row shapes, as accumulation's (1e-4 there too). Examples that see each
-# other moved the seeded bug's gradient norm by 3.1 % (padding-free) and 4.8 % (packing), its loss by 0.15 %.
+# same float32 numbers summed over other row shapes (both sides in fp32, like accumulation's fp32 noise: 1.5e-7).
+# Examples that see each other moved the seeded bug's gradient norm by 3.1 % (padding-free) and 4.8 % (packing),
+# its loss by 0.15 %.
 PACKING_RTOL = 1e-4
 PACKING_EXAMPLES = 16  # --packing: the examples both sides train their one step on
 LAYOUT_FLAGS = ("packing", "padding_free")

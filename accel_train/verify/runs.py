@@ -62,8 +62,9 @@ class Verify:
 
     @property
     def env(self) -> dict[str, str]:
-        """What every variant's environment gets: the data-accounting check reads what each process fed."""
-        return {FED_VARIABLE: "1"} if "data_accounting" in self.checks else {}
+        """What every variant's environment gets: the data-accounting check reads what each process fed, the
+        accumulation check which examples each side's step 1 held."""
+        return {FED_VARIABLE: "1"} if {"data_accounting", "accumulation"} & set(self.checks) else {}
 
     @property
     def save_steps(self) -> int:

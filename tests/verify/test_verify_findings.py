@@ -17,7 +17,7 @@ from accel_train.verify import parse_args
 from accel_train.verify.checks import Result, Runs, accumulation
 from accel_train.verify.command import certificate
 from accel_train.verify.crashes import UNUSED_PARAMETERS, recognised_crash
-from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION, EVALUATION_BATCH
+from accel_train.verify.diagnose import BATCH_NORM_ACCUMULATION, EVALUATION_BATCH, OTHER_EXAMPLES
 from accel_train.verify.evaluation import evaluation
 from accel_train.verify.report import figure, render, write_report
 from accel_train.verify.runs import Variant
@@ -30,7 +30,8 @@ REFUSAL = ("--gradient_accumulation_steps 2: a contrastive loss computed per mic
 def written(plans: dict):
     """A runner that writes each named variant's run directory from `plans[name]`: step 1's loss and grad_norm
     (metrics.jsonl: "loss", "norm"), config.yaml ("config", else the batch (8) and accumulation asked), the weights'
-    names (model.safetensors: "weights"), all_results.json ("results") and a checkpoint at the last step; "refused":
+    names (model.safetensors: "weights"), all_results.json ("results"), what it fed ("fed": epoch 0's micro-batches
+    and how many made step 1) and a checkpoint at the last step; "refused":
     the run exits 2 with that message in its status, as run_cli writes it for a ConfigError."""
     def runner(verify, name, interrupts, env=None, script_args=(), processes=1, **more) -> Variant:
         plan, out = plans[name], verify.output_dir / name
@@ -45,6 +46,11 @@ def written(plans: dict):
         (out / "config.yaml").write_text(json.dumps(config))
         save_file({name: torch.ones(2) for name in plan.get("weights", ["w"])}, str(out / "model.safetensors"))
         (out / "all_results.json").write_text(json.dumps(plan.get("results", {})))
+        if "fed" in plan:  # what the process fed (observe/fed_record.py): epoch 0's plan, step 1 = its first n
+            batches, n = plan["fed"]
+            (out / "diagnostics").mkdir()
+            (out / "diagnostics" / "fed_rank0.jsonl").write_text(
+                json.dumps({"plan": 0, "batches": batches}) + "\n" + json.dumps({"step": 1, "segments": [[0, 0, n]]}))
         (out / "checkpoints" / f"step-{more.get('max_steps', verify.steps):08d}").mkdir(parents=True)
         return Variant(name, [], out, {}, processes, returncode=0, attempts=[{"status": {"exit": 0}, "log": None}])
     return runner
@@ -90,6 +96,25 @@ def test_accumulation_shares_the_world_size_checks_one_batch_where_their_flags_a
     result = sides("accumulating", reference_config={"per_device_train_batch_size": 8,
                                                      "gradient_accumulation_steps": 4})
     assert result.variants == ["accumulation-micro", "accumulation-full"]
+
+
+def test_accumulation_fails_when_the_two_sides_step_held_other_examples(tmp_path):
+    """The runs record which examples each step fed (ACCEL_TRAIN_RECORD_FED, set on the variants whenever accumulation
+    is asked): k micro-batches whose step held other examples than the one batch of kB compare other data, whatever
+    the loss and the norm say. Found on the main job at seed 3, 2 x 16 against 32: length grouping grouped by the
+    micro-batch (core/data.py now groups by the optimizer step), one example of step 1 differed and the gradient
+    norm 1.1e-2, reported as a loss defect."""
+    verify = parse_args(["--checks", "accumulation", "--output_dir", str(tmp_path / "other"), "--", str(TOY)])
+    assert verify.env == {"ACCEL_TRAIN_RECORD_FED": "1"}
+    plans = {"accumulation-micro": {"fed": ([[0, 1], [2, 3], [4, 5]], 2)},
+             "accumulation-full": {"fed": ([[0, 1, 2, 4], [3, 5]], 1)}}
+    result = accumulation(Runs(verify, None, written(plans)))
+    assert (result.status, result.cause) == ("failed", OTHER_EXAMPLES)
+    assert result.measured["examples_only_in"] == {"micro-batches": [3], "one batch": [4]}
+    assert "[3]" in result.diagnosis and "gradient_accumulation_steps" in result.diagnosis
+    plans["accumulation-full"]["fed"] = ([[3, 2, 1, 0], [4, 5]], 1)
+    result = accumulation_on(tmp_path / "same", plans)
+    assert (result.status, result.measured["same_examples"]) == ("passed", True)
 
 
 def test_batch_norm_under_accumulation_is_a_property_not_a_failure(tmp_path):

@@ -292,7 +292,7 @@ def test_a_per_micro_batch_token_mean_is_flagged_by_accumulation_and_the_token_s
     result = certificate["checks"]["accumulation"]
     assert (code, result["status"], result["cause"]) == (1, "failed", "normalisation per micro-batch")
     measured = result["measured"]
-    assert measured["grad_norm_relative"] > 1000 * ACCUMULATION_RTOL and measured["loss_relative"] > 100 * \
+    assert measured["grad_norm_relative"] > 100 * ACCUMULATION_RTOL and measured["loss_relative"] > 10 * \
         ACCUMULATION_RTOL
     assert measured["batch_norm_layers"] == [] and "a token mean over variable-length rows" in result["diagnosis"]
     assert "{'loss_sum': sum, 'num_items': count}" in result["diagnosis"]
@@ -303,8 +303,8 @@ def test_a_per_micro_batch_token_mean_is_flagged_by_accumulation_and_the_token_s
     code, certificate = verify_here(None, tmp_path / "twin", script, "accumulation", "--fixed", "true")
     result = certificate["checks"]["accumulation"]
     assert (code, result["status"]) == (0, "passed")
-    assert result["measured"]["loss_relative"] <= ACCUMULATION_RTOL / 100
-    assert result["measured"]["grad_norm_relative"] <= ACCUMULATION_RTOL / 100
+    assert result["measured"]["loss_relative"] <= ACCUMULATION_RTOL / 1000
+    assert result["measured"]["grad_norm_relative"] <= ACCUMULATION_RTOL / 1000
 
 
 @pytest.mark.slow

@@ -68,6 +68,11 @@ MATMUL_SIDE = 2048  # the square matmul whose speed is this machine's measured p
 FULL_REPEATS = 5  # timed matmuls (after a warm-up) of a measurement no cache entry holds, or one asked for
 START_REPEATS = 2  # timed matmuls (after a warm-up) with which each later process checks the cached entry
 REMEASURE = "ACCEL_TRAIN_REMEASURE_PEAK"  # =1: replace the cached entry with a fresh measurement
+# The longest one timed matmul may take. A precision the device only emulates (fp16 on most CPUs: 0.34 GFLOP/s here,
+# 50 s for one 2048² matmul, so 150 s at every process start) is timed at a smaller side, chosen from one small
+# matmul (PROBE_SIDE) first: the timing stays under a second whatever the precision.
+MATMUL_SECONDS = 0.25
+PROBE_SIDE = 256
 
 # (cache file, key) -> the speed this process timed: the start-up report and the meter ask for the same peak, and
 # one timing per process is enough (a second one at the first step would only cost time)
@@ -161,20 +166,34 @@ def time_matmul(device: torch.device, precision: str, side: int, repeats: int) -
     has no matmul on the device."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     try:
-        generator = torch.Generator(device).manual_seed(0)  # never the global one: a run's RNG stream stays its own
-        a = torch.randn(side, side, device=device, generator=generator).to(dtype)
-        b = torch.randn(side, side, device=device, generator=generator).to(dtype)
-        best = math.inf
-        for i in range(repeats + 1):
-            _sync(device)
-            started = time.perf_counter()
-            a @ b
-            _sync(device)
-            if i:  # the first is the warm-up
-                best = min(best, time.perf_counter() - started)
+        probe = _fastest(device, dtype, min(side, PROBE_SIDE), 1)
+        side = fitted_side(2 * min(side, PROBE_SIDE) ** 3 / probe, side)
+        return 2 * side**3 / _fastest(device, dtype, side, repeats)
     except RuntimeError:  # e.g. fp16 matmuls on a CPU without them
         return None
-    return 2 * side**3 / best
+
+
+def fitted_side(rate: float, side: int) -> int:
+    """The side (a multiple of 64, at most `side`, at least PROBE_SIDE) whose matmul takes about MATMUL_SECONDS at
+    `rate` FLOP/s."""
+    fits = int((MATMUL_SECONDS * rate / 2) ** (1 / 3)) // 64 * 64
+    return max(min(side, PROBE_SIDE), min(side, fits))
+
+
+def _fastest(device: torch.device, dtype: torch.dtype, side: int, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` timed `side` x `side` matmuls after a warm-up."""
+    generator = torch.Generator(device).manual_seed(0)  # never the global one: a run's RNG stream stays its own
+    a = torch.randn(side, side, device=device, generator=generator).to(dtype)
+    b = torch.randn(side, side, device=device, generator=generator).to(dtype)
+    best = math.inf
+    for i in range(repeats + 1):
+        _sync(device)
+        started = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - started)
+    return best
 
 
 def read_peaks(cache: Path) -> dict[str, float]:

@@ -110,3 +110,24 @@ def test_a_model_faster_than_the_peak_publishes_no_mfu(tmp_path, monkeypatch, ca
     assert "no MFU is published for this run" in out and "ACCEL_TRAIN_REMEASURE_PEAK=1" in out
     assert out.count("is above the") == 1  # said once, not at every interval
     assert json.loads(cache.read_text()) == {}
+
+
+def test_an_emulated_precision_is_timed_at_a_side_that_takes_a_fraction_of_a_second(monkeypatch):
+    """fp16 matmuls on this CPU run at 0.34 GFLOP/s (emulated): one 2048² matmul takes 50 s, and re-timing it at every
+    process start (best of 2 after a warm-up) made an fp16 run on CPU start 150 s late (the suite's fp16 loss-scaler
+    test: 0.07 s before, 142 s after). One small matmul first decides the side: a fast precision keeps 2048, an
+    emulated one gets the side that takes about MATMUL_SECONDS."""
+    import torch
+
+    from accel_train.core import peak
+
+    assert peak.fitted_side(4.1e11, 2048) == 2048  # this CPU's bf16: a 2048² matmul takes 42 ms
+    assert peak.fitted_side(3.4e8, 2048) == 320  # its fp16: 320² takes 0.19 s
+    assert peak.fitted_side(1.0, 2048) == peak.PROBE_SIDE and peak.fitted_side(3.4e8, 128) == 128
+    sides = []
+    real = peak.fitted_side
+    monkeypatch.setattr(peak, "fitted_side", lambda rate, side: sides.append(real(rate, side)) or sides[-1])
+    flops = peak.time_matmul(torch.device("cpu"), "fp16", 2048, 1)
+    assert flops is not None and flops > 0
+    if flops < 1e10:  # no native fp16 matmul here: the side shrank (a CPU with AMX-FP16 keeps a larger one)
+        assert sides[-1] < 2048

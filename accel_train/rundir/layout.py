@@ -36,6 +36,10 @@ MLFLOW_DB = "mlflow.db"  # --report_to mlflow without MLFLOW_TRACKING_URI: the r
 WANDB_DIR = "wandb"  # --report_to wandb without WANDB_DIR: the run's W&B files (offline runs: what `wandb sync` sends)
 CHECKPOINTS_DIR = "checkpoints"
 REPORT = "report.md"
+# A section another command put into a run's report.md (verify's certificate) lies between these two markers; the
+# report, written again (`accel-train report`, a resumed run's end), keeps it at its end.
+KEPT_BEGIN = "<!-- accel-train: a section kept when the report is written again:"
+KEPT_END = "<!-- accel-train: end of the kept section -->"
 REPORT_DIR = "report"
 DIAGNOSTICS_DIR = "diagnostics"
 PROFILER_DIR = "profiler"

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -209,19 +210,32 @@ def main(argv: Sequence[str], runner: Callable[..., Variant] = run_variant) -> i
         try:
             run_checks(runs, results)
         except SweepInterrupted as stop:
-            _write(path, certificate(verify, results, runs, f"interrupted: {stop}", 128 + stop.signum))
+            write_certificate(path, certificate(verify, results, runs, f"interrupted: {stop}", 128 + stop.signum))
             print(f"accel-train verify: {stop} What was done is in {path}.", file=sys.stderr)
             return 128 + stop.signum
         except UserError as err:
-            _write(path, certificate(verify, results, runs, f"{err.kind}: {err}", 2))
+            write_certificate(path, certificate(verify, results, runs, f"{err.kind}: {err}", 2))
             raise
     document = certificate(verify, results, runs)
-    _write(path, document)
+    write_certificate(path, document)
     print(summary(verify, results, path, document["matrix"]))
     return document["exit_code"]
 
 
-def _write(path: Path, document: dict) -> None:
-    """verify.json, and its section of a run report beside it (report.md)."""
-    path.write_text(json.dumps(document, indent=2, default=str))
+def write_certificate(path: Path, document: dict) -> None:
+    """verify.json, and its section of a run report beside it (report.md). Strict JSON: a difference that is not a
+    number (NaN, an infinite relative difference against 0) is written as the string Python's float() reads back
+    ("NaN", "Infinity"), not as the bare tokens json.dumps would write and strict readers (jq, JavaScript) refuse."""
+    path.write_text(json.dumps(_strict(document), indent=2, default=str, allow_nan=False))
     write_report(json.loads(path.read_text()), path.parent)  # rendered from what the certificate holds
+
+
+def _strict(value):
+    """`value` with every non-finite float replaced by its name as float() reads it back ("NaN", "Infinity")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value

@@ -16,13 +16,15 @@ import json
 import math
 from pathlib import Path
 
+from ..rundir.layout import KEPT_BEGIN, KEPT_END
 from .checks import NOT_APPLICABLE, PROPERTY, Result
 
 REPORT = "report.md"
 SECTION = "## Verify certificate"
 REFERENCE = "reference"  # the variant whose run report gets the section too
-BEGIN = "<!-- accel-train verify: the certificate (verify.json); replaced when verify writes it again -->"
-END = "<!-- accel-train verify: end of the certificate -->"
+# Between the run report's kept-section markers: `accel-train report` writing the report again keeps the section.
+BEGIN = f"{KEPT_BEGIN} verify's certificate (verify.json); replaced when verify writes it again -->"
+END = KEPT_END
 
 
 def figure(name: str, result: Result) -> str:
@@ -34,9 +36,9 @@ def figure(name: str, result: Result) -> str:
         return f"variant {measured['crashed_variant']} failed: {result.cause}"
     if name == "world_size":
         return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
-                f"{measured['loss_relative']:.2e}, step 1's grad_norm {measured['grad_norm_relative']:.2e} relative "
+                f"{_e(measured['loss_relative'])}, step 1's grad_norm {_e(measured['grad_norm_relative'])} relative "
                 f"(tolerance {result.tolerance['loss'].split(',')[0]}){direction(result)}; weights "
-                f"{measured['weights_relative']:.2e}")
+                f"{_e(measured['weights_relative'])}")
     if name == "data_accounting":
         fed = sum(rows["fed"] for rows in measured["rows"].values())
         planned = sum(rows["planned"] for rows in measured["rows"].values())
@@ -44,27 +46,27 @@ def figure(name: str, result: Result) -> str:
                 f"{', '.join(measured['compared'])}"
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "evaluation":
-        judged = {key: max((row["relative"] for metric, row in measured[key]["metrics"].items()
+        judged = {key: max((float(row["relative"]) for metric, row in measured[key]["metrics"].items()
                             if metric != "loss" or "loss_not_judged" not in measured), default=0.0)
                   for key in ("again", "batch_size", "world_size") if key in measured}
-        compared = [f"{key} {relative:.2e}" for key, relative in judged.items()]
+        compared = [f"{key} {_e(relative)}" for key, relative in judged.items()]
         return (f"eval metrics across {', '.join(compared)} relative (tolerance {result.tolerance['metrics']})"
                 + ("; eval_loss not judged: a loss over the batch" if "loss_not_judged" in measured else "")
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "precision":
         return (f"{measured['precision'][1]} against {measured['precision'][0]}: the first {measured['steps_compared']}"
-                f" losses {measured['loss_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
+                f" losses {_e(measured['loss_relative'])} relative (tolerance {result.tolerance['loss']})")
     if name == "packing":
-        return (f"step 1 {measured['layout'].replace('_', '-')} against padded: loss {measured['loss_relative']:.2e}, "
-                f"grad_norm {measured['grad_norm_relative']:.2e} relative (tolerance {result.tolerance['loss']})")
+        return (f"step 1 {measured['layout'].replace('_', '-')} against padded: loss {_e(measured['loss_relative'])}, "
+                f"grad_norm {_e(measured['grad_norm_relative'])} relative (tolerance {result.tolerance['loss']})")
     if name == "export":
         if "error" in measured:
             return f"{measured['format']} artifact written, its verification failed: {measured['error'][:160]}"
-        return (f"{measured['format']} loaded back: max |difference| {measured['max_abs_diff']:.2e} against the "
+        return (f"{measured['format']} loaded back: max |difference| {_e(measured['max_abs_diff'])} against the "
                 f"trained model over {sum(len(a['checks']) for a in measured['artifacts'])} inputs (tolerance "
                 f"{result.tolerance['outputs'].split()[-1]})")
     if name == "accumulation":
-        return (f"loss {measured['loss_relative']:.2e}, grad_norm {measured['grad_norm_relative']:.2e} relative "
+        return (f"loss {_e(measured['loss_relative'])}, grad_norm {_e(measured['grad_norm_relative'])} relative "
                 f"(tolerance {result.tolerance['loss']}){direction(result)}")
     first = measured.get("first_loss_difference")
     losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
@@ -76,11 +78,17 @@ def direction(result: Result) -> str:
     measured = result.measured
     if "gradient_relative" in measured:
         tolerance = result.tolerance.get("gradient", "").split(",")[0]
-        return (f"; step 1's gradient {measured['gradient_relative']:.2e} relative L2, cosine "
-                f"{measured['gradient_cosine']:.6f} (tolerance {tolerance})")
+        return (f"; step 1's gradient {_e(measured['gradient_relative'])} relative L2, cosine "
+                f"{_e(measured['gradient_cosine'], '.6f')} (tolerance {tolerance})")
     if "gradient_not_compared" in measured:
         return f"; gradient direction not compared: {measured['gradient_not_compared']}"
     return ""
+
+
+def _e(value, spec: str = ".2e") -> str:
+    """A measured figure formatted; verify.json holds a non-finite one as its name ("NaN", "Infinity"), which
+    float() reads back, so a report rendered again from the certificate formats it the same."""
+    return format(float(value), spec)
 
 
 def _cell(value) -> str:

@@ -20,8 +20,10 @@ from safetensors.torch import load_file, save_file
 from test_verify_in_process import BUGS, verify_here
 
 from accel_train.observe.gradient_record import VARIABLE, GradientRecorder, gradient_file
-from accel_train.verify import parse_args
+from accel_train.observe.report import write_report as write_run_report
+from accel_train.verify import CERTIFICATE, parse_args
 from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL, Runs
+from accel_train.verify.command import write_certificate
 from accel_train.verify.diagnose import GRADIENT_DIRECTION
 from accel_train.verify.gradients import gradient_direction
 from accel_train.verify.report import BEGIN, END, SECTION, add_to_run_report, write_report
@@ -141,6 +143,28 @@ def test_the_certificate_is_a_section_of_the_reference_runs_report_replaced_when
     assert again.count(SECTION) == again.count(BEGIN) == again.count(END) == 1
     assert "### determinism: FAILED" in again and "PASSED" not in again
     assert again.startswith("# Run report\n\n## Results\n") and again.endswith("\nwritten after the section\n")
+    # `accel-train report` writes the run's report afresh from its files: the certificate's section stays, once
+    (run_report.parent / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    for _ in range(2):
+        rewritten = write_run_report(run_report.parent).read_text()
+        assert rewritten.startswith("# Run report") and "## Results" not in rewritten  # the run report's own text
+        assert rewritten.count(SECTION) == rewritten.count(BEGIN) == rewritten.count(END) == 1
+        assert "### determinism: FAILED" in rewritten and rewritten.endswith(END + "\n")
+
+
+def test_the_certificate_is_strict_json_with_a_non_finite_difference(tmp_path):
+    """A relative difference against 0 is infinite and a failed run's NaN: verify.json holds them as the strings
+    float() reads back (strict readers refuse bare NaN / Infinity), and the report rendered from it formats them."""
+    document = certificate_document(tmp_path, "failed")
+    document["checks"]["accumulation"] = {
+        "status": "failed", "measured": {"loss_relative": float("inf"), "grad_norm_relative": float("nan")},
+        "tolerance": {"loss": "relative 0.001"}, "variants": ["accumulation-micro"]}
+    path = tmp_path / CERTIFICATE
+    write_certificate(path, document)
+    strict = json.loads(path.read_text(), parse_constant=lambda token: pytest.fail(f"bare {token} in verify.json"))
+    assert strict["checks"]["accumulation"]["measured"] == {"loss_relative": "Infinity", "grad_norm_relative": "NaN"}
+    assert "| accumulation | failed | loss inf, grad_norm nan relative (tolerance relative 0.001) |" in \
+        (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -15,7 +15,17 @@ from pathlib import Path
 import yaml
 
 from ...errors import UserError
-from ...rundir.layout import CONFIG, CONFUSION_MATRIX_PLOT, CRASH_GLOB, HISTORY, REPORT, REPORT_DIR, RESULTS
+from ...rundir.layout import (
+    CONFIG,
+    CONFUSION_MATRIX_PLOT,
+    CRASH_GLOB,
+    HISTORY,
+    KEPT_BEGIN,
+    KEPT_END,
+    REPORT,
+    REPORT_DIR,
+    RESULTS,
+)
 from .markdown import render, render_compare
 from .plots import Panel, Series, line_plot, matrix_plot
 
@@ -219,8 +229,23 @@ def write_report(run_dir: str | Path, results: dict | None = None) -> Path:
         if extra.resolve() not in drawn:
             plots[f"recipe:{extra.stem}"] = extra
     path = run.path / REPORT
-    path.write_text(render(run, {k: p.relative_to(run.path).as_posix() for k, p in plots.items()}))
+    text = render(run, {k: p.relative_to(run.path).as_posix() for k, p in plots.items()})
+    kept = kept_sections(path.read_text()) if path.is_file() else []
+    path.write_text("\n\n".join([text.rstrip("\n"), *kept]) + "\n" if kept else text)
     return path
+
+
+def kept_sections(text: str) -> list[str]:
+    """The sections another command put into a report (between KEPT_BEGIN and KEPT_END, markers included: verify's
+    certificate), which writing the report again keeps."""
+    sections, start = [], text.find(KEPT_BEGIN)
+    while start >= 0:
+        stop = text.find(KEPT_END, start)
+        if stop < 0:  # a section cut short: nothing to keep whole
+            break
+        sections.append(text[start:stop + len(KEPT_END)])
+        start = text.find(KEPT_BEGIN, stop)
+    return sections
 
 
 # ------------------------------------------------------------------------------------------------ compare

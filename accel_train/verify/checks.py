@@ -31,6 +31,7 @@ from .evidence import (
     step_examples,
     tensor_differences,
     train_records,
+    trained_precision,
 )
 from .gradients import RECORD_ENV, gradient_direction
 from .runs import Variant, Verify, killed, launch_refused, one_process_side, require_finished, run_variant
@@ -56,9 +57,28 @@ ACCUMULATION_RTOL = 1e-3
 # far more (labels left unsorted by a sorting collator, sorted_rows.py: 0.90, cosine 0.59, with the loss and the norm
 # equal; a per-micro-batch token mean: 1.04; a loss divided by k: 0.50, cosine 1).
 ACCUMULATION_GRADIENT_RTOL = 1e-2
+# In fp32 (both sides' checkpoints record fp32: no autocast, no cast by hand) the same comparisons are about 1e-7
+# (measured on the main job's MiniLM with --mixed_precision no, seeds 42 and 3: accumulation's loss and norm 1.1e-7 at
+# most, step 1's whole gradient 1.6e-7 and 4.9e-7; world size's losses over 6 steps 1.1e-7 at most; the earlier fp32
+# runs 2.2e-7; toy_train 8e-8). The bf16 bounds above would let an fp32 run differ by 10,000 times its rounding, enough
+# to hide a bug that touches one example in a thousand. 1e-5 on the loss and the norm leaves a margin of 45 over the
+# largest; 1e-4 on the whole gradient a margin of 200 (the whole vector keeps the rounding the norm averages out, and
+# grows with depth: a larger model than MiniLM measures more).
+FP32_RTOL = 1e-5
+FP32_GRADIENT_RTOL = 1e-4
 # The variants whose step-1 gradients the accumulation and world-size checks compare (gradients.py): they record it
 # (one file each); the reference only when it may be the world-size check's 1-process side (Runs.reference_compared).
 GRADIENT_VARIANTS = ("accumulation-micro", "accumulation-full", "reference", "world-size-one", "world-size")
+
+
+def bounds(low: tuple[float, float], *run_dirs: Path) -> tuple[float, float, str]:
+    """The bounds (loss and norm, the gradient's direction) for comparing `run_dirs`: FP32_RTOL and FP32_GRADIENT_RTOL
+    when every side recorded fp32, else `low`, the bounds set by bf16's rounding (an unrecorded precision gets them
+    too: a looser bound rather than a false alarm); and the precision in words, for the certificate."""
+    trained = [trained_precision(run_dir) for run_dir in run_dirs]
+    if trained and all(precision == "fp32" for precision in trained):
+        return FP32_RTOL, FP32_GRADIENT_RTOL, "fp32"
+    return (*low, ", ".join(sorted({precision or "unrecorded precision" for precision in trained})))
 
 
 @dataclass
@@ -203,14 +223,7 @@ def accumulation(runs: Runs) -> Result:
     verify = runs.verify
     k = verify.accumulation
     own = verify.accumulation_args
-    tolerance = {"loss": f"relative {ACCUMULATION_RTOL:g}", "grad_norm": f"relative {ACCUMULATION_RTOL:g}",
-                 "gradient": f"relative L2 {ACCUMULATION_GRADIENT_RTOL:g}, step 1's whole gradient (its direction)",
-                 "why": "the same numbers added in another order, over other padded shapes: up to 1.5e-7 (fp32) and "
-                        "1.8e-4 (bf16 autocast) relative on MiniLM's norm measured; step 1's whole gradient 6.9e-8 "
-                        "(toy_train) "
-                        "and 2.0e-3 (MiniLM in bf16 autocast; 1.8e-7 in fp32), bf16's rounding over other shapes; the "
-                        "weights after one step are reported, not judged: Adam's first update is about "
-                        "lr * sign(gradient), blind to a gradient's scale"}
+    tolerance = accumulation_tolerance(ACCUMULATION_RTOL, ACCUMULATION_GRADIENT_RTOL, "bf16 / fp16")
     said = accumulation_refused(runs)
     if said is not None:
         return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
@@ -229,13 +242,16 @@ def accumulation(runs: Runs) -> Result:
     else:  # the world-size check's 1-process run: one batch of kB, compared at its step 1
         full = runs.finished(shared[0], own, **shared[1])
     measured = _first_steps(micro.output_dir, full.output_dir, batch, k, weights=shared is None)
+    rtol, gradient_rtol, measured["precision"] = bounds((ACCUMULATION_RTOL, ACCUMULATION_GRADIENT_RTOL),
+                                                        micro.output_dir, full.output_dir)
+    tolerance = accumulation_tolerance(rtol, gradient_rtol, measured["precision"])
     result = Result(PASSED, measured, tolerance, ["accumulation-micro", full.name])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
-    turned = not measured.get("gradient_relative", 0.0) <= ACCUMULATION_GRADIENT_RTOL  # NaN fails too
-    if not (worst <= ACCUMULATION_RTOL) or math.isnan(worst) or turned:
+    turned = not measured.get("gradient_relative", 0.0) <= gradient_rtol  # NaN fails too
+    if not (worst <= rtol) or math.isnan(worst) or turned:
         result.status = FAILED
         result.cause, result.diagnosis = accumulation_cause(measured)
-        if worst <= ACCUMULATION_RTOL and not measured["batch_norm_layers"]:  # equal totals, another direction
+        if worst <= rtol and not measured["batch_norm_layers"]:  # equal totals, another direction
             result.cause, result.diagnosis = direction_cause(measured, f"{k} accumulated micro-batches and one batch")
         if measured["batch_norm_layers"]:
             result.status = PROPERTY
@@ -248,6 +264,18 @@ def accumulation(runs: Runs) -> Result:
             result.status = FAILED
             result.cause, result.diagnosis = accumulation_examples_cause(measured)
     return result
+
+
+def accumulation_tolerance(rtol: float, gradient_rtol: float, precision: str) -> dict:
+    """The accumulation check's tolerance, as the certificate states it, for runs in `precision`."""
+    return {"loss": f"relative {rtol:g} ({precision})", "grad_norm": f"relative {rtol:g} ({precision})",
+            "gradient": f"relative L2 {gradient_rtol:g}, step 1's whole gradient (its direction)",
+            "why": "the same numbers added in another order, over other padded shapes: in fp32 up to 2.2e-7 relative "
+                   "on MiniLM's loss and norm and 4.9e-7 on step 1's whole gradient measured (toy_train 8e-8), hence "
+                   f"{FP32_RTOL:g} and {FP32_GRADIENT_RTOL:g}; in bf16 autocast the norm 1.8e-4 and the whole "
+                   f"gradient 2.0e-3, bf16's rounding over other shapes, hence {ACCUMULATION_RTOL:g} and "
+                   f"{ACCUMULATION_GRADIENT_RTOL:g}; the weights after one step are reported, not judged: Adam's "
+                   "first update is about lr * sign(gradient), blind to a gradient's scale"}
 
 
 def accumulation_sides(runs: Runs) -> tuple[dict, tuple[str, dict] | None]:

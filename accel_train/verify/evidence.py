@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from ..observe.fed_record import fed_file
-from ..rundir.checkpoint import TRAIN_STATE
+from ..rundir.checkpoint import TRAIN_STATE, list_checkpoints
 from ..rundir.layout import CHECKPOINTS_DIR, CONFIG, HISTORY, checkpoint_name
 from ..rundir.weights import read_weights, weights_file
 
@@ -53,6 +53,17 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor] | None:
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
+
+
+def trained_precision(run_dir: Path) -> str | None:
+    """The precision a run trained in, as its last checkpoint recorded it ("fp32", "bf16 autocast on cpu"...; the loop
+    records the precision in effect, whatever the flags asked), or None (no checkpoint, or none recorded)."""
+    for checkpoint in reversed(list_checkpoints(run_dir)):
+        try:
+            return json.loads((checkpoint / TRAIN_STATE).read_text()).get("precision")
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
 
 
 def optimizer_tensors(checkpoint: Path) -> dict[str, torch.Tensor] | None:

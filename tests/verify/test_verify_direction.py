@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +22,16 @@ from test_verify_in_process import BUGS, verify_here
 
 from accel_train.observe.gradient_record import VARIABLE, GradientRecorder, gradient_file
 from accel_train.observe.report import write_report as write_run_report
+from accel_train.rundir.checkpoint import MANIFEST, TRAIN_STATE
 from accel_train.verify import CERTIFICATE, parse_args
-from accel_train.verify.checks import ACCUMULATION_GRADIENT_RTOL, ACCUMULATION_RTOL, Runs
+from accel_train.verify.checks import (
+    ACCUMULATION_GRADIENT_RTOL,
+    ACCUMULATION_RTOL,
+    FP32_GRADIENT_RTOL,
+    FP32_RTOL,
+    Runs,
+    bounds,
+)
 from accel_train.verify.command import write_certificate
 from accel_train.verify.diagnose import GRADIENT_DIRECTION
 from accel_train.verify.gradients import gradient_direction
@@ -240,3 +249,23 @@ def test_only_the_variants_a_direction_is_judged_on_record_their_gradient(tmp_pa
                        "world-size": "1", "precision": None}
     assert asked("--world_size_args", "--seed 3")["reference"] is None
     assert asked("--checks", "determinism,accumulation")["reference"] is None
+
+
+def test_the_bounds_are_fp32s_only_when_every_side_trained_in_fp32(tmp_path):
+    """Checkpoints written here: two sides that recorded fp32 are held to FP32_RTOL and FP32_GRADIENT_RTOL (rounding
+    of about 1e-7); a side in bf16 autocast, or one that recorded no precision (no checkpoint), keeps the bounds
+    bf16's rounding set."""
+    def run(name: str, precision: str | None) -> Path:
+        checkpoint = tmp_path / name / "checkpoints" / "step-00000001"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / MANIFEST).write_text("{}")
+        (checkpoint / TRAIN_STATE).write_text(json.dumps({} if precision is None else {"precision": precision}))
+        return tmp_path / name
+
+    low = (ACCUMULATION_RTOL, ACCUMULATION_GRADIENT_RTOL)
+    fp32, bf16, silent = run("a", "fp32"), run("b", "bf16 autocast on cpu"), run("c", None)
+    assert bounds(low, fp32, run("d", "fp32")) == (FP32_RTOL, FP32_GRADIENT_RTOL, "fp32")
+    assert bounds(low, fp32, bf16) == (*low, "bf16 autocast on cpu, fp32")
+    assert bounds(low, fp32, silent) == (*low, "fp32, unrecorded precision")
+    assert bounds(low, fp32, tmp_path / "never-ran") == (*low, "fp32, unrecorded precision")
+    assert FP32_RTOL < ACCUMULATION_RTOL / 10 and FP32_GRADIENT_RTOL < ACCUMULATION_GRADIENT_RTOL / 10

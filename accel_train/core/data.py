@@ -8,6 +8,7 @@ epoch can be replayed exactly on resume.
 from __future__ import annotations
 
 import functools
+import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,6 +179,52 @@ class LengthGroupedSampler(Sampler[int]):
         return iter(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
 
 
+# =1 (accel-train verify sets it on every variant): the first optimizer step of the first epoch holds the training
+# set's shortest and longest examples, ordered by length, so its micro-batches and processes hold the most unequal
+# token counts the data has (UnequalFirstStep). Only where the loader knows the lengths (make_loader's `lengths`).
+UNEQUAL_VARIABLE = "ACCEL_TRAIN_UNEQUAL_FIRST_STEP"
+
+
+class UnequalFirstStep(Sampler[int]):
+    """`sampler`'s order, but epoch 0 begins with one optimizer step's `window` examples (per-device batch x processes
+    x accumulation) chosen and ordered by length: the window // 2 shortest of the set, then the rest of the window
+    from its longest, ascending. Accelerate deals consecutive micro-batches to the processes, and accumulation takes
+    them in order: the first micro-batch (process 0) holds the shortest rows, the last the longest. A normalisation
+    per micro-batch or per process (a token mean over each, not over the step) then changes the update as much as
+    this data can make it; one batch of the whole window, one process, one micro-batch, holds the same examples. The
+    rest of the epoch is `sampler`'s order without them: still every example once. `first_step_lengths`: the
+    window's lengths in the order fed (the fed record keeps them for verify)."""
+
+    def __init__(self, sampler: Sampler[int], lengths: Sequence[int], window: int):
+        self.sampler, self.lengths = sampler, list(lengths)
+        by_length = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+        window = min(window, len(by_length))
+        chosen = by_length[:window // 2] + by_length[len(by_length) - (window - window // 2):]
+        self.first_step = sorted(chosen, key=lambda i: (self.lengths[i], i))
+        self.first_step_lengths = [self.lengths[i] for i in self.first_step]
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.sampler.epoch = value
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        order = list(self.sampler)
+        if self.epoch != 0:
+            return iter(order)
+        chosen = set(self.first_step)
+        return iter(self.first_step + [i for i in order if i not in chosen])
+
+
 def make_loader(
     dataset: Dataset,
     config: TrainConfig,
@@ -201,8 +248,12 @@ def make_loader(
     batch_size = config.per_device_train_batch_size if train else config.per_device_eval_batch_size
     sampler = None
     if train and lengths is not None:
-        step = batch_size * num_processes * config.gradient_accumulation_steps  # one optimizer step's examples
+        # one optimizer step's examples over every process: the world the launcher started when the caller did not
+        # say (grouped per process, 1 process and 2 would batch other examples: verify's world-size check saw it)
+        step = batch_size * max(num_processes, _world()) * config.gradient_accumulation_steps
         sampler = LengthGroupedSampler(lengths, step, data_seed(config))
+        if os.environ.get(UNEQUAL_VARIABLE) == "1":  # accel-train verify's variants
+            sampler = UnequalFirstStep(sampler, lengths, step)
     return _loader(dataset, config, collate_fn, process_index, batch_size=batch_size,
                    shuffle=train and sampler is None and not isinstance(dataset, IterableDataset),
                    sampler=sampler, drop_last=train and config.dataloader_drop_last)

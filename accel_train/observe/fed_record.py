@@ -5,6 +5,8 @@ a `FedRecorder` hook, which appends JSON lines to output_dir/diagnostics/fed_ran
 
     {"plan": E, "batches": [[i, ...], ...], "dataset_length": N, "num_processes": W, "batch_size": B,
      "drop_last": bool}                 the dataset indices of every micro-batch of epoch E on this process, in order
+                                        (epoch 0 with ACCEL_TRAIN_UNEQUAL_FIRST_STEP=1: "first_step_lengths", the
+                                        lengths of the first optimizer step's examples in the order fed)
     {"step": S, "segments": [[E, P0, P1], ...], "rows": R}
                                         the micro-batches fed since the last record (positions P0..P1-1 of epoch E's
                                         plan) and the rows they held when they reached the loss; the first record of
@@ -92,9 +94,14 @@ class FedRecorder:
             batches = replay_epoch(self.loader, epoch)
             self.plans[epoch] = None if batches is None else len(batches)
             if batches is not None:
-                self._write({"plan": epoch, "batches": batches, "dataset_length": len(self.loader.dataset),
-                             "num_processes": self.world, "batch_size": self.config.per_device_train_batch_size,
-                             "drop_last": bool(self.config.dataloader_drop_last)})
+                record = {"plan": epoch, "batches": batches, "dataset_length": len(self.loader.dataset),
+                          "num_processes": self.world, "batch_size": self.config.per_device_train_batch_size,
+                          "drop_last": bool(self.config.dataloader_drop_last)}
+                chosen = [getattr(sampler, "first_step_lengths", None) for sampler in _sampler_chain(
+                    self.loader.batch_sampler)]
+                if epoch == 0 and any(lengths is not None for lengths in chosen):  # core/data.py: UnequalFirstStep
+                    record["first_step_lengths"] = next(lengths for lengths in chosen if lengths is not None)
+                self._write(record)
         return self.plans[epoch]
 
     def _write(self, record: dict) -> None:

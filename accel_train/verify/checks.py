@@ -24,6 +24,7 @@ from .evidence import (
     checkpoint_dir,
     final_weights,
     first_loss_difference,
+    first_step_lengths,
     largest_loss_difference,
     optimizer_tensors,
     random_states,
@@ -245,6 +246,7 @@ def accumulation(runs: Runs) -> Result:
     rtol, gradient_rtol, measured["precision"] = bounds((ACCUMULATION_RTOL, ACCUMULATION_GRADIENT_RTOL),
                                                         micro.output_dir, full.output_dir)
     tolerance = accumulation_tolerance(rtol, gradient_rtol, measured["precision"])
+    measured["micro_batch_lengths"] = first_step_lengths(micro.output_dir)  # None: the script's own order
     result = Result(PASSED, measured, tolerance, ["accumulation-micro", full.name])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
     turned = not measured.get("gradient_relative", 0.0) <= gradient_rtol  # NaN fails too

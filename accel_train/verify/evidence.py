@@ -252,3 +252,17 @@ def step_examples(run_dir: Path, processes: int, step: int) -> list[int] | None:
         for epoch, first, last in record.get("segments", []):
             indices += [i for batch in fed.plans.get(int(epoch), [])[first:last] for i in batch]
     return sorted(indices)
+
+
+def first_step_lengths(run_dir: Path) -> list[int] | None:
+    """The summed lengths of the first optimizer step's micro-batches, in the order they were dealt (process 0's
+    first, process 1's first, ..., then each process's second), where the run chose that step's examples unequal
+    (core/data.py's UnequalFirstStep, under ACCEL_TRAIN_UNEQUAL_FIRST_STEP=1: the loader knew the lengths); None where
+    it did not (no lengths, a token budget, a stream) or fed nothing on record."""
+    fed = read_fed(run_dir, 0)
+    lengths = None if fed is None else fed.meta.get(0, {}).get("first_step_lengths")
+    batches = None if fed is None else fed.plans.get(0)
+    if not lengths or not batches or not batches[0]:
+        return None
+    size = len(batches[0])
+    return [sum(lengths[start:start + size]) for start in range(0, len(lengths), size)]

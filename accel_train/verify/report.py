@@ -38,7 +38,7 @@ def figure(name: str, result: Result) -> str:
         return (f"1 against 2 processes at a global batch of {measured['global_batch']}: losses "
                 f"{_e(measured['loss_relative'])}, step 1's grad_norm {_e(measured['grad_norm_relative'])} relative "
                 f"(tolerance {result.tolerance['loss'].split(',')[0]}){direction(result)}; weights "
-                f"{_e(measured['weights_relative'])}")
+                f"{_e(measured['weights_relative'])}{unequal(measured.get('process_lengths'), 'processes')}")
     if name == "data_accounting":
         fed = sum(rows["fed"] for rows in measured["rows"].values())
         planned = sum(rows["planned"] for rows in measured["rows"].values())
@@ -67,10 +67,19 @@ def figure(name: str, result: Result) -> str:
                 f"{result.tolerance['outputs'].split()[-1]})")
     if name == "accumulation":
         return (f"loss {_e(measured['loss_relative'])}, grad_norm {_e(measured['grad_norm_relative'])} relative "
-                f"(tolerance {result.tolerance['loss']}){direction(result)}")
+                f"(tolerance {result.tolerance['loss']}){direction(result)}"
+                f"{unequal(measured.get('micro_batch_lengths'), 'micro-batches')}")
     first = measured.get("first_loss_difference")
     losses = f"losses differ from step {first['step']}" if first else f"{measured['steps_compared']} losses equal"
     return f"{losses}; {measured['tensors_differing']} weight tensors differ (bitwise)"
+
+
+def unequal(lengths: list | None, parts: str) -> str:
+    """'; step 1's micro-batches of lengths 40 and 420': where verify chose step 1's examples unequal (core/data.py's
+    UnequalFirstStep: the shortest and the longest of the set)."""
+    if not lengths:
+        return ""
+    return f"; step 1's {parts} of lengths {' and '.join(str(length) for length in lengths)}"
 
 
 def direction(result: Result) -> str:

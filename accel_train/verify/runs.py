@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.data import UNEQUAL_VARIABLE
 from ..errors import ConfigError, UserError
 from ..observe.fed_record import VARIABLE as FED_VARIABLE
 from ..rundir.layout import HISTORY
@@ -63,8 +64,13 @@ class Verify:
     @property
     def env(self) -> dict[str, str]:
         """What every variant's environment gets: the data-accounting check reads what each process fed, the
-        accumulation check which examples each side's step 1 held."""
-        return {FED_VARIABLE: "1"} if {"data_accounting", "accumulation"} & set(self.checks) else {}
+        accumulation check which examples each side's step 1 held; with accumulation or world size, step 1 holds the
+        shortest and longest examples, ordered by length (core/data.py's UnequalFirstStep, where the loader knows the
+        lengths), in every variant, so the runs the checks share stay one run."""
+        env = {FED_VARIABLE: "1"} if {"data_accounting", "accumulation", "world_size"} & set(self.checks) else {}
+        if {"accumulation", "world_size"} & set(self.checks):
+            env[UNEQUAL_VARIABLE] = "1"
+        return env
 
     @property
     def save_steps(self) -> int:

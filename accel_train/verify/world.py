@@ -16,7 +16,14 @@ from ..rundir.layout import CONFIG
 from .checks import FAILED, FP32_GRADIENT_RTOL, FP32_RTOL, NOT_APPLICABLE, PASSED, PROPERTY, Result, Runs, bounds
 from .crashes import DEBUG_VARIABLE
 from .diagnose import direction_cause, world_size_cause
-from .evidence import batch_norm_layers, final_weights, relative_difference, tensor_differences, train_records
+from .evidence import (
+    batch_norm_layers,
+    final_weights,
+    first_step_lengths,
+    relative_difference,
+    tensor_differences,
+    train_records,
+)
 from .gradients import gradient_direction
 from .runs import launch_refused, one_process_side
 
@@ -65,7 +72,7 @@ def world_size(runs: Runs) -> Result:
     rtol, gradient_rtol, precision = bounds((WORLD_SIZE_RTOL, WORLD_GRADIENT_RTOL), one.output_dir, two.output_dir)
     measured = compare_world_sizes(one.output_dir, two.output_dir, rtol)
     measured.update(global_batch=2 * per_device, per_device=[2 * per_device, per_device], processes=[1, 2],
-                    precision=precision)
+                    precision=precision, process_lengths=first_step_lengths(two.output_dir))
     result = Result(PASSED, measured, world_tolerance(rtol, gradient_rtol, precision), [one.name, two.name])
     worst = max(measured["loss_relative"], measured["grad_norm_relative"])
     agree = worst <= rtol and measured["learning_rate_relative"] <= LEARNING_RATE_RTOL  # NaN fails too

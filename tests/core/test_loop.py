@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_train import ConfigError, TrainConfig, build_accelerator, build_scheduler, make_loader, make_plan, train
+from accel_train.core import data as data_module
+from accel_train.core.data import UNEQUAL_VARIABLE
 from accel_train.core.loss import Window
 
 QUIET = ["--report_to", "none", "--disable_tqdm"]
@@ -257,3 +259,36 @@ def test_length_grouped_steps_hold_the_same_examples_with_or_without_accumulatio
         return [sorted(order[i:i + per_step]) for i in range(0, len(order), per_step)]
 
     assert steps(4, 4) == steps(16, 1) and steps(8, 2) == steps(16, 1)
+
+
+def test_verify_chooses_step_one_of_the_shortest_and_longest_examples_and_the_epoch_stays_whole(monkeypatch):
+    """ACCEL_TRAIN_UNEQUAL_FIRST_STEP=1 (accel-train verify's variants): the first optimizer step of epoch 0 holds the
+    set's G/2 shortest and G/2 longest examples (G: per-device batch x processes x accumulation), ordered by length,
+    so the first micro-batch holds the shortest rows and the last the longest; the same examples whatever the split
+    (k micro-batches of B, one batch of kB, 2 processes); the rest of the epoch is the length-grouped order without
+    them (every example once), and later epochs are untouched. A loader built without num_processes groups by the
+    world the launcher started, as one built with it."""
+    lengths = torch.randint(1, 200, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def order(batch: int, accumulation: int, processes: int | None = 1, epoch: int = 0) -> list[int]:
+        config = TrainConfig(output_dir="unused", per_device_train_batch_size=batch, seed=3,
+                             gradient_accumulation_steps=accumulation)
+        more = {} if processes is None else {"num_processes": processes}
+        loader = make_loader(list(range(len(lengths))), config, train=True, lengths=lengths, process_index=0,
+                             collate_fn=lambda rows: rows, **more)
+        loader.sampler.set_epoch(epoch)
+        return list(loader.sampler)
+
+    plain = {key: order(*key) for key in [(8, 2), (8, 1, 2, 1)]}
+    monkeypatch.setenv(UNEQUAL_VARIABLE, "1")
+    first = order(8, 2)
+    by_length = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    assert sorted(first[:16]) == sorted(by_length[:8] + by_length[-8:])
+    assert [lengths[i] for i in first[:16]] == sorted(lengths[i] for i in first[:16])  # ascending: unequal halves
+    assert sum(lengths[i] for i in first[:8]) * 5 < sum(lengths[i] for i in first[8:16])
+    assert sorted(first) == list(range(len(lengths)))  # a permutation: every example once in the epoch
+    assert first[16:] == [i for i in plain[(8, 2)] if i not in set(first[:16])]
+    assert order(16, 1)[:16] == first[:16] == order(8, 1, 2)[:16]  # one batch of kB; 2 processes of kB/2 each
+    assert order(8, 1, 2, epoch=1) == plain[(8, 1, 2, 1)]  # later epochs: the length-grouped order
+    monkeypatch.setattr(data_module, "_world", lambda: 2)  # a launch of 2 processes
+    assert order(4, 1, None) == order(4, 1, 2)  # grouped by the step over both processes, though not told

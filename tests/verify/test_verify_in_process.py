@@ -22,7 +22,7 @@ import torch
 from conftest import SCRIPTS, reset_accelerate
 
 from accel_train.verify import CERTIFICATE, main, parse_args
-from accel_train.verify.checks import ACCUMULATION_RTOL, Runs
+from accel_train.verify.checks import ACCUMULATION_RTOL, FP32_RTOL, Runs
 from accel_train.verify.crashes import UNUSED_PARAMETERS
 from accel_train.verify.diagnose import (
     EVALUATION_BATCH,
@@ -305,6 +305,27 @@ def test_a_per_micro_batch_token_mean_is_flagged_by_accumulation_and_the_token_s
     assert (code, result["status"]) == (0, "passed")
     assert result["measured"]["loss_relative"] <= ACCUMULATION_RTOL / 1000
     assert result["measured"]["grad_norm_relative"] <= ACCUMULATION_RTOL / 1000
+
+
+def test_a_token_mean_over_length_grouped_rows_is_flagged_because_verify_makes_step_one_unequal(tmp_path):
+    """token_mean.py --order grouped: rows short or long at random, read in batches of similar lengths (make_loader
+    with the lengths): the script's order never makes two micro-batches unequal. verify's variants choose step 1's
+    examples (the set's shortest and longest, ordered by length: core/data.py's UnequalFirstStep), so the first
+    micro-batch holds 18 length units and the second 245. Measured: the bug's gradient norm 16.8 % relative and its
+    whole gradient 1.12 (3.96e-3 and 3.9e-2 with the script's own grouped order: 40 and 29 times less); the twin's
+    norm bitwise, its gradient 9.4e-9."""
+    script = BUGS / "token_mean.py"
+    code, certificate = verify_here(None, tmp_path / "bug", script, "accumulation", "--order", "grouped")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"], result["cause"]) == (1, "failed", "normalisation per micro-batch")
+    short, long = result["measured"]["micro_batch_lengths"]
+    assert long > 5 * short
+    assert result["measured"]["grad_norm_relative"] > 0.1 and result["measured"]["gradient_relative"] > 0.5
+    code, certificate = verify_here(None, tmp_path / "twin", script, "accumulation", "--order", "grouped", "--fixed",
+                                    "true")
+    result = certificate["checks"]["accumulation"]
+    assert (code, result["status"], result["measured"]["micro_batch_lengths"]) == (0, "passed", [short, long])
+    assert result["measured"]["grad_norm_relative"] <= FP32_RTOL / 100
 
 
 @pytest.mark.slow

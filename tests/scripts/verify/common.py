@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from accel_train import TrainConfig, build_accelerator, parse_config, train
+from accel_train import TrainConfig, build_accelerator, make_loader, parse_config, train
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,17 @@ def new_model() -> torch.nn.Module:
 
 
 def run(config: TrainConfig, bug, train_set: Dataset, loss_fn=mean_loss, model=None, make_model=new_model,
-        collate_fn=None, eval_loader=None, metrics_fn=None, shuffle: bool = True) -> None:
+        collate_fn=None, eval_loader=None, metrics_fn=None, shuffle: bool = True, lengths=None) -> None:
     """`model`: one the script built itself (by default `make_model()` builds one here, after the accelerator
     seeds). `bug`: the script's own flags (BugArgs or a dataclass of its own), recorded with the run. `shuffle`:
-    False feeds the items in the dataset's order."""
+    False feeds the items in the dataset's order. `lengths` (one per item): the project's loader, batches of similar
+    lengths (make_loader, as the NLP recipes build theirs)."""
     accelerator = build_accelerator(config)  # seeds every generator from --seed: build the model after it
     model = make_model() if model is None else model
-    loader = DataLoader(train_set, batch_size=config.per_device_train_batch_size, shuffle=shuffle,
-                        collate_fn=collate_fn)
+    if lengths is not None:
+        loader = make_loader(train_set, config, train=True, collate_fn=collate_fn, lengths=lengths)
+    else:
+        loader = DataLoader(train_set, batch_size=config.per_device_train_batch_size, shuffle=shuffle,
+                            collate_fn=collate_fn)
     train(model, loader, loss_fn=loss_fn, config=config, extra_configs=[bug], accelerator=accelerator,
           eval_loader=eval_loader, metrics_fn=metrics_fn)

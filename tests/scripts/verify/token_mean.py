@@ -12,6 +12,11 @@ The task: a tiny token tagger (an embedding and a linear head). The rows are sto
 blocks of short rows (1 to 4 tokens, every label 0: one micro-batch's mean gradient is large) alternate with blocks
 of long rows (17 to 32 tokens, labels spread over the vocabulary: a small mean gradient). With 2 micro-batches of 8
 the token mean gives the short block half the weight of the step, where it holds a tenth of its tokens.
+
+`--order grouped`: the same rows in another arrangement, as most text data comes: each row short or long at random
+(a quarter short), read through the project's loader in batches of similar lengths (make_loader with the lengths,
+as the NLP recipes read theirs). No order of the script's then makes the micro-batches unequal: verify's own choice of
+step 1's examples (the shortest and the longest of the set, core/data.py's UnequalFirstStep) must.
 """
 
 from dataclasses import dataclass
@@ -31,13 +36,20 @@ BLOCK = 8  # rows of similar length stored together
 class TokenMeanArgs:
     fixed: bool = False  # the twin: token sums and counts
     num_samples: int = 64
+    order: str = "blocks"  # blocks: stored in blocks of 8, fed in order; grouped: random lengths, length-grouped
+
+
+def is_short(i: int, order: str) -> bool:
+    if order == "blocks":
+        return (i // BLOCK) % 2 == 0
+    return bool(torch.rand((), generator=torch.Generator().manual_seed(10_000 + i)) < 0.25)
 
 
 class Rows(Dataset):
     """Row `i`: its tokens and labels, a function of the index alone."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, order: str = "blocks"):
+        self.n, self.order = n, order
 
     def __len__(self):
         return self.n
@@ -46,7 +58,7 @@ class Rows(Dataset):
         if not 0 <= i < self.n:
             raise IndexError(f"row {i} of {self.n}")
         g = torch.Generator().manual_seed(i)
-        short = (i // BLOCK) % 2 == 0
+        short = is_short(i, self.order)
         length = 1 + int(torch.randint(0, 4, (1,), generator=g)) if short else \
             17 + int(torch.randint(0, LONGEST - 16, (1,), generator=g))
         ids = torch.randint(1, VOCAB, (length,), generator=g)
@@ -78,7 +90,9 @@ def main(argv=None):
         total = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
         return {"loss_sum": total, "num_items": (labels != -100).sum()}
 
-    run(config, args, Rows(args.num_samples), loss_fn, make_model=tagger, collate_fn=pad, shuffle=False)
+    rows = Rows(args.num_samples, args.order)
+    lengths = [len(rows[i]["input_ids"]) for i in range(len(rows))] if args.order == "grouped" else None
+    run(config, args, rows, loss_fn, make_model=tagger, collate_fn=pad, shuffle=False, lengths=lengths)
 
 
 if __name__ == "__main__":

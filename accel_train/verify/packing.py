@@ -16,7 +16,8 @@ The variants, each of one step, in fp32 (`--mixed_precision no`: the tolerance i
   packed rows, at most N, or all N padded examples; no accumulation; `--dataloader_drop_last false`); the padded side
   drops --max_seq_length (it shapes packed rows only). A script without --max_train_samples, or with
   --packing_split (pieces of an example are documents of their own: no padded batch holds them), makes the check
-  not applicable, said.
+  not applicable, said: read from the reference run's config.yaml, so `--checks packing` alone runs the reference
+  first (else the packed variant would be given a flag the script refuses).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def packing(runs: Runs) -> Result:
     if layout == "padding_free":
         packed, padded, examples = padding_free_sides(runs)
     else:
+        if config is None:  # --checks packing alone: the reference's config.yaml says whether it can be compared
+            runs.finished("reference")
+            config = reference_config(runs)
         refused = packing_refused(config, verify.script_args)
         if refused:
             return Result(NOT_APPLICABLE, {"reason": refused}, tolerance)

@@ -77,6 +77,16 @@ def test_packing_that_no_padded_step_can_match_is_not_applicable_with_why(tmp_pa
     assert list(planned["asked"]) == ["reference"]
 
 
+def test_packing_asked_alone_reads_the_references_config_before_giving_flags(tmp_path):
+    """--checks packing alone on a --packing script: the reference runs first, so a script without --max_train_samples
+    is not applicable with why, instead of a packed variant that refuses the flag (verify stopped with exit 2)."""
+    planned = {"reference": {"config": {"packing": True}}}
+    verify = parse_args(["--checks", "packing", "--output_dir", str(tmp_path), "--", str(SCRIPT), "--packing", "true"])
+    result = packing(Runs(verify, None, fabricated(planned)))
+    assert result.status == "not applicable" and "no --max_train_samples" in result.measured["reason"]
+    assert list(planned["asked"]) == ["reference"]
+
+
 def test_what_the_packed_and_padded_variants_are_asked(tmp_path):
     """--packing: both sides one step over the same 16 examples (8 with the user's --max_train_samples 8) in one
     batch; the padded side without --max_seq_length. Run directories written here."""

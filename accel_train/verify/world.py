@@ -42,9 +42,11 @@ LEARNING_RATE_RTOL = 1e-6
 # Step 1's whole gradient (observe/gradient_record.py: all-reduced, before clipping), 2 processes against 1:
 # ||g_two - g_one|| / ||g_one|| over every parameter. Measured: toy_train 5.7e-8; the main job's MiniLM (dropout off,
 # the recipe's default bf16 autocast on this CPU) 2.1e-3, bf16's rounding over other shapes, as in the accumulation
-# check (there 2.0e-3; 1.8e-7 in fp32). 1e-2 leaves a margin of 5; labels left unsorted by a collator that sorts each
-# process's rows (sorted_rows.py) turn it by 0.9 with the losses and the norm equal.
-WORLD_GRADIENT_RTOL = 1e-2
+# check (there 2.0e-3; 1.8e-7 in fp32); with verify's unequal step 1 (process 0 the shortest rows, process 1 the
+# longest) 2.8e-3 to 3.3e-3 on the main job and 5.1e-3 on the NLP recipe at per-device batch 8. 2e-2 leaves a margin of
+# 4 (1e-2 until 2026-12-04: 2); labels left unsorted by a collator that sorts each process's rows (sorted_rows.py) turn
+# it by 0.9 with the losses and the norm equal.
+WORLD_GRADIENT_RTOL = 2e-2
 
 
 def world_size(runs: Runs) -> Result:
@@ -99,7 +101,7 @@ def world_tolerance(rtol: float, gradient_rtol: float, precision: str) -> dict:
             "why": "the same numbers over other shapes, in another order: in fp32 up to 1.1e-7 (MiniLM's losses over "
                    f"6 steps, its whole gradient 4.9e-7) and 8.4e-8 (toy_train) measured, hence {FP32_RTOL:g} and "
                    f"{FP32_GRADIENT_RTOL:g}; in bf16 "
-                   "autocast 9.7e-5 (MiniLM's losses) and 2.1e-3 (its whole gradient: bf16's rounding over other "
+                   "autocast 1.2e-4 (MiniLM's losses) and 5.1e-3 (its whole gradient: bf16's rounding over other "
                    f"shapes), hence {WORLD_SIZE_RTOL:g} and {WORLD_GRADIENT_RTOL:g}; the weights are reported, not "
                    "judged: Adam turns the noise in gradients that are zero in exact arithmetic into updates of about "
                    "the learning rate"}

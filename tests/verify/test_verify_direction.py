@@ -58,7 +58,7 @@ def test_a_sorted_collator_is_seen_by_the_gradient_direction_only_and_its_twin_p
     assert (code, result["status"], result["cause"]) == (1, "failed", GRADIENT_DIRECTION)
     measured = result["measured"]
     assert measured["loss_relative"] <= ACCUMULATION_RTOL and measured["grad_norm_relative"] <= ACCUMULATION_RTOL
-    assert measured["gradient_relative"] > 50 * ACCUMULATION_GRADIENT_RTOL and measured["gradient_cosine"] < 0.9
+    assert measured["gradient_relative"] > 25 * ACCUMULATION_GRADIENT_RTOL and measured["gradient_cosine"] < 0.9
     assert (measured["gradient_values"], measured["gradient_only_one_side"]) == (4 * 64 + 4, [])
     micro = load_file(gradient_file(tmp_path / "bug" / "accumulation-micro"))
     full = load_file(gradient_file(tmp_path / "bug" / "accumulation-full"))
@@ -190,7 +190,7 @@ def test_the_world_size_check_sees_the_sorted_collator_by_the_gradient_direction
     # step 1 agrees in loss and norm; the updates that followed the turned gradient move step 2's loss
     assert measured["losses_by_step"]["1"] <= WORLD_SIZE_RTOL and measured["grad_norm_relative"] <= WORLD_SIZE_RTOL
     assert measured["first_loss_difference"]["step"] == 2
-    assert measured["gradient_relative"] > 50 * WORLD_GRADIENT_RTOL and measured["gradient_cosine"] < 0.5
+    assert measured["gradient_relative"] > 25 * WORLD_GRADIENT_RTOL and measured["gradient_cosine"] < 0.5
     assert gradient_file(tmp_path / "bug" / "reference").is_file()  # the 1-process side recorded it
     report = (tmp_path / "bug" / "reference" / "report.md").read_text()
     assert report.count(SECTION) == 1 and f"**world_size: failed ({GRADIENT_DIRECTION}).**" in report

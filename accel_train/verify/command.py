@@ -22,7 +22,7 @@ in its own directory under --output_dir, and compares them:
                      rates equal; a BatchNorm model differs by design: status "property"      +1 launch of 2
     evaluation       the reference's last checkpoint evaluated again (resumed with nothing left
                      to train): twice in one process, at another evaluation batch size, on 2
-                     processes: every eval_* metric within 1e-5 relative (1e-4 in bf16/fp16)  +1 run, +1 launch of 2
+                     processes: every eval_* metric within 1e-4 relative                      +1 run, +1 launch of 2
     precision        the first 3 steps in bf16 against fp32 (the reference on one side, the
                      other precision on the other): losses within 1e-2 relative, finite       +1 run of 3 steps
     packing          --packing / --padding_free only (read from config.yaml): step 1 of packed

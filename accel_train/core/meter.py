@@ -85,8 +85,10 @@ class StepMeter:
         self.tokens += tokens
         self.data_wait += waited
 
-    def record(self) -> dict[str, float]:
-        """Reduce across processes and return the interval's numbers (collective)."""
+    def record(self, state: Any = None) -> dict[str, float]:
+        """Reduce across processes and return the interval's numbers (collective). With the loop's TrainState, also
+        "train_seconds": the run's training seconds up to this record, evaluations and checkpoint writes excluded
+        (kept in the state, so a resumed run goes on counting: time to a target quality, as MLPerf measures it)."""
         elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
         acc = self.accelerator
         names = sorted(self.terms)
@@ -117,6 +119,9 @@ class StepMeter:
             if self.flops.within_peak(flops):
                 record["mfu"] = flops / self.flops.peak
         record.update(peak_memory(acc.device))
+        if state is not None:
+            state.train_seconds += elapsed
+            record["train_seconds"] = round(state.train_seconds, 3)
         self.reset()
         return record
 

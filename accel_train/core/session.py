@@ -226,7 +226,7 @@ class Session:
         return settle(self, state, meter, stop, acted)  # the ranks' requests and stops agreed, the requested work done
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
-        record = meter.record()
+        record = meter.record(state)
         if "mfu" in record:
             self.throughput.append((record["model_tflops"], record["mfu"]))
         meter.flops.say_stale(self.log.write)  # a model ran faster than the peak: why no MFU is published, once

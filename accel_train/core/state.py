@@ -22,6 +22,7 @@ class TrainState:
     token_plan: list[int] = field(default_factory=list)
     samples_seen: int = 0  # examples consumed, all processes
     samples_in_epoch: int = 0  # examples consumed in this epoch, all processes (what samples/s counts)
+    train_seconds: float = 0.0  # training seconds of the logged intervals, evaluations and saves excluded
     loss_sum: float = 0.0  # sum over logged intervals of (mean loss x weight), for the run's train_loss
     loss_steps: float = 0  # the weights: an interval's steps (mean losses) or its items (sum losses)
     # The logging interval a checkpoint fell inside: each rank's unlogged loss figures (StepMeter.pending) and the

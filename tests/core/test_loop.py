@@ -292,3 +292,21 @@ def test_verify_chooses_step_one_of_the_shortest_and_longest_examples_and_the_ep
     assert order(8, 1, 2, epoch=1) == plain[(8, 1, 2, 1)]  # later epochs: the length-grouped order
     monkeypatch.setattr(data_module, "_world", lambda: 2)  # a launch of 2 processes
     assert order(4, 1, None) == order(4, 1, 2)  # grouped by the step over both processes, though not told
+
+
+def test_train_seconds_are_logged_with_each_record_and_go_on_counting_after_a_resume(tmp_path):
+    """Every training record holds train_seconds, the run's training seconds so far (evaluations and checkpoint writes
+    are the meter's pauses, excluded): rising record by record, saved in the checkpoint's state, and a run resumed
+    from it goes on from there (time to a target quality counts the whole run)."""
+    out = tmp_path / "run"
+    common = ["--max_steps", "8", "--logging_strategy", "steps", "--logging_steps", "1", "--save_strategy", "steps",
+              "--save_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2"]
+    run_toy(out, *common, "--stop_at_step", "4")
+    first = [r["train_seconds"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert len(first) == 4 and first[0] > 0 and first == sorted(set(first))
+    assert all("train_seconds" not in r for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r)
+    state = json.loads((out / "checkpoints" / "step-00000004" / "train_state.json").read_text())
+    assert state["train_seconds"] == pytest.approx(first[-1], abs=1e-3)
+    run_toy(out, *common, "--resume_from_checkpoint", "latest")
+    after = [r["train_seconds"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r and r["step"] > 4]
+    assert len(after) == 4 and after[0] > first[-1] and after == sorted(set(after))

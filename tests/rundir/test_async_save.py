@@ -65,6 +65,10 @@ def assert_same_checkpoints(sync, background):
             elif name.endswith((".bin", ".pkl")):
                 assert nested_equal(torch.load(x / name, weights_only=False),
                                     torch.load(y / name, weights_only=False)), (x.name, name)
+            elif name == "train_state.json":  # train_seconds is a clock: the training time each run took
+                states = [json.loads((path / name).read_text()) for path in (x, y)]
+                assert [state.pop("train_seconds") > 0 for state in states] == [True, True]
+                assert states[0] == states[1], (x.name, name)
             else:
                 assert (x / name).read_bytes() == (y / name).read_bytes(), (x.name, name)
 

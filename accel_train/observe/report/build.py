@@ -33,7 +33,7 @@ NOT_METRICS = ("loss", "samples", "runtime", "items")  # eval_* entries that are
 # What the loop itself logs in a training record; anything else there is a term the loss function logged.
 TRAIN_KEYS = ("step", "loss", "learning_rate", "epoch", "grad_norm", "samples_per_second", "tokens_per_second",
               "data_wait_fraction", "mfu", "model_tflops", "cpu_peak_rss_mb", "gpu_peak_memory_mb", "skipped_steps",
-              "nonfinite_skips", "num_items")
+              "nonfinite_skips", "num_items", "train_seconds")
 
 
 @dataclass

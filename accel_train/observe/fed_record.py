@@ -97,10 +97,10 @@ class FedRecorder:
                 record = {"plan": epoch, "batches": batches, "dataset_length": len(self.loader.dataset),
                           "num_processes": self.world, "batch_size": self.config.per_device_train_batch_size,
                           "drop_last": bool(self.config.dataloader_drop_last)}
-                chosen = [getattr(sampler, "first_step_lengths", None) for sampler in _sampler_chain(
-                    self.loader.batch_sampler)]
-                if epoch == 0 and any(lengths is not None for lengths in chosen):  # core/data.py: UnequalFirstStep
-                    record["first_step_lengths"] = next(lengths for lengths in chosen if lengths is not None)
+                chosen = next((sampler.first_step_lengths for sampler in _sampler_chain(self.loader.batch_sampler)
+                               if hasattr(sampler, "first_step_lengths")), None)  # core/data.py: UnequalFirstStep
+                if epoch == 0 and chosen is not None:
+                    record["first_step_lengths"] = chosen
                 self._write(record)
         return self.plans[epoch]
 

@@ -76,8 +76,7 @@ def evaluation(runs: Runs) -> Result:
     docstring): every eval_* metric within EVALUATION_RTOL relative."""
     verify = runs.verify
     reference = runs.finished("reference")
-    rtol = EVALUATION_RTOL
-    tolerance = {"metrics": f"relative {rtol:g}, each eval_* metric",
+    tolerance = {"metrics": f"relative {EVALUATION_RTOL:g}, each eval_* metric",
                  "why": "the same weights and examples: only the rounding of kernels chosen by shape, and of sums "
                         "gathered in another order, may move a metric (bitwise on toy_train and MiniLM at seed 42; "
                         "MiniLM's eval_loss 2.2e-5 at most in bf16 autocast across evaluation batch sizes, seeds 1 "
@@ -101,16 +100,16 @@ def evaluation(runs: Runs) -> Result:
     measured: dict = {"metrics": first, "eval_batch_size": [size, other], "weights_of_step": step, "not_compared": []}
     again = read_metrics(variant.output_dir, AGAIN)
     if again:
-        measured["again"] = compare_metrics(read_metrics(variant.output_dir), again, rtol)
+        measured["again"] = compare_metrics(read_metrics(variant.output_dir), again)
     else:
         measured["not_compared"].append(f"again: no {AGAIN}_* metric (the evaluation is not train()'s eval_loader)")
-    measured["batch_size"] = compare_metrics(first, read_metrics(variant.output_dir), rtol)
+    measured["batch_size"] = compare_metrics(first, read_metrics(variant.output_dir))
     variants = ["reference", "evaluation"]
     two = _two_processes(runs, config, resumed)
     if isinstance(two, str):
         measured["not_compared"].append(f"world size: {two}")
     else:
-        measured["world_size"] = compare_metrics(first, read_metrics(two.output_dir), rtol)
+        measured["world_size"] = compare_metrics(first, read_metrics(two.output_dir))
         variants.append(two.name)
     if _loss_alone_differs(measured):
         said = accumulation_refused(runs)

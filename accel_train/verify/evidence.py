@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from ..observe.fed_record import fed_file
-from ..rundir.checkpoint import TRAIN_STATE, list_checkpoints
-from ..rundir.layout import CHECKPOINTS_DIR, CONFIG, HISTORY, checkpoint_name
+from ..rundir.checkpoint import TRAIN_STATE, list_checkpoints, load_train_state
+from ..rundir.layout import CHECKPOINTS_DIR, CONFIG, HISTORY, checkpoint_name, checkpoint_step
 from ..rundir.weights import read_weights, weights_file
 
 OPTIMIZER_FILE = "optimizer.bin"  # Accelerate's name for the first optimizer's state in a checkpoint
@@ -55,15 +55,17 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
 
 
+def precision_of(run_dir: Path, step: int) -> str | None:
+    """The precision a run trained in, as its checkpoint at `step` recorded it ("fp32", "bf16 autocast on cpu"...; the
+    loop records the precision in effect, whatever the flags asked), or None (no checkpoint there)."""
+    path = checkpoint_dir(run_dir, step)
+    return load_train_state(path).get("precision") if path.is_dir() else None
+
+
 def trained_precision(run_dir: Path) -> str | None:
-    """The precision a run trained in, as its last checkpoint recorded it ("fp32", "bf16 autocast on cpu"...; the loop
-    records the precision in effect, whatever the flags asked), or None (no checkpoint, or none recorded)."""
-    for checkpoint in reversed(list_checkpoints(run_dir)):
-        try:
-            return json.loads((checkpoint / TRAIN_STATE).read_text()).get("precision")
-        except (OSError, json.JSONDecodeError):
-            continue
-    return None
+    """precision_of the run's last complete checkpoint, or None (no checkpoint, or no precision recorded)."""
+    found = list_checkpoints(run_dir)
+    return precision_of(run_dir, checkpoint_step(found[-1].name)) if found else None
 
 
 def optimizer_tensors(checkpoint: Path) -> dict[str, torch.Tensor] | None:

@@ -30,8 +30,7 @@ import yaml
 
 from ..rundir.layout import CONFIG
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
-from .evidence import relative_difference, train_records
-from .precision import precision_of
+from .evidence import precision_of, relative_difference, train_records
 
 # Step 1 of the same examples packed against padded, fp32, 2 shared CPU cores: the text-generation recipe's tiny Llama
 # (48 date pairs) 1.0e-7 relative on the loss, 0 on the gradient norm with --packing (16 examples in one batch);

@@ -12,14 +12,12 @@ then not applicable.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
-from ..rundir.checkpoint import load_train_state
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
 from .diagnose import precision_cause
-from .evidence import checkpoint_dir, relative_difference, train_records
+from .evidence import precision_of, relative_difference, train_records
 
 # bf16 keeps 8 bits of mantissa: each rounding moves a number by up to 2^-9 = 2.0e-3 relative. Measured over the
 # first 3 steps (2 shared CPU cores, bf16 autocast against fp32): toy_train's losses 6.5e-4 relative at most, the main
@@ -29,12 +27,6 @@ from .evidence import checkpoint_dir, relative_difference, train_records
 # 0, an fp16 overflow) move the loss by several percent or make it non-finite.
 PRECISION_RTOL = 1e-2
 PRECISION_STEPS = 3
-
-
-def precision_of(run_dir: Path, step: int) -> str | None:
-    """The precision a run trained in, as its checkpoint at `step` recorded it ("fp32", "bf16 autocast on cpu"...)."""
-    path = checkpoint_dir(run_dir, step)
-    return load_train_state(path).get("precision") if path.is_dir() else None
 
 
 def low_precision() -> str:

@@ -52,11 +52,16 @@ def steps_each_epoch(scheduler, config: TrainConfig) -> bool:
 
 
 def _inner(obj):
-    """The object Accelerate wrapped (AcceleratedOptimizer.optimizer, AcceleratedScheduler.scheduler), or obj."""
+    """The object Accelerate wrapped (AcceleratedOptimizer.optimizer, AcceleratedScheduler.scheduler), or obj; under
+    DeepSpeed, the torch optimizer inside its ZeRO optimizer (DeepSpeedOptimizerWrapper -> DeepSpeedZeroOptimizer ->
+    torch.optim.AdamW), which steps the partitions."""
     for name in ("optimizer", "scheduler"):
         wrapped = getattr(obj, name, None)
         if type(obj).__name__.startswith("Accelerated") and wrapped is not None:
-            return wrapped
+            obj = wrapped
+            break
+    while type(obj).__name__.startswith(("DeepSpeed", "ZeRO")) and hasattr(obj, "optimizer"):
+        obj = obj.optimizer
     return obj
 
 
@@ -76,7 +81,7 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         group["params"] = label  # a composite optimizer (--optim muon) says which of its parts steps each group
     ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
-                      "groups": groups},
+                      "groups": groups, **({"fused": True} if getattr(opt, "defaults", {}).get("fused") else {})},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
                       "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},
@@ -109,7 +114,8 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
     groups = "; ".join((f"{g['params']}: " if "params" in g else "") + f"lr {g['lr']:g}, weight decay "
                        f"{g['weight_decay']:g}" for g in opt["groups"][:4])
     more = f"; ... {len(opt['groups'])} groups" if len(opt["groups"]) > 4 else ""
-    lines = [f"  optimizer        {opt['class']} ({opt['given']}): {groups}{more}"]
+    kernel = ", fused kernel" if opt.get("fused") else ""
+    lines = [f"  optimizer        {opt['class']} ({opt['given']}{kernel}): {groups}{more}"]
     clip = ran["clipping"]["max_grad_norm"]
     if clip is None:
         lines.append("  clipping         none (--max_grad_norm 0)")

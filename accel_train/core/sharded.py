@@ -16,7 +16,8 @@ What `prepare_engine` adapts, and why:
   decay only (betas and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
   Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
-  optimizer steps; Accelerate only fills what is still "auto".
+  optimizer steps; Accelerate only fills what is still "auto". The JSON's optimizer is built in place of --optim's:
+  an --optim that asks for another update is refused (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`.
 
 `refuse_sum_loss` refuses, under DeepSpeed, a loss that returns sums, before anything is written (see there); a
 recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soon as its accelerator is built.
@@ -24,6 +25,7 @@ recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soo
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -99,7 +101,10 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
     if running == "FSDP" and accelerator.is_fsdp2:
         carve_out_embedding(accelerator.state.fsdp_plugin, model)
     elif running == "DEEPSPEED":
-        fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
+        plugin = accelerator.state.deepspeed_plugin
+        if "optimizer" in plugin.deepspeed_config:
+            use_json_optimizer(plugin.deepspeed_config["optimizer"], config.optim)
+        fill_deepspeed_config(plugin, config, plan)
 
 
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
@@ -126,9 +131,12 @@ def engine_notes(accelerator: Accelerator) -> list[str]:
         return []
     ds, notes = accelerator.state.deepspeed_plugin.deepspeed_config, []
     if "optimizer" in ds:
-        notes.append(f"the optimizer is DeepSpeed's {ds['optimizer'].get('type')} from its JSON config (--optim is "
-                     "not used; its \"auto\" values come from --learning_rate, --adam_beta1/2, --adam_epsilon, "
-                     "--weight_decay)")
+        params = ds["optimizer"].get("params", {})
+        kernel = (", torch's fused kernel" if params.get("fused") is True else ", torch's" if params.get("torch_adam")
+                  else ", DeepSpeed's own kernel")
+        notes.append(f"the optimizer is DeepSpeed's {ds['optimizer'].get('type')}{kernel}, from its JSON config "
+                     "(not built from --optim; its \"auto\" values come from --learning_rate, --adam_beta1/2, "
+                     "--adam_epsilon, --weight_decay)")
     if "scheduler" in ds:
         notes.append(f"the schedule is DeepSpeed's {ds['scheduler'].get('type')} from its JSON config, not "
                      "--lr_scheduler_type (the pre-flight simulates it as the engine steps it)")
@@ -163,6 +171,28 @@ def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
             node[leaf] = value
             filled[key] = value
     return filled
+
+
+def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
+    """--optim against the optimizer a DeepSpeed JSON names, which DeepSpeed builds in place of --optim's: the same
+    update runs as asked, another one is refused (the JSON's would replace it without a word). `adamw_torch_fused`
+    with the JSON's `torch_adam` AdamW sets its `fused` (DeepSpeed passes its params to torch.optim.AdamW); without
+    `torch_adam` DeepSpeed builds its own Adam kernels, fused already."""
+    kind = str(ds_optimizer.get("type", "")).lower()
+    params = ds_optimizer.setdefault("params", {})
+    builds = {"adamw": "adamw", "adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, kind)
+    same = {"adamw": ("adamw", "adamw_torch", "adamw_torch_fused"), "adam": ("adam",)}.get(builds, ())
+    json_name = f"{ds_optimizer.get('type')}{' (decoupled weight decay)' if builds == 'adamw' else ''}"
+    if optim not in same and optim != "adamw":  # the default asks for nothing: the JSON's choice stands, and is said
+        raise ConfigError(
+            f"--optim {optim} asks for another update than the DeepSpeed JSON config's optimizer, {json_name}, "
+            "which DeepSpeed would build instead. Remove the \"optimizer\" section from the JSON (accel_train then "
+            "builds --optim and DeepSpeed shards its state) or drop --optim.")
+    if optim == "adamw_torch_fused" and params.get("torch_adam"):
+        if params.get("fused", True) is not True:
+            raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
+                              f"{json.dumps(params['fused'])}: drop one of the two.")
+        params["fused"] = True
 
 
 def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:

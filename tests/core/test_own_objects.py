@@ -252,3 +252,27 @@ def test_a_per_sample_loss_of_the_wrong_length_and_a_vector_metric_are_named(tmp
     with pytest.raises(ConfigError, match=r"metrics_fn returned 'error' = Tensor of shape \(3,\): each metric must be "
                                           r"one number .* \(error_0, error_1, ...\)"):
         tiny_train(tmp_path / "vector", data(), loss_fn=mse, eval_loader=data(), metrics_fn=per_class)
+
+
+def test_the_record_names_the_torch_optimizer_inside_deepspeeds_wrappers_and_its_fused_kernel():
+    """Under DeepSpeed the prepared optimizer is Accelerate's DeepSpeedOptimizerWrapper around DeepSpeed's ZeRO
+    optimizer around the torch optimizer that steps the partitions: the record and the report name the last, and say
+    when it runs torch's fused kernel (--optim adamw_torch_fused, or a fused optimizer of the user's)."""
+    from accel_train.core.objects import report_lines, what_ran
+
+    def wrapped(name: str, inner):
+        wrapper = type(name, (), {})()
+        wrapper.optimizer = inner
+        return wrapper
+
+    config = TrainConfig(output_dir="unused")
+    fused = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), lr=0.1, fused=True)
+    ran = what_ran(wrapped("DeepSpeedOptimizerWrapper", wrapped("DeepSpeedZeroOptimizer", fused)), None, config,
+                   own_optimizer=False, own_scheduler=False)
+    assert ran["optimizer"]["class"] == "AdamW" and ran["optimizer"]["fused"] is True
+    line = report_lines(ran, config)[1][0]
+    assert line == "  optimizer        AdamW (built from the config, fused kernel): lr 0.1, weight decay 0.01"
+    plain = what_ran(torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), lr=0.1), None, config,
+                     own_optimizer=True, own_scheduler=False)
+    assert "fused" not in plain["optimizer"] and report_lines(plain, config)[1][0].startswith(
+        "  optimizer        AdamW (yours): lr 0.1")

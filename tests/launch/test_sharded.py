@@ -8,7 +8,9 @@ step-6 checkpoint: the start-up report names the back-end, the steps the resumed
 bitwise (optimizer state included: Adam's moments decide the next steps), the final parameters equal 2-process DDP,
 the checkpoints are sharded and covered by the manifest, and the exported model loads with `from_pretrained`. The
 FSDP2 run also keeps a weight average (--ema_decay), sharded with the model: its evaluations and its final model
-(--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards.
+(--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards. torch's fused AdamW
+(--optim adamw_torch_fused) runs the same way under FSDP2 (a second run), ZeRO-2 and ZeRO-3 (the preset JSON's AdamW,
+told to fuse), against DDP with the fused AdamW.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ LAUNCH_TIMEOUT = 420  # seconds per launch: a hung collective fails, never hangs
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 # back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP,
-# flags of both runs: under FSDP2 a weight average, sharded with the model, evaluated between steps, is the final model)
+# flags of both runs: under FSDP2 a weight average, sharded with the model, evaluated between steps, is the final
+# model; torch's fused AdamW under FSDP2 (on DTensors), under ZeRO-2 (accel_train's optimizer, on DeepSpeed's flat
+# partitions) and under ZeRO-3 (the preset JSON's AdamW, given `fused` by --optim))
 EMA = ("--ema_decay", "0.8", "--save_ema_as_final", "--eval_strategy", "steps", "--eval_steps", "4")
+FUSED = ("--optim", "adamw_torch_fused")
 BACKENDS = {
     "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, EMA),
-    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6, ()),
-    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4, ()),
+    "fsdp2_fused": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, FUSED),
+    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6, FUSED),
+    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4, FUSED),
 }
 
 
@@ -176,6 +182,36 @@ def test_deepspeed_auto_values_come_from_the_config_and_span_the_whole_run():
     assert ds["scheduler"]["params"] == {"warmup_max_lr": 2e-4, "warmup_num_steps": 10, "total_num_steps": 150}
     assert ds["gradient_clipping"] == 0.5
     assert ds["train_batch_size"] == "auto"  # Accelerate's to fill, from the prepared loader
+
+
+def test_an_optim_the_deepspeed_json_would_replace_is_refused_and_fused_is_passed_on():
+    """A DeepSpeed JSON's optimizer is built by DeepSpeed in place of --optim's: the same update runs (fused when
+    asked, through torch.optim.AdamW's `fused`, which DeepSpeed passes on with `torch_adam`), another is refused by
+    name before anything is built; the default --optim asks for nothing, so the JSON's choice stands (and is said)."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import use_json_optimizer
+
+    def preset() -> dict:
+        return json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())["optimizer"]
+
+    for optim in ("adamw", "adamw_torch"):
+        ds = preset()
+        use_json_optimizer(ds, optim)
+        assert ds == preset()  # nothing added
+    ds = preset()
+    use_json_optimizer(ds, "adamw_torch_fused")
+    assert ds["params"]["fused"] is True and ds["params"]["torch_adam"] is True
+    for optim, kind in (("sgd", "AdamW"), ("adam", "AdamW"), ("adamw_torch", "Lamb")):
+        with pytest.raises(ConfigError, match=rf"--optim {optim} asks for another update than the DeepSpeed JSON "
+                                              rf"config's optimizer, {kind}.*Remove the \"optimizer\" section"):
+            use_json_optimizer({**preset(), "type": kind}, optim)
+    use_json_optimizer({"type": "Lamb", "params": {}}, "adamw")  # the default: DeepSpeed's Lamb, said in the report
+    use_json_optimizer({"type": "Adam", "params": {"adam_w_mode": False}}, "adam")  # Adam without decoupled decay
+    with pytest.raises(ConfigError, match='sets "fused": false'):
+        use_json_optimizer({"type": "AdamW", "params": {"torch_adam": True, "fused": False}}, "adamw_torch_fused")
+    kernels = {"type": "AdamW", "params": {}}  # without torch_adam DeepSpeed builds its own (fused) Adam kernels
+    use_json_optimizer(kernels, "adamw_torch_fused")
+    assert kernels == {"type": "AdamW", "params": {}}
 
 
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -331,7 +367,11 @@ def test_sharded_backend_resumes_exactly_after_sigkill_equals_ddp_and_exports(ba
         killed_output, killed_output[-6000:]
     before_kill = read_jsonl(run / "metrics.jsonl")
     assert max(r["step"] for r in before_kill) == 10, killed_output[-3000:]
-    assert [p.name for p in list_checkpoints(run)] == [*(["step-00000004"] if flags else []), "step-00000006"]
+    average = "--ema_decay" in flags
+    assert [p.name for p in list_checkpoints(run)] == [*(["step-00000004"] if average else []), "step-00000006"]
+    assert ("AdamW (built from the config, fused kernel)" in killed_output) == (flags == FUSED), killed_output[-6000:]
+    if backend == "zero3":  # the preset's JSON names the optimizer: DeepSpeed builds it, told to fuse by --optim
+        assert "the optimizer is DeepSpeed's AdamW, torch's fused kernel, from its JSON config" in killed_output
     verify_checkpoint(list_checkpoints(run)[-1])
     output = ok(sharded_launch(preset, [*args, "--resume_from_checkpoint", "latest"], extensions))
     assert f"world size       2 process(es), {distributed_type}, device cpu" in output
@@ -345,12 +385,12 @@ def test_sharded_backend_resumes_exactly_after_sigkill_equals_ddp_and_exports(ba
     assert all("grad_norm" in r and "learning_rate" in r for r in replayed if "loss" in r)
     assert exact_rows(after, 1, 6) == exact_rows(before_kill, 1, 6)  # the killed run's record up to the checkpoint
     assert [r["step"] for r in after if "loss" in r] == list(range(1, 13))  # each step once
-    assert [r["step"] for r in replayed if "eval_ema_loss" in r] == ([8] if flags else [])
+    assert [r["step"] for r in replayed if "eval_ema_loss" in r] == ([8] if average else [])
 
     equals_ddp(after, run, ddp_reference, tolerance)
     checkpoint = list_checkpoints(run)[-1]
     assert checkpoint.name == "step-00000012"
-    sharded_and_listed(checkpoint, shards, average=bool(flags))
+    sharded_and_listed(checkpoint, shards, average=average)
     assert list(extensions.iterdir()) == []  # nothing compiled
 
 

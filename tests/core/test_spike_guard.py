@@ -148,6 +148,24 @@ def test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch(t
     assert_rolled_back_to_the_run_without_the_batch(*runs, positions=[5])
 
 
+def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
+    """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. With a clock
+    that reads one second later at each reading, each logged interval is one second; the rolled-back run logged 4
+    steps that its rollbacks then dropped (5, and 25-27), so it ends 4 s after the run that never held the batch."""
+    from itertools import count
+    from types import SimpleNamespace
+
+    from accel_train.core import meter
+
+    ticks = count()
+    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1"])
+    final = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r][-1]
+             for d in (rolled, never)]
+    # less the real seconds of the checkpoint writes, which the meter takes out of its intervals
+    assert final[1] == pytest.approx(33, abs=0.5) and final[0] - final[1] == pytest.approx(4, abs=0.5), final
+
+
 def test_rollback_agrees_across_ranks_with_accumulation(tmp_path, ranks):
     """2 processes x 2 micro-batches of 2 (the session's gloo ranks): a step's window is two positions per rank,
     taken out together."""

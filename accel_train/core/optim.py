@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler as torch_sched
 
 from ..config import TORCH_SCHEDULERS, TrainConfig
 from ..errors import ConfigError
+from .fused import as_list, fused_adamw_runs
 from .muon import build_muon, refuse_sharded_muon
 
 ParamGroups = Iterable[torch.nn.Parameter | dict[str, Any]]
@@ -149,11 +150,14 @@ def build_optimizer(
     model: torch.nn.Module, config: TrainConfig, params: ParamGroups | None = None, accelerator=None
 ) -> torch.optim.Optimizer:
     """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`); `muon`
-    splits each group between Muon and AdamW (core/muon.py) and is refused under FSDP and DeepSpeed.
+    splits each group between Muon and AdamW (core/muon.py) and is refused under FSDP and DeepSpeed. `adamw` (the
+    default) takes torch's fused kernel where the device has one (core/fused.py), `adamw_torch` torch's default
+    kernels, `adamw_torch_fused` the fused one.
 
     Under DeepSpeed with an optimizer in its JSON, DeepSpeed's own optimizer is used (Accelerate's DummyOptim
     stands in for it until `prepare`)."""
     groups = list(params) if params is not None else no_decay_param_groups(model, config.weight_decay)
+    groups = [{**g, "params": as_list(g["params"])} if isinstance(g, dict) else g for g in groups]  # read twice
     if not groups:
         raise ConfigError("the optimizer has no parameters: every parameter of the model is frozen.")
     if config.optim == "muon":  # Muon for the hidden matrices, AdamW for the rest (core/muon.py)
@@ -168,7 +172,7 @@ def build_optimizer(
         kwargs: dict[str, Any] = dict(
             lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
         )
-        if name == "adamw_torch_fused":
+        if name == "adamw_torch_fused" or name == "adamw" and fused_adamw_runs(groups, accelerator):
             kwargs["fused"] = True
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
         if name != "adam":

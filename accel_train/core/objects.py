@@ -68,6 +68,13 @@ def _inner(obj):
     return obj
 
 
+def _fused(opt) -> bool:
+    """Whether every param group steps with torch's fused kernel (read from the groups: a resumed run takes the
+    checkpoint's choice, whatever the optimizer was built with)."""
+    groups = getattr(opt, "param_groups", None) or []
+    return bool(groups) and all(isinstance(g, dict) and g.get("fused") for g in groups)
+
+
 def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own_scheduler: bool,
              plateau=None) -> dict[str, Any]:
     """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps;
@@ -84,7 +91,7 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         group["params"] = label  # a composite optimizer (--optim muon) says which of its parts steps each group
     ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
-                      "groups": groups, **({"fused": True} if getattr(opt, "defaults", {}).get("fused") else {})},
+                      "groups": groups, **({"fused": True} if _fused(opt) else {})},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
                       "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},

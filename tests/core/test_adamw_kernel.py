@@ -59,3 +59,21 @@ def test_the_fused_default_takes_the_steps_torchs_default_kernel_takes_up_to_rou
     initial = torch.cat([p.detach().flatten() for p in model().parameters()])
     assert (trained[0] - initial).abs().max().item() > 1e-3  # it trained
     assert (trained[0] - trained[1]).abs().max().item() < 1e-6
+
+
+def test_a_checkpoint_of_the_loop_kernel_resumes_on_it_and_the_record_says_so():
+    """torch restores each param group's `fused` from a loaded state: a run checkpointed before the fused default
+    goes on with torch's loop kernel, and what_ran (the start-up report, config.yaml) reads the groups, not the
+    optimizer's construction."""
+    from accel_train.core.objects import what_ran
+
+    config = TrainConfig(output_dir="unused")
+    net = model()
+    old = build_optimizer(net, TrainConfig(output_dir="unused", optim="adamw_torch"))
+    net(torch.randn(4, 8)).sum().backward()
+    old.step()
+    resumed = build_optimizer(net, config)
+    assert what_ran(resumed, None, config, own_optimizer=False, own_scheduler=False)["optimizer"]["fused"] is True
+    resumed.load_state_dict(old.state_dict())
+    assert not any(g["fused"] for g in resumed.param_groups)
+    assert "fused" not in what_ran(resumed, None, config, own_optimizer=False, own_scheduler=False)["optimizer"]

@@ -8,9 +8,9 @@ step-6 checkpoint: the start-up report names the back-end, the steps the resumed
 bitwise (optimizer state included: Adam's moments decide the next steps), the final parameters equal 2-process DDP,
 the checkpoints are sharded and covered by the manifest, and the exported model loads with `from_pretrained`. The
 FSDP2 run also keeps a weight average (--ema_decay), sharded with the model: its evaluations and its final model
-(--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards. torch's fused AdamW
-(--optim adamw_torch_fused) runs the same way under FSDP2 (a second run), ZeRO-2 and ZeRO-3 (the preset JSON's AdamW,
-told to fuse), against DDP with the fused AdamW.
+(--save_ema_as_final) equal DDP's average, and it resumes bitwise from its shards. The default AdamW is torch's
+fused kernel (FSDP2, ZeRO-2, and ZeRO-3's preset JSON AdamW told to fuse by --optim adamw_torch_fused); a second
+FSDP2 run takes torch's loop kernel (--optim adamw_torch); each against DDP with the same flags.
 """
 
 from __future__ import annotations
@@ -49,15 +49,17 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 # back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP,
 # flags of both runs: under FSDP2 a weight average, sharded with the model, evaluated between steps, is the final
-# model; torch's fused AdamW under FSDP2 (on DTensors), under ZeRO-2 (accel_train's optimizer, on DeepSpeed's flat
-# partitions) and under ZeRO-3 (the preset JSON's AdamW, given `fused` by --optim))
+# model). The default --optim adamw runs torch's fused AdamW kernel on CPU: on FSDP2's DTensors and on ZeRO-2's flat
+# partitions; a second FSDP2 run takes torch's loop kernel (--optim adamw_torch), and ZeRO-3 the preset JSON's AdamW,
+# told to fuse by --optim adamw_torch_fused.
 EMA = ("--ema_decay", "0.8", "--save_ema_as_final", "--eval_strategy", "steps", "--eval_steps", "4")
-FUSED = ("--optim", "adamw_torch_fused")
+LOOP = ("--optim", "adamw_torch")
 BACKENDS = {
     "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, EMA),
-    "fsdp2_fused": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, FUSED),
-    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6, FUSED),
-    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4, FUSED),
+    "fsdp2_loop_adamw": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, LOOP),
+    "zero2": ("deepspeed_zero2.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_optim_states.pt", 1e-6, ()),
+    "zero3": ("deepspeed_zero3.yaml", "DEEPSPEED", "pytorch_model/zero_pp_rank_*_model_states.pt", 1e-4,
+              ("--optim", "adamw_torch_fused")),
 }
 
 
@@ -369,7 +371,7 @@ def test_sharded_backend_resumes_exactly_after_sigkill_equals_ddp_and_exports(ba
     assert max(r["step"] for r in before_kill) == 10, killed_output[-3000:]
     average = "--ema_decay" in flags
     assert [p.name for p in list_checkpoints(run)] == [*(["step-00000004"] if average else []), "step-00000006"]
-    assert ("AdamW (built from the config, fused kernel)" in killed_output) == (flags == FUSED), killed_output[-6000:]
+    assert ("AdamW (built from the config, fused kernel)" in killed_output) == (flags != LOOP), killed_output[-6000:]
     if backend == "zero3":  # the preset's JSON names the optimizer: DeepSpeed builds it, told to fuse by --optim
         assert "the optimizer is DeepSpeed's AdamW, torch's fused kernel, from its JSON config" in killed_output
     verify_checkpoint(list_checkpoints(run)[-1])

@@ -19,7 +19,9 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu")
 def fused_adamw_runs(groups: list[Any], accelerator=None) -> bool:
     """Whether the fused kernel runs for these param groups (or tensors) on the device training uses: the
     accelerator's, or the parameters' own without one."""
-    params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    params = [p for g in groups for p in (as_list(g["params"]) if isinstance(g, dict) else [g])]
+    if not params:
+        return False
     device = accelerator.device if accelerator is not None else params[0].device
     return device.type in FUSED_ADAMW_DEVICES and all(p.is_floating_point() for p in params)
 

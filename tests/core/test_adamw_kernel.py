@@ -40,6 +40,7 @@ def test_the_kernel_follows_the_device_training_uses():
     assert fused_adamw_runs(params, SimpleNamespace(device=torch.device("cuda", 0)))
     assert not fused_adamw_runs(params, SimpleNamespace(device=torch.device("mps")))  # no bf16 there: torch's own
     assert not fused_adamw_runs(params, SimpleNamespace(device=torch.device("meta")))
+    assert not fused_adamw_runs([{"params": []}])  # nothing to step: nothing to choose
 
 
 def test_the_fused_default_takes_the_steps_torchs_default_kernel_takes_up_to_rounding():

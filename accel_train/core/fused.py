@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .muon import as_groups
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu")
 
@@ -19,13 +19,9 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu")
 def fused_adamw_runs(groups: list[Any], accelerator=None) -> bool:
     """Whether the fused kernel runs for these param groups (or tensors) on the device training uses: the
     accelerator's, or the parameters' own without one."""
-    params = [p for g in groups for p in (as_list(g["params"]) if isinstance(g, dict) else [g])]
+    params = [p for g in as_groups(groups) for p in g["params"]]
     if not params:
         return False
     device = accelerator.device if accelerator is not None else params[0].device
     return device.type in FUSED_ADAMW_DEVICES and all(p.is_floating_point() for p in params)
 
-
-def as_list(params: Any) -> list:
-    """A param group's "params" as a list (torch takes one tensor, or any iterable: a generator is read once)."""
-    return [params] if isinstance(params, torch.Tensor) else list(params)

@@ -92,11 +92,13 @@ def kept_from_muon(model: torch.nn.Module) -> dict[int, str]:
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Param groups as dicts: a plain list of parameters is one group."""
+    """Param groups as dicts whose "params" are lists (torch takes one tensor, or any iterable: a generator is read
+    once): a plain list of parameters is one group."""
     items = list(params)
     if items and not isinstance(items[0], dict):
         return [{"params": items}]
-    return [dict(group, params=list(group["params"])) for group in items]
+    return [dict(group, params=[group["params"]] if isinstance(group["params"], torch.Tensor)
+                 else list(group["params"])) for group in items]
 
 
 def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any]) -> MuonWithAdamW:

@@ -55,12 +55,7 @@ def _inner(obj):
     """The object Accelerate wrapped (AcceleratedOptimizer.optimizer, AcceleratedScheduler.scheduler), or obj; under
     DeepSpeed, the torch optimizer inside its ZeRO optimizer (DeepSpeedOptimizerWrapper -> DeepSpeedZeroOptimizer ->
     torch.optim.AdamW), which steps the partitions, and the schedule inside DeepSpeedSchedulerWrapper."""
-    for name in ("optimizer", "scheduler"):
-        wrapped = getattr(obj, name, None)
-        if type(obj).__name__.startswith("Accelerated") and wrapped is not None:
-            obj = wrapped
-            break
-    while type(obj).__name__.startswith(("DeepSpeed", "ZeRO")):  # DeepSpeed's wrappers, its schedule's too
+    while type(obj).__name__.startswith(("Accelerated", "DeepSpeed", "ZeRO")):
         inner = getattr(obj, "optimizer", None) or getattr(obj, "scheduler", None)
         if inner is None:
             break

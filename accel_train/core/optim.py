@@ -17,8 +17,8 @@ from torch.optim import lr_scheduler as torch_sched
 
 from ..config import TORCH_SCHEDULERS, TrainConfig
 from ..errors import ConfigError
-from .fused import as_list, fused_adamw_runs
-from .muon import build_muon, refuse_sharded_muon
+from .fused import fused_adamw_runs
+from .muon import as_groups, build_muon, refuse_sharded_muon
 
 ParamGroups = Iterable[torch.nn.Parameter | dict[str, Any]]
 
@@ -156,8 +156,7 @@ def build_optimizer(
 
     Under DeepSpeed with an optimizer in its JSON, DeepSpeed's own optimizer is used (Accelerate's DummyOptim
     stands in for it until `prepare`)."""
-    groups = list(params) if params is not None else no_decay_param_groups(model, config.weight_decay)
-    groups = [{**g, "params": as_list(g["params"])} if isinstance(g, dict) else g for g in groups]  # read twice
+    groups = as_groups(params if params is not None else no_decay_param_groups(model, config.weight_decay))
     if not groups:
         raise ConfigError("the optimizer has no parameters: every parameter of the model is frozen.")
     if config.optim == "muon":  # Muon for the hidden matrices, AdamW for the rest (core/muon.py)

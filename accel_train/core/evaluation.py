@@ -4,6 +4,11 @@
 returns from every process with `gather_for_metrics` (which drops the samples the sampler duplicated to even out
 the last batch), and hands the concatenated tensors to a metrics function. Every process gets the same numbers, so
 decisions taken on them (best model, early stopping) agree across ranks.
+
+`gather_for_metrics` knows where the last batch is from the loader Accelerate is iterating. A loader it did not
+prepare is not tracked: inside a training loop at the last batch of a prepared training loader, it would cut every
+evaluation batch to that loader's remainder (a Trainer's evaluation at its last step scored 32 of 200 items). Such a
+loader is evaluated whole on one process, and refused on several (each would evaluate every item).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.utils import gather_object
 
 from ..config import TrainConfig
@@ -47,7 +53,14 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
     """Run `step_fn(model, batch) -> dict` over `loader` in eval mode and gather every per-sample tensor from
     every process, in dataset order, without the duplicates that even out the last batch. Per-token tensors
     whose length differs between batches or processes (dynamic padding) are padded at the end of dim 1: integer
-    ones with -100 (the ignore index), float ones with NaN."""
+    ones with -100 (the ignore index), float ones with NaN. A loader Accelerate did not prepare: its batches as they
+    are on one process, a ConfigError on several (module docstring)."""
+    prepared = isinstance(loader, DataLoaderStateMixin)
+    if not prepared and accelerator.num_processes > 1:
+        raise ConfigError(f"evaluation on {accelerator.num_processes} processes with a loader accelerator.prepare did "
+                          f"not return ({type(loader).__name__}): every process would evaluate every item and the "
+                          "duplicates that even out the last batch could not be told apart. Pass "
+                          "accelerator.prepare(loader).")
     was_training = model.training
     model.eval()
     collected: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -62,7 +75,7 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
         if accelerator.num_processes > 1:  # collective, the same keys in the same order on every rank
             tensors = {k: accelerator.pad_across_processes(v, dim=1, pad_index=_pad_value(v)) if v.ndim > 1 else v
                        for k, v in tensors.items()}
-        for key, value in accelerator.gather_for_metrics(tensors).items():
+        for key, value in (accelerator.gather_for_metrics(tensors) if prepared else tensors).items():
             collected[key].append(value.cpu())
     model.train(was_training)
     if not collected:

@@ -16,7 +16,7 @@ from conftest import read_jsonl, reset_accelerate
 from torch.utils.data import DataLoader
 
 from accel_train import ConfigError, FinishError, TrainConfig, default_loss, evaluation_loss, train
-from accel_train.core.evaluation import evaluate_model
+from accel_train.core.evaluation import evaluate_model, gather_outputs
 from accel_train.rundir.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -222,3 +222,31 @@ def test_the_session_registers_a_losss_hooks_refuses_accumulation_and_expects_un
         train(torch.nn.Linear(6, 2), loader, config=token_config(tmp_path / "b", max_steps=3,
                                                                  gradient_accumulation_steps=2), loss_fn=BatchLoss())
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_a_loader_accelerate_did_not_prepare_is_evaluated_whole_even_at_a_training_loaders_last_batch():
+    """gather_for_metrics reads the state of the loader Accelerate is iterating: at the last batch of a prepared
+    training loader (10 rows in 4s: remainder 2) it cut every batch of an unprepared evaluation loader to 2 rows (a
+    Trainer's evaluation at its last step scored 32 of 200 items). A prepared evaluation loader keeps its own state."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 2)
+    rows = [{"x": torch.full((3,), float(i))} for i in range(8)]
+
+    def step(m, batch):
+        return {"y": m(batch["x"]), "x": batch["x"][:, 0]}
+
+    train_loader = accelerator.prepare(DataLoader(torch.zeros(10, 3), batch_size=4))
+    seen = []
+    for i, _ in enumerate(train_loader):
+        if i == 2:
+            assert accelerator.gradient_state.end_of_dataloader and accelerator.gradient_state.remainder == 2
+            for loader in (DataLoader(rows, batch_size=4), accelerator.prepare(DataLoader(rows, batch_size=4))):
+                seen.append(gather_outputs(accelerator, model, loader, step)["x"].tolist())
+    assert seen == [[float(i) for i in range(8)]] * 2
+    with pytest.raises(ConfigError, match=r"accelerator.prepare\(loader\)"):  # two processes: each would see all
+        gather_outputs(SimpleNamespace(num_processes=2), model, DataLoader(rows, batch_size=4), step)

@@ -201,8 +201,11 @@ def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float 
     logits = model(**inputs).logits
     if is_causal_lm(model):
         logits, labels = logits[:, :-1], labels[:, 1:]
-    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
-                                               label_smoothing=label_smoothing, reduction="none")
+    # one row of classes per token: cross_entropy over (batch, classes, tokens), a transposed view, took 1.8x the
+    # time forward and backward on CPU (16 x 63 tokens x 8,000 classes: 56 ms against 31)
+    losses = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing,
+                                               reduction="none").view(labels.shape)
     counted = labels != IGNORE_INDEX
     return {"loss_sum": (losses * counted).sum(dim=1), "num_items": counted.sum(dim=1)}
 

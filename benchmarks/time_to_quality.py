@@ -31,7 +31,8 @@ Runs (RUNS):
   accel_train muon      + --optim muon --muon_lr_ratio 5 (docs/optimizers.md)
   accel_train fused     + --optim adamw_torch_fused (what the default builds since 2026-12-04)
   accel_train token budget  + --max_tokens_per_batch (Task.token_budget: about as many steps an epoch as batches of
-                        32, less padding); samples to the target read from the epoch (epochs x training examples)
+                        32, less padding); samples to the target about epochs x training examples (the epoch
+                        counts micro-batches, whose sizes vary)
   accel_train buckets+compile  + --length_buckets auto --torch_compile: a few padded widths, one graph each, compiled
                         in the training seconds
   Trainer default       transformers.Trainer with TrainingArguments' defaults: lr 5e-5, batch 8, 3 epochs, fp32,

@@ -55,12 +55,7 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
     whose length differs between batches or processes (dynamic padding) are padded at the end of dim 1: integer
     ones with -100 (the ignore index), float ones with NaN. A loader Accelerate did not prepare: its batches as they
     are on one process, a ConfigError on several (module docstring)."""
-    prepared = isinstance(loader, DataLoaderStateMixin)
-    if not prepared and accelerator.num_processes > 1:
-        raise ConfigError(f"evaluation on {accelerator.num_processes} processes with a loader accelerator.prepare did "
-                          f"not return ({type(loader).__name__}): every process would evaluate every item and the "
-                          "duplicates that even out the last batch could not be told apart. Pass "
-                          "accelerator.prepare(loader).")
+    prepared = check_prepared(accelerator, loader)
     was_training = model.training
     model.eval()
     collected: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -81,6 +76,29 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
     if not collected:
         raise DataError("the evaluation data loader is empty: check the validation split or file.")
     return {key: _cat_padded(values) for key, values in collected.items()}
+
+
+def check_prepared(accelerator: Accelerator, loader) -> bool:
+    """Whether `loader` came from accelerator.prepare (on XLA wrapped once more); a ConfigError where it did not
+    and several processes would each evaluate every item."""
+    prepared = isinstance(getattr(loader, "_loader", loader), DataLoaderStateMixin)
+    if not prepared and accelerator.num_processes > 1:
+        raise ConfigError(f"evaluation on {accelerator.num_processes} processes with a {type(loader).__name__} that "
+                          "accelerator.prepare did not shard: every process would evaluate every item, and the "
+                          "duplicates that even out the last batch could not be told apart. Pass a "
+                          "torch.utils.data.DataLoader (train() prepares it), or accelerator.prepare(loader) to "
+                          "evaluate_model.")
+    return prepared
+
+
+def prepare_for_evaluation(accelerator: Accelerator, loader):
+    """accelerator.prepare(loader) (None stays None), refused before training rather than at the first evaluation
+    where it would not be sharded (`check_prepared`: an iterable that is not a DataLoader comes back unchanged)."""
+    if loader is None:
+        return None
+    prepared = accelerator.prepare(loader)
+    check_prepared(accelerator, prepared)
+    return prepared
 
 
 def _pad_value(tensor: torch.Tensor):

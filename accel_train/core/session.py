@@ -40,7 +40,7 @@ from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
 from .data import dataset_size, own_generator_notes, random_item_notes
 from .ema import evaluate_with_average, weight_average
-from .evaluation import MetricsFn
+from .evaluation import MetricsFn, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
 from .hooks import call_hooks, hook_keys
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
@@ -151,13 +151,14 @@ class Session:
     def _prepare_evaluation(self, spec: RunSpec, loss_fn: Callable) -> None:
         """The evaluation loaders (prepared) and the functions an evaluation calls."""
         acc = self.accelerator
-        self.eval_loader = acc.prepare(spec.eval_loader) if spec.eval_loader is not None else None
+        self.eval_loader = prepare_for_evaluation(acc, spec.eval_loader)  # refused now where it would not shard
         if any(steps_on_evaluation(s) for s in (self.scheduler, self.plateau)) and (
                 self.eval_loader is None or self.config.eval_strategy == "no"):
             raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
                               "this run has none: the rate would never change. Give an evaluation loader and "
                               "--eval_strategy steps or epoch, or choose another schedule.")
-        self.final_eval_loaders = {name: acc.prepare(dl) for name, dl in (spec.final_eval_loaders or {}).items()}
+        finals = spec.final_eval_loaders or {}
+        self.final_eval_loaders = {name: prepare_for_evaluation(acc, loader) for name, loader in finals.items()}
         self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
         # the metrics object the recipe passed (train() wraps it to keep confusion matrices): its declared hooks
         self.declared_metrics = getattr(spec.metrics_fn, "metrics_fn", spec.metrics_fn)
@@ -181,8 +182,7 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size,
-                               token_plan=token_plan(self.config),
-                               precision=precision_in_effect(acc))
+                               token_plan=token_plan(self.config), precision=precision_in_effect(acc))
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,

@@ -16,7 +16,7 @@ from conftest import read_jsonl, reset_accelerate
 from torch.utils.data import DataLoader
 
 from accel_train import ConfigError, FinishError, TrainConfig, default_loss, evaluation_loss, train
-from accel_train.core.evaluation import evaluate_model, gather_outputs
+from accel_train.core.evaluation import evaluate_model, gather_outputs, prepare_for_evaluation
 from accel_train.rundir.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -248,5 +248,9 @@ def test_a_loader_accelerate_did_not_prepare_is_evaluated_whole_even_at_a_traini
             for loader in (DataLoader(rows, batch_size=4), accelerator.prepare(DataLoader(rows, batch_size=4))):
                 seen.append(gather_outputs(accelerator, model, loader, step)["x"].tolist())
     assert seen == [[float(i) for i in range(8)]] * 2
+    two = SimpleNamespace(num_processes=2, prepare=lambda loader: loader)  # a stand-in: the refusals need no peer
     with pytest.raises(ConfigError, match=r"accelerator.prepare\(loader\)"):  # two processes: each would see all
-        gather_outputs(SimpleNamespace(num_processes=2), model, DataLoader(rows, batch_size=4), step)
+        gather_outputs(two, model, DataLoader(rows, batch_size=4), step)
+    with pytest.raises(ConfigError, match="every process would evaluate every item"):  # train(): before training
+        prepare_for_evaluation(two, [rows[:4], rows[4:]])  # a list of batches: prepare returns it unchanged
+    assert prepare_for_evaluation(two, None) is None

@@ -133,7 +133,7 @@ def accel_train_run(task: Task, name: str, flags: list[str], seed: int, out: Pat
     log = out.with_suffix(".log")
     with open(log, "w") as fh:
         code = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=cap * 3 + 600,
-                              cwd=ROOT).returncode  # a config's relative data paths
+                              cwd=ROOT).returncode  # as the README runs it (a YAML's relative paths: parse_config)
     if code != 0:
         raise SystemExit(f"{name} (seed {seed}) failed with exit code {code}: see {log}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

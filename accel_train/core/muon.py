@@ -2,7 +2,8 @@
 one optimizer (the split nanochat and torchtitan use; Muon is an optimizer for 2-D hidden layers only).
 
 Which parameters Muon takes: every 2-D parameter except the embeddings and the output head, which AdamW takes with
-the biases, norms and every tensor that is not 2-D (convolution kernels, position tables, class tokens).
+the biases, norms and every tensor that is not 2-D (convolution kernels, position tables, class tokens). The AdamW
+part takes torch's fused kernel where `--optim adamw` does (core/fused.py).
 
 * embeddings: the parameters of every `nn.Embedding` module (a tied output head shares its tensor);
 * the output head: the module the model's `get_output_embeddings()` returns (a transformers language model's
@@ -101,9 +102,10 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
                  else list(group["params"])) for group in items]
 
 
-def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any]) -> MuonWithAdamW:
+def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any], fused: bool = False) -> MuonWithAdamW:
     """Each of `groups` split into its Muon part (hidden 2-D matrices, at the group's rate x --muon_lr_ratio) and
-    its AdamW part (the rest, at the group's rate); Muon's groups first, then AdamW's, in the order given."""
+    its AdamW part (the rest, at the group's rate); Muon's groups first, then AdamW's, in the order given. `fused`:
+    the AdamW part with torch's fused kernel (where `--optim adamw` would take it: core/fused.py)."""
     kept, names = kept_from_muon(model), {id(p): n for n, p in model.named_parameters()}
     muon_groups, adamw_groups, muon_labels, adamw_labels = [], [], [], []
     for group in as_groups(groups):
@@ -118,8 +120,8 @@ def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any]) -
             adamw_groups.append({**options, "params": others})
             special = [f"{kept[id(p)]} {names.get(id(p), '?')}" for p in others if p.ndim == 2 and id(p) in kept]
             more = ", ..." if len(special) > 3 else ""
-            adamw_labels.append(f"AdamW: {len(others)} tensor(s)" + (f" ({', '.join(special[:3])}{more})"
-                                                                      if special else ""))
+            named = f" ({', '.join(special[:3])}{more})" if special else ""
+            adamw_labels.append(f"AdamW{' (fused kernel)' if fused else ''}: {len(others)} tensor(s){named}")
     if not muon_groups:
         raise ConfigError("--optim muon: the model has no hidden 2-D weight matrix for Muon (only embeddings, the "
                           "output head, biases, norms or tensors of other shapes, which AdamW trains): use --optim "
@@ -127,7 +129,8 @@ def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any]) -
     muon = torch.optim.Muon(muon_groups, lr=config.learning_rate * config.muon_lr_ratio,
                             weight_decay=config.weight_decay, adjust_lr_fn=ADJUST_LR)
     adamw = torch.optim.AdamW(adamw_groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                              eps=config.adam_epsilon, weight_decay=config.weight_decay) if adamw_groups else None
+                              eps=config.adam_epsilon, weight_decay=config.weight_decay,
+                              **({"fused": True} if fused else {})) if adamw_groups else None
     return MuonWithAdamW(muon, adamw, muon_labels + adamw_labels)
 
 

@@ -161,7 +161,7 @@ def build_optimizer(
         raise ConfigError("the optimizer has no parameters: every parameter of the model is frozen.")
     if config.optim == "muon":  # Muon for the hidden matrices, AdamW for the rest (core/muon.py)
         refuse_sharded_muon(accelerator)
-        return build_muon(model, config, groups)
+        return build_muon(model, config, groups, fused=fused_adamw_runs(groups, accelerator))
     if "optimizer" in deepspeed_config(accelerator):
         from accelerate.utils import DummyOptim
 

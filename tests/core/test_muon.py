@@ -72,6 +72,7 @@ def test_groups_keep_their_rates_and_decay_and_muon_gets_the_ratio():
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.03, 0.01, 0.01])
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.1, 0.0]
     assert optimizer.muon.defaults["adjust_lr_fn"] == "match_rms_adamw" and optimizer.muon.defaults["nesterov"]
+    assert optimizer.adamw.defaults["fused"], "the AdamW part takes torch's fused kernel where --optim adamw does"
     # a group of the user's with its own rate: both of its parts start from it
     own = build_optimizer(model, config, [{"params": list(model[0].parameters()), "lr": 0.5},
                                          {"params": list(model[1].parameters())}])
@@ -141,7 +142,8 @@ def test_the_schedule_moves_both_parts_and_the_muon_rate_is_reported_and_recorde
     assert saved["optim"] == "muon" and saved["muon_lr_ratio"] == 2.0
     groups = saved["what_ran"]["optimizer"]["groups"]
     assert [g["lr"] for g in groups] == pytest.approx([0.02, 0.01, 0.01])
-    assert groups[0]["params"].startswith("Muon") and groups[1]["params"] == "AdamW: 1 tensor(s) (head 3.weight)"
+    assert groups[0]["params"].startswith("Muon")
+    assert groups[1]["params"] == "AdamW (fused kernel): 1 tensor(s) (head 3.weight)"  # as --optim adamw on a CPU
 
 
 # AdamW's tensors: test_loop.py::test_accumulation_equals_one_big_batch's 1e-5. Muon's matrices: torch's Muon runs

@@ -17,7 +17,9 @@ What `prepare_engine` adapts, and why:
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
   Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
   optimizer steps; Accelerate only fills what is still "auto". The JSON's optimizer is built in place of --optim's:
-  an --optim that asks for another update is refused (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`.
+  an --optim that asks for another update is refused (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`;
+  with a scheduler in the JSON, a --lr_scheduler_type other than the default or --lr_scheduler_kwargs is refused
+  (`use_json_scheduler`).
 
 `refuse_sum_loss` refuses, under DeepSpeed, a loss that returns sums, before anything is written (see there); a
 recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soon as its accelerator is built.
@@ -104,6 +106,8 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
         plugin = accelerator.state.deepspeed_plugin
         if "optimizer" in plugin.deepspeed_config:
             use_json_optimizer(plugin.deepspeed_config["optimizer"], config.optim)
+        if "scheduler" in plugin.deepspeed_config:
+            use_json_scheduler(plugin.deepspeed_config["scheduler"], config)
         fill_deepspeed_config(plugin, config, plan)
 
 
@@ -193,6 +197,22 @@ def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
             raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
                               f"{json.dumps(params['fused'])}: drop one of the two.")
         params["fused"] = True
+
+
+def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
+    """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
+    --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
+    (the start-up report says so); a schedule asked for by name or with arguments is refused before anything is built
+    (the JSON's would replace it without a word)."""
+    default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
+    asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
+    asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []
+    if asked:
+        raise ConfigError(
+            f"{' and '.join(asked)} asks for a schedule, and the DeepSpeed JSON config has a scheduler, "
+            f"{ds_scheduler.get('type')}, which DeepSpeed would step instead. Remove the \"scheduler\" section from "
+            f"the JSON (accel_train then builds the schedule asked for, over DeepSpeed's optimizer), or leave "
+            f"--lr_scheduler_type at {default} without --lr_scheduler_kwargs to train with the JSON's.")
 
 
 def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:

@@ -216,6 +216,24 @@ def test_an_optim_the_deepspeed_json_would_replace_is_refused_and_fused_is_passe
     assert kernels == {"type": "AdamW", "params": {}}
 
 
+def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
+    """A DeepSpeed JSON's scheduler is stepped by DeepSpeed in place of the one accel_train builds: the default
+    --lr_scheduler_type with no arguments asks for nothing (the JSON's stands, said in the report); a schedule named
+    or given arguments is refused, naming both and what to do."""
+    from accel_train import ConfigError, TrainConfig
+    from accel_train.core.sharded import use_json_scheduler
+
+    ds = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    use_json_scheduler(ds, TrainConfig(report_to=["none"]))
+    for asked, config in (("--lr_scheduler_type cosine", TrainConfig(lr_scheduler_type="cosine", report_to=["none"])),
+                          ("--lr_scheduler_kwargs", TrainConfig(lr_scheduler_kwargs='{"num_cycles": 2}',
+                                                                lr_scheduler_type="linear", report_to=["none"]))):
+        with pytest.raises(ConfigError, match=rf"{asked} asks for a schedule, and the DeepSpeed JSON config has a "
+                                              r"scheduler, WarmupDecayLR.*Remove the \"scheduler\" section"):
+            use_json_scheduler(ds, config)
+    assert ds == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

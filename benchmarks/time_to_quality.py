@@ -28,7 +28,9 @@ Runs (RUNS):
                         epochs and config; AdamW with torch's fused kernel (the default since 2026-12-04)
   accel_train adamw_torch  + --optim adamw_torch: torch's default AdamW kernel, a loop over the tensors on a CPU
                         (the default before 2026-12-04; its runs before then are kept under this name)
-  accel_train muon      + --optim muon --muon_lr_ratio 5 (docs/optimizers.md)
+  accel_train muon      + --optim muon --muon_lr_ratio 5 (docs/optimizers.md: the fine-tuning setting)
+  accel_train muon 1x   + --optim muon: Muon's groups at the AdamW rate, its update RMS matched to AdamW's (the
+                        from-scratch setting of Moonshot's "Muon is Scalable for LLM Training")
   accel_train fused     + --optim adamw_torch_fused (what the default builds since 2026-12-04)
   accel_train token budget  + --max_tokens_per_batch (Task.token_budget: about as many steps an epoch as batches of
                         32, less padding); samples to the target about epochs x training examples (the epoch
@@ -107,6 +109,7 @@ RUNS = {
     "accel_train default": ("accel_train", []),
     "accel_train adamw_torch": ("accel_train", ["--optim", "adamw_torch"]),
     "accel_train muon": ("accel_train", ["--optim", "muon", "--muon_lr_ratio", "5"]),
+    "accel_train muon 1x": ("accel_train", ["--optim", "muon"]),
     "accel_train fused": ("accel_train", ["--optim", "adamw_torch_fused"]),
     "accel_train token budget": ("accel_train", ["--max_tokens_per_batch", "{token_budget}"]),
     "accel_train buckets+compile": ("accel_train", ["--length_buckets", "auto", "--torch_compile"]),

@@ -136,6 +136,30 @@ def test_two_processes_give_the_same_metrics(tiny_bert, sst_like, tmp_path):
     assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-4)
 
 
+def test_the_line_format_reads_windows_1252_and_ends_lines_at_newlines_only(tmp_path):
+    """MR and Subj (sentence-classification) are Windows-1252: an ellipsis is byte 0x85, which read as latin-1 is
+    U+0085, where str.splitlines() ended a line ('0 ' then a line of text: the recipe refused the file at line 474).
+    Each file reads whole, one example a line, with its quotes and ellipses; a label without text is refused by
+    name; a line holding only whitespace is skipped."""
+    from accel_train import DataError
+    from accel_train.tasks.text.classification.data import read_label_text_lines
+
+    path = tmp_path / "mr.txt"
+    path.write_bytes(b"0 \x85the maudlin way \x93it\x94 unfolds\r\n1 a fine film \x96 truly\n \n")
+    rows = read_label_text_lines(path)
+    assert rows["label"] == [0, 1]
+    assert rows["text"] == ["\u2026the maudlin way \u201cit\u201d unfolds", "a fine film \u2013 truly"]
+    path.write_text("1 good\n0 \n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"mr.txt:2: the label 0 has no text after it. Remove the line"):
+        read_label_text_lines(path)
+    shared = SHARED_DATA / "sentence-classification"
+    for name, lines in (("rt-polarity.all", 10662), ("subj.all", 10000)):
+        if (shared / name).is_file():
+            rows = read_label_text_lines(shared / name)
+            assert len(rows) == lines and set(rows["label"]) == {0, 1}
+            assert not any("\x85" in text for text in rows["text"])
+
+
 @pytest.mark.slow
 def test_real_minilm_learns_sst2(tmp_path):
     """The real pretrained model on a slice of real data: clearly above chance after a short run."""

@@ -53,16 +53,25 @@ def load_embedded_tweets(seed: int, train_size: int | None, validation_size: int
 
 
 def read_label_text_lines(path: Path) -> datasets.Dataset:
-    """The one-example-a-line format `<int label> <text>` (SST, TREC, MR, ... in sentence-classification)."""
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raw = path.read_text(encoding="latin-1")  # several classic benchmarks are latin-1
+    """The one-example-a-line format `<int label> <text>` (SST, TREC, MR, ... in sentence-classification).
+
+    utf-8, else Windows-1252 (MR's and Subj's curly quotes, dashes and ellipses), else latin-1. Lines end at "\n"
+    only: str.splitlines() also ends one at U+0085, which a latin-1 reading of a Windows-1252 ellipsis is."""
+    data, raw = path.read_bytes(), ""
+    for encoding in ("utf-8", "cp1252", "latin-1"):  # latin-1 reads any bytes: the last resort
+        try:
+            raw = data.decode(encoding)
+            break
+        except UnicodeDecodeError:
+            continue
     labels, texts = [], []
-    for number, line in enumerate(raw.splitlines(), start=1):
+    for number, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue
         head, _, text = line.strip().partition(" ")
+        if head.lstrip("-").isdigit() and not text.strip():
+            raise DataError(f"{path}:{number}: the label {head} has no text after it. Remove the line, or write its "
+                            "text after the label.")
         if not head.lstrip("-").isdigit() or not text:
             raise DataError(f"{path}:{number}: expected '<int label> <text>', got {line[:60]!r}")
         labels.append(int(head))

@@ -229,8 +229,9 @@ def _value(sweep: Sweep, trial, returncode: int, watch: TrialWatch) -> float:
     if status.get("exit") == 2 and status.get("kind") == ConfigError.kind:  # a diverged run is a failed trial
         raise ConfigError(f"trial {trial.number} was refused, and every trial would be: fix the sweep's flags or "
                           f"space. The run said: {status.get('message', '').strip()}")
-    if returncode != 0:
-        raise TrialFailed(f"trial {trial.number} failed with exit code {returncode}: see {out / TRIAL_LOG}")
+    if returncode != 0:  # the run's own message where it left one (a data error: every trial fails the same way)
+        said = f": {status['message'].strip()}" if status.get("exit") and status.get("message") else ""
+        raise TrialFailed(f"trial {trial.number} failed with exit code {returncode}{said} (see {out / TRIAL_LOG})")
     results = json.loads((out / RESULTS).read_text())
     if sweep.metric not in results:
         raise ConfigError(f"--metric {sweep.metric}: trial {trial.number}'s final metrics have only "

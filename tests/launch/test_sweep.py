@@ -208,10 +208,13 @@ def test_bad_input_stops_the_sweep_with_a_message(tmp_path, trial_env):
     with pytest.raises(ConfigError, match="was refused, and every trial would be") as refused:
         sweep(out, {"no_such_flag": {"choices": [1, 2]}}, "--trials", "3")
     assert "no_such_flag" in str(refused.value) and not (out / "trial-0001").exists()
-    # a trial that crashes is failed and the sweep goes on, until --max_failures of them
-    with pytest.raises(UserError, match=r"2 trials failed in this sweep \(--max_failures 2\)"):
+    # a trial that crashes is failed and the sweep goes on, until --max_failures of them; the last one's own message
+    # is in the sweep's (the run's exit code 2 reaches the sweep as accelerate launch's 1)
+    with pytest.raises(UserError, match=r"2 trials failed in this sweep \(--max_failures 2\)") as crashed:
         sweep(tmp_path / "crashing", {"learning_rate": {"choices": [0.1]}}, "--trials", "5", "--max_failures", "2",
               recipe=["--poison_index", "3", "--on_nonfinite", "stop", "--num_train_epochs", "1", "--no_preflight"])
     assert [t.state.name for t in study(tmp_path / "crashing").trials] == ["FAIL", "FAIL"]
+    said = json.loads((tmp_path / "crashing" / "trial-0001" / "trial_status.json").read_text())["message"].strip()
+    assert said and f"failed with exit code 1: {said} (see " in str(crashed.value)
     with pytest.raises(ConfigError, match="each trial gets its own"):
         sweep(out, {"learning_rate": {"choices": [0.1]}}, "--trials", "1", recipe=["--output_dir", "x"])

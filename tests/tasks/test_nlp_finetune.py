@@ -149,6 +149,8 @@ def test_the_line_format_reads_windows_1252_and_ends_lines_at_newlines_only(tmp_
     rows = read_label_text_lines(path)
     assert rows["label"] == [0, 1]
     assert rows["text"] == ["\u2026the maudlin way \u201cit\u201d unfolds", "a fine film \u2013 truly"]
+    path.write_bytes(b"\xef\xbb\xbf1 byte-order mark\r0 old mac endings\r")  # utf-8 with a BOM, "\r" lines
+    assert read_label_text_lines(path).to_dict() == {"label": [1, 0], "text": ["byte-order mark", "old mac endings"]}
     path.write_text("1 good\n0 \n", encoding="utf-8")
     with pytest.raises(DataError, match=r"mr.txt:2: the label 0 has no text after it. Remove the line"):
         read_label_text_lines(path)

@@ -46,8 +46,8 @@ class ClassificationDataArguments:
                                 "the run says how many were truncated.", 128)
     max_train_samples: int | None = _help("Train on a seeded subset of N examples, stratified by label.")
     max_eval_samples: int | None = _help("Evaluate on a seeded subset of N validation examples, stratified by label.")
-    validation_split_percentage: int = _help("Percent of train held out (seeded, stratified) when there is no "
-                                             "validation split.", 10)
+    validation_split_percentage: int = _help("Percent of train held out (seeded; stratified when the labels are "
+                                             "named classes) when there is no validation split.", 10)
     group_by_length: bool = _help("Batches of similar lengths: less padding (--no_group_by_length: random).", True)
     pad_to_max_length: bool = _help("Pad every example to --max_seq_length (static shapes) instead of per batch.",
                                     False)

@@ -7,6 +7,7 @@ column (a float one for regression), and raises `DataError` naming the file, col
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,17 +56,18 @@ def load_embedded_tweets(seed: int, train_size: int | None, validation_size: int
 def read_label_text_lines(path: Path) -> datasets.Dataset:
     """The one-example-a-line format `<int label> <text>` (SST, TREC, MR, ... in sentence-classification).
 
-    utf-8, else Windows-1252 (MR's and Subj's curly quotes, dashes and ellipses), else latin-1. Lines end at "\n"
-    only: str.splitlines() also ends one at U+0085, which a latin-1 reading of a Windows-1252 ellipsis is."""
+    utf-8 (a byte-order mark dropped), else Windows-1252 (MR's and Subj's curly quotes, dashes and ellipses), else
+    latin-1. Lines end at "\n", "\r\n" or "\r" only: str.splitlines() also ends one at U+0085, which a latin-1 reading
+    of a Windows-1252 ellipsis is."""
     data, raw = path.read_bytes(), ""
-    for encoding in ("utf-8", "cp1252", "latin-1"):  # latin-1 reads any bytes: the last resort
+    for encoding in ("utf-8-sig", "cp1252", "latin-1"):  # latin-1 reads any bytes: the last resort
         try:
             raw = data.decode(encoding)
             break
         except UnicodeDecodeError:
             continue
     labels, texts = [], []
-    for number, line in enumerate(raw.split("\n"), start=1):
+    for number, line in enumerate(re.split(r"\r\n|\r|\n", raw), start=1):
         if not line.strip():
             continue
         head, _, text = line.strip().partition(" ")
@@ -123,7 +125,8 @@ def load_named_dataset(name: str, config_name: str | None) -> datasets.DatasetDi
 
 
 def split_off_validation(ds: datasets.DatasetDict, percentage: int, seed: int, label_column: str):
-    """Hold out a seeded, stratified share of train as validation when no validation split exists."""
+    """Hold out a seeded share of train as validation when no validation split exists, stratified by label when the
+    label column is a ClassLabel (a dataset's named classes; file labels are plain ints)."""
     if "validation" in ds:
         return ds
     if "train" not in ds:

@@ -48,11 +48,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW | None, labels: list[str]):
         self.muon, self.adamw = muon, adamw
         self.optimizers = (muon,) if adamw is None else (muon, adamw)  # AdamW is absent when nothing is left for it
-        self.group_labels = list(labels)  # one line per group for the start-up report and config.yaml
+        self._labels = list(labels)  # one line per group for the start-up report and config.yaml (group_labels)
         self._sizes = [len(part.param_groups) for part in self.optimizers]
         # torch's add_param_group appends the very dicts given: these groups are the two optimizers' own
         super().__init__([group for part in self.optimizers for group in part.param_groups], defaults={})
         self._share()
+
+    @property
+    def group_labels(self) -> list[str]:
+        """The report's line per group; an AdamW group says it runs the fused kernel when its dict does (read from
+        the groups: a resumed run steps with the checkpoint's choice)."""
+        return [label.replace("AdamW:", "AdamW (fused kernel):", 1) if group.get("fused") else label
+                for label, group in zip(self._labels, self.param_groups, strict=False)]
 
     def _share(self) -> None:
         start = 0
@@ -121,7 +128,7 @@ def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any], f
             special = [f"{kept[id(p)]} {names.get(id(p), '?')}" for p in others if p.ndim == 2 and id(p) in kept]
             more = ", ..." if len(special) > 3 else ""
             named = f" ({', '.join(special[:3])}{more})" if special else ""
-            adamw_labels.append(f"AdamW{' (fused kernel)' if fused else ''}: {len(others)} tensor(s){named}")
+            adamw_labels.append(f"AdamW: {len(others)} tensor(s){named}")
     if not muon_groups:
         raise ConfigError("--optim muon: the model has no hidden 2-D weight matrix for Muon (only embeddings, the "
                           "output head, biases, norms or tensors of other shapes, which AdamW trains): use --optim "

@@ -209,10 +209,11 @@ def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> Non
     asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []
     if asked:
         raise ConfigError(
-            f"{' and '.join(asked)} asks for a schedule, and the DeepSpeed JSON config has a scheduler, "
-            f"{ds_scheduler.get('type')}, which DeepSpeed would step instead. Remove the \"scheduler\" section from "
-            f"the JSON (accel_train then builds the schedule asked for, over DeepSpeed's optimizer), or leave "
-            f"--lr_scheduler_type at {default} without --lr_scheduler_kwargs to train with the JSON's.")
+            f"{' and '.join(asked)} (given, or the recipe's or its config's default) asks for a schedule, and the "
+            f"DeepSpeed JSON config has a scheduler, {ds_scheduler.get('type')}, which DeepSpeed would step instead. "
+            "Remove the \"scheduler\" section from the JSON (accel_train then builds the schedule asked for, over "
+            f"DeepSpeed's optimizer), or pass --lr_scheduler_type {default} and no --lr_scheduler_kwargs to train "
+            "with the JSON's.")
 
 
 def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:

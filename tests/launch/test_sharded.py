@@ -228,8 +228,10 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     for asked, config in (("--lr_scheduler_type cosine", TrainConfig(lr_scheduler_type="cosine", report_to=["none"])),
                           ("--lr_scheduler_kwargs", TrainConfig(lr_scheduler_kwargs='{"num_cycles": 2}',
                                                                 lr_scheduler_type="linear", report_to=["none"]))):
-        with pytest.raises(ConfigError, match=rf"{asked} asks for a schedule, and the DeepSpeed JSON config has a "
-                                              r"scheduler, WarmupDecayLR.*Remove the \"scheduler\" section"):
+        with pytest.raises(ConfigError, match=rf"{asked} \(given, or the recipe's or its config's default\) asks "
+                                              r"for a schedule, and the DeepSpeed JSON config has a scheduler, "
+                                              r"WarmupDecayLR.*Remove the \"scheduler\" section.*pass "
+                                              r"--lr_scheduler_type linear"):
             use_json_scheduler(ds, config)
     assert ds == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
 

@@ -194,7 +194,8 @@ def _objective(sweep: Sweep, trial, interrupts: Interrupts) -> float:
     print(f"accel-train sweep: trial {trial.number}: {' '.join(f'--{k} {v}' for k, v in flags.items())}",
           file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    # how the run ended: `accelerate launch` reports every failure as exit code 1
+    # how the run ended: `accelerate launch` reports every failure as exit code 1; none left from an earlier run here
+    (out / TRIAL_STATUS).unlink(missing_ok=True)
     env = {**os.environ, "ACCEL_TRAIN_STATUS_FILE": str(out / TRIAL_STATUS)}
     watch = TrialWatch(trial, out, sweep.metric)
     with open(out / TRIAL_LOG, "w") as log, interrupts.deferred():  # a signal here would orphan the process
@@ -225,7 +226,10 @@ def _value(sweep: Sweep, trial, returncode: int, watch: TrialWatch) -> float:
     """The value of a trial whose run ended by itself: its final --metric; a refusal, a failure or a non-finite
     value otherwise."""
     out = watch.out
-    status = json.loads((out / TRIAL_STATUS).read_text()) if (out / TRIAL_STATUS).is_file() else {}
+    try:  # the run writes it at its end; one cut short (a kill mid-write) says nothing
+        status = json.loads((out / TRIAL_STATUS).read_text()) if (out / TRIAL_STATUS).is_file() else {}
+    except ValueError:
+        status = {}
     if status.get("exit") == 2 and status.get("kind") == ConfigError.kind:  # a diverged run is a failed trial
         raise ConfigError(f"trial {trial.number} was refused, and every trial would be: fix the sweep's flags or "
                           f"space. The run said: {status.get('message', '').strip()}")

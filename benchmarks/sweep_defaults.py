@@ -7,9 +7,10 @@ uses, TREC (6 question types) and MR (movie-review polarity), then one table of 
 
 Each trial trains one epoch (the accuracy a setting reaches in a fixed budget: how fast it learns) on the recipe's
 other defaults (all-MiniLM-L6-v2, bf16 by `auto`, length grouping, seed 42) and is scored on 10% of the task's
-training file held out (seeded, stratified), never on a test set. The space is SPACE; TPE is seeded, and its first 10
-trials are random, so with --trials 10 both tasks get the same 10 settings. The studies live in
-benchmarks/runs/sweep_defaults/<task>/ (study.db, trials.csv, a directory per trial); a rerun resumes them.
+training file held out (seeded, not stratified: a file's labels are plain ints), never on a test set. The space is
+SPACE; TPE is seeded, and its first 10 trials are random, so with --trials 10 both tasks get the same 10 settings.
+The studies live in benchmarks/runs/sweep_defaults/<task>/ (study.db, trials.csv, a directory per trial); a rerun
+resumes them.
 """
 
 from __future__ import annotations

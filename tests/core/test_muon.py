@@ -125,6 +125,20 @@ class InnerRates:
         self.rates.append((inner.muon.param_groups[0]["lr"], inner.adamw.param_groups[0]["lr"]))
 
 
+def test_the_report_reads_the_adamw_kernel_from_the_groups_a_resume_restores():
+    """A checkpoint saved when Muon's AdamW part looped over its tensors resumes with that kernel (torch restores each
+    group's `fused`): the report line follows the groups, not what was built."""
+    from accel_train.core.muon import build_muon
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    looped = build_muon(model, MUON, no_decay_param_groups(model, 0.1))
+    fused = build_muon(model, MUON, no_decay_param_groups(model, 0.1), fused=True)
+    assert [label.startswith("AdamW (fused kernel):") for label in fused.group_labels] == [False, True, True]
+    fused.load_state_dict(looped.state_dict())
+    assert not fused.adamw.param_groups[0].get("fused")
+    assert [label.startswith("AdamW:") for label in fused.group_labels] == [False, True, True]
+
+
 def test_the_schedule_moves_both_parts_and_the_muon_rate_is_reported_and_recorded(tmp_path, capsys):
     hook = InnerRates()
     reset_accelerate()

@@ -202,8 +202,8 @@ def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
 def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
     """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
     --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
-    (the start-up report says so); a schedule asked for by name or with arguments is refused before anything is built
-    (the JSON's would replace it without a word)."""
+    (the start-up report says so); a schedule asked for by name or with arguments is refused before training, with
+    nothing written (the JSON's would replace it without a word)."""
     default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
     asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
     asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []

@@ -136,7 +136,7 @@ def test_two_processes_give_the_same_metrics(tiny_bert, sst_like, tmp_path):
     assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-4)
 
 
-def test_the_line_format_reads_windows_1252_and_ends_lines_at_newlines_only(tmp_path):
+def test_the_line_format_reads_windows_1252_and_ends_lines_at_line_breaks_only(tmp_path):
     """MR and Subj (sentence-classification) are Windows-1252: an ellipsis is byte 0x85, which read as latin-1 is
     U+0085, where str.splitlines() ended a line ('0 ' then a line of text: the recipe refused the file at line 474).
     Each file reads whole, one example a line, with its quotes and ellipses; a label without text is refused by

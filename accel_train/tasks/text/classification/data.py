@@ -70,12 +70,12 @@ def read_label_text_lines(path: Path) -> datasets.Dataset:
     for number, line in enumerate(re.split(r"\r\n|\r|\n", raw), start=1):
         if not line.strip():
             continue
-        head, _, text = line.strip().partition(" ")
-        if head.lstrip("-").isdigit() and not text.strip():
+        head, _, text = line.strip().partition(" ")  # the line stripped: text is empty or holds a word
+        if not head.lstrip("-").isdigit():
+            raise DataError(f"{path}:{number}: expected '<int label> <text>', got {line[:60]!r}")
+        if not text:
             raise DataError(f"{path}:{number}: the label {head} has no text after it. Remove the line, or write its "
                             "text after the label.")
-        if not head.lstrip("-").isdigit() or not text:
-            raise DataError(f"{path}:{number}: expected '<int label> <text>', got {line[:60]!r}")
         labels.append(int(head))
         texts.append(text)
     return datasets.Dataset.from_dict({"label": labels, "text": texts})

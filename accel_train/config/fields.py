@@ -69,7 +69,8 @@ class TrainConfig:
     # --- optimisation
     optim: str = field(default="adamw", metadata={"help": f"One of {OPTIMIZERS}."})
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay, not on biases/norms: decoupled for "
+                                                                   "adamw and muon, L2 for adam and sgd."})
     adam_beta1: float = field(default=0.9, metadata={"help": "Adam's first-moment decay."})
     adam_beta2: float = field(default=0.999, metadata={"help": "Adam's second-moment decay."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "Adam's epsilon (added to the denominator)."})

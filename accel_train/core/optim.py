@@ -151,8 +151,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """An optimizer named by `config.optim` over `params` (default: decay / no-decay groups of `model`); `muon`
     splits each group between Muon and AdamW (core/muon.py) and is refused under FSDP and DeepSpeed. `adamw` (the
-    default) takes torch's fused kernel where the device has one (core/fused.py), `adamw_torch` torch's default
-    kernels, `adamw_torch_fused` the fused one.
+    default) and `adam` take torch's fused kernel where the device has one (core/fused.py), `adamw_torch` torch's
+    default kernels, `adamw_torch_fused` the fused one.
 
     Under DeepSpeed with an optimizer in its JSON, DeepSpeed's own optimizer is used (Accelerate's DummyOptim
     stands in for it until `prepare`)."""
@@ -171,12 +171,10 @@ def build_optimizer(
         kwargs: dict[str, Any] = dict(
             lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
         )
-        if name == "adamw_torch_fused" or name == "adamw" and fused_adamw_runs(groups, accelerator):
+        if name == "adamw_torch_fused" or name in ("adamw", "adam") and fused_adamw_runs(groups, accelerator):
             kwargs["fused"] = True
-        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        if name != "adam":
-            kwargs["weight_decay"] = config.weight_decay
-        return cls(groups, **kwargs)
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW  # Adam's decay is L2, as SGD's
+        return cls(groups, weight_decay=config.weight_decay, **kwargs)
     return torch.optim.SGD(
         groups, lr=config.learning_rate, momentum=config.sgd_momentum, weight_decay=config.weight_decay
     )

@@ -1,6 +1,6 @@
 """`--optim adamw` (the default) runs torch's fused AdamW kernel where the device has one (core/fused.py), as
 transformers' Trainer defaults to: the same update as torch's default kernels up to rounding, named in the start-up
-report; `adamw_torch` keeps torch's default kernels."""
+report; `adamw_torch` keeps torch's default kernels; `adam` takes the fused kernel where `adamw` does."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def test_the_default_adamw_is_fused_on_a_cpu_and_adamw_torch_is_not():
     assert kernel(build_optimizer(net, TrainConfig(output_dir="unused")))
     assert kernel(build_optimizer(net, TrainConfig(output_dir="unused", optim="adamw_torch_fused")))
     assert not kernel(build_optimizer(net, TrainConfig(output_dir="unused", optim="adamw_torch")))
+    adam = build_optimizer(net, TrainConfig(output_dir="unused", optim="adam"))  # Adam (L2 decay) the same way
+    assert type(adam) is torch.optim.Adam and kernel(adam)
+    for optim in ("adam", "adamw", "sgd"):  # a group without its own decay takes --weight_decay (L2 for adam, sgd)
+        groups = [{"params": net.parameters()}]
+        built = build_optimizer(net, TrainConfig(output_dir="unused", optim=optim, weight_decay=0.1), groups)
+        assert built.param_groups[0]["weight_decay"] == 0.1, optim
     # groups whose params are a generator: read to choose the kernel and still all given to the optimizer
     built = build_optimizer(net, TrainConfig(output_dir="unused"), [{"params": net.parameters(), "lr": 0.1}])
     assert kernel(built) and len(built.param_groups[0]["params"]) == len(list(net.parameters()))
@@ -44,22 +50,28 @@ def test_the_kernel_follows_the_device_training_uses():
 
 
 def test_the_fused_default_takes_the_steps_torchs_default_kernel_takes_up_to_rounding():
-    """Five steps of the same model, data and settings: the parameters within float rounding of each other."""
+    """Five steps of the same model, data and settings: the parameters within float rounding of each other, for
+    AdamW (`adamw` against `adamw_torch`) and Adam (`adam` against torch.optim.Adam's default kernel)."""
     torch.manual_seed(1)
     x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
-    trained = []
-    for optim in ("adamw", "adamw_torch"):
-        net = model()
-        optimizer = build_optimizer(net, TrainConfig(output_dir="unused", optim=optim, learning_rate=1e-2,
-                                                     weight_decay=0.1))
-        for _ in range(5):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            optimizer.step()
-        trained.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
     initial = torch.cat([p.detach().flatten() for p in model().parameters()])
-    assert (trained[0] - initial).abs().max().item() > 1e-3  # it trained
-    assert (trained[0] - trained[1]).abs().max().item() < 1e-6
+    for optim, loop in (("adamw", "adamw_torch"), ("adam", None)):
+        trained = []
+        for name in (optim, loop):
+            net = model()
+            optimizer = build_optimizer(net, TrainConfig(output_dir="unused", optim=name or optim,
+                                                         learning_rate=1e-2, weight_decay=0.1))
+            if name is None:  # torch's Adam with its default kernel, the same groups
+                optimizer = torch.optim.Adam([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                                              for g in optimizer.param_groups], lr=1e-2)
+                assert not any(g["fused"] for g in optimizer.param_groups)
+            for _ in range(5):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                optimizer.step()
+            trained.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+        assert (trained[0] - initial).abs().max().item() > 1e-3  # it trained
+        assert (trained[0] - trained[1]).abs().max().item() < 1e-6, optim
 
 
 def test_a_checkpoint_of_the_loop_kernel_resumes_on_it_and_the_record_says_so():

@@ -97,11 +97,15 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
         on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
     # stop: report and raise; skip: count it; rollback: the checkpoint to go back to
     back_to = on_spike(session, state, verdict) if verdict.spike else None
+    # fp16: the scaler halves its scale on an overflow. Accelerate infers a skipped step from step() not being called,
+    # and a fused kernel is called anyway and skips inside (huggingface/accelerate#4242): the scale tells both apart
+    scale = acc.scaler.get_scale() if acc.scaler is not None and not verdict.drops_update else None
     if verdict.drops_update:
         _skip_optimizer_step(acc)
     else:
         session.optimizer.step()
-    if back_to is None and acc.optimizer_step_was_skipped and not verdict.drops_update:
+    overflow = acc.optimizer_step_was_skipped or scale is not None and acc.scaler.get_scale() < scale
+    if back_to is None and overflow and not verdict.drops_update:
         state.skipped_steps += 1  # the fp16 loss scaler skipped it (overflow)
     elif back_to is None and steps_each_optimizer_step(session.scheduler, config):
         session.scheduler.step()

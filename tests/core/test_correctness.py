@@ -323,6 +323,37 @@ def test_skipping_a_nonfinite_step_under_fp16_keeps_the_loss_scaler_working(tmp_
     assert torch.isfinite(model.weight).all()
 
 
+@pytest.mark.parametrize("optim", ["adamw", "adamw_torch"])
+def test_an_fp16_overflow_is_counted_and_holds_the_schedule_with_the_fused_kernel_too(tmp_path, optim):
+    """A finite loss that overflows once scaled: the scaler skips the update. torch's fused AdamW (the default)
+    is called by the scaler anyway and skips inside its kernel, so Accelerate's optimizer_step_was_skipped stays
+    False (huggingface/accelerate#4242); the loop reads the scaler's scale, so both kernels count the overflow in
+    skipped_steps and leave the schedule where it was for that step."""
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")  # as GPU fp16 has them
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(model, batch):  # the first batch's loss x 1e36: finite, and inf once the scaler multiplies it by 65536
+        inputs, labels, index = batch
+        loss = torch.nn.functional.cross_entropy(model(inputs).float(), labels)
+        return loss * 1e36 if 5 in index.tolist() else loss
+
+    config = TrainConfig(output_dir=str(tmp_path / optim), num_train_epochs=1, per_device_train_batch_size=8,
+                         optim=optim, report_to=["none"], disable_tqdm=True, run_report=False, eval_strategy="no",
+                         save_strategy="no", logging_steps=1, preflight=False, max_grad_norm=0)
+    torch.manual_seed(0)
+    data = TensorDataset(x, (x[:, 0] > 0).long(), torch.arange(64))
+    result = train(torch.nn.Linear(6, 2), DataLoader(data, batch_size=8), config=config, accelerator=accelerator,
+                   loss_fn=loss_fn)
+    assert result.state.step == 8 and result.state.skipped_steps == 1
+    rates = [r["learning_rate"] for r in read_jsonl(tmp_path / optim / "metrics.jsonl") if "learning_rate" in r]
+    # the rate after each step of a linear decay over 8: the skipped first step left it at its peak
+    assert rates == pytest.approx([5e-5 * (8 - k) / 8 for k in range(8)])
+
+
 # ------------------------------------------------------------------------------------------------ 6. schedules
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .optim import group_peaks, steps_on_evaluation
+from .hyperparameters import group_peaks
+from .optim import steps_on_evaluation
 
 
 def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
@@ -26,10 +27,20 @@ def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
                           "step_size_epochs / milestones_epochs in --lr_scheduler_kwargs.")
 
 
-def split_schedulers(given) -> tuple[Any, list]:
+def split_schedulers(given, optimizer=None, own_optimizer: bool = True) -> tuple[Any, list]:
     """train(scheduler=...): one scheduler, or several as a tutorial has them (a StepLR beside a ReduceLROnPlateau):
     (the schedule on the clock or None, [the plateau stepped at evaluations beside it]). More than one of either is
-    refused with what to do."""
+    refused with what to do, and so is a scheduler built on another optimizer than `optimizer`, the one that trains
+    (it would step the other's rates and leave the trained one's constant)."""
+    for scheduler in given if isinstance(given, (list, tuple)) else [given]:
+        driven = getattr(scheduler, "optimizer", None)
+        if optimizer is not None and driven is not None and driven is not optimizer:
+            own = "the optimizer you passed" if own_optimizer else \
+                "the optimizer accel_train built (train() was given no optimizer object, or param groups)"
+            raise ConfigError(f"train(scheduler=...): the {type(scheduler).__name__} was built on a "
+                              f"{type(driven).__name__} that does not train; {own} does. Build the scheduler on the "
+                              "optimizer you pass as train(optimizer=...), or pass no scheduler and set "
+                              "--lr_scheduler_type.")
     if not isinstance(given, (list, tuple)):
         return given, []
     plateaus = [s for s in given if steps_on_evaluation(s)]

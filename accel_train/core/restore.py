@@ -17,7 +17,7 @@ from ..rundir.layout import checkpoints_dir
 from .accelerator import precision_in_effect
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
-from .optim import apply_hyperparameters, run_hyperparameters
+from .hyperparameters import apply_hyperparameters, hyperparameter_changes, run_hyperparameters
 from .state import TrainState
 from .stream import rereading_notes
 from .token_batches import check_token_plan
@@ -48,14 +48,16 @@ def resume(session) -> Resumed:
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "
             f"{plan.global_batch_size} (per-device batch x processes x accumulation). The schedule and data "
             "position would not line up: keep the same global batch when resuming.")
-    unit = config.per_device_train_batch_size * acc.num_processes  # dataset items per micro-batch, all processes
-    state.batch_in_epoch = position_in_epoch(state, unit, path)
-    state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)
-    state.per_device_batch = config.per_device_train_batch_size
+    if not state.token_plan:  # a budget's position counts its plan's micro-batches: no --per_device_train_batch_size
+        unit = config.per_device_train_batch_size * acc.num_processes  # dataset items per micro-batch, all processes
+        state.batch_in_epoch = position_in_epoch(state, unit, path)
+        state.excluded_batches = remap_exclusions(state.excluded_batches, saved_unit(state), unit)
+        state.per_device_batch = config.per_device_train_batch_size
+    engine_owned = acc.distributed_type.value == "DEEPSPEED"
+    current = session_hyperparameters(session)
+    hyperparameter_changes(session.scheduler, state.hyperparameters, current, engine_owned)  # before torch loads it
     load_saved_state(session, path)
-    notes = apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters,
-                                  run_hyperparameters(config, plan, session.group_peaks),
-                                  engine_owned=acc.distributed_type.value == "DEEPSPEED")
+    notes = apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters, current, engine_owned)
     # a stream that saves its position: the loader starts there, nothing re-read
     restored = session.stream is not None and session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
     notes += rereading_notes(session.train_loader, state.batch_in_epoch, restored)
@@ -75,6 +77,12 @@ def resume(session) -> Resumed:
                   "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
     acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
     return Resumed(state, notes, restored)
+
+
+def session_hyperparameters(session) -> dict:
+    """`run_hyperparameters` of the session's run, without the flags that built neither object of the user's own."""
+    return run_hyperparameters(session.config, session.plan, session.group_peaks,
+                               (session.own_optimizer, not session.scheduler_built_here))
 
 
 def precision_notes(state: TrainState, now: str) -> list[str]:
@@ -122,8 +130,18 @@ def remap_exclusions(excluded: list[list[int]], unit_then: int, unit_now: int) -
 
 
 def load_saved_state(session, path: Path) -> None:
-    """What checkpoint `path` holds beside the loop's JSON: Accelerate's state, and the weight average if any."""
-    session.accelerator.load_state(str(path))
+    """What checkpoint `path` holds beside the loop's JSON: Accelerate's state, and the weight average if any. An
+    optimizer state of other param groups than this run's (which the recorded hyperparameters do not show: the same
+    number of groups, other parameters in them) is a CheckpointError, not torch's ValueError."""
+    try:
+        session.accelerator.load_state(str(path))
+    except ValueError as error:
+        if "parameter group" not in str(error):
+            raise
+        raise CheckpointError(
+            f"{path}: its optimizer state does not fit this run's optimizer ({error}): which parameters train, or "
+            "how they are grouped, changed (freezing, LoRA, per-group flags such as --layerwise_lr_decay). Resume "
+            "with the model and flags it was trained with, or start a new run in another --output_dir.") from None
     if session.average is not None:
         session.average.load(path, session.accelerator.num_processes)
 
@@ -131,11 +149,17 @@ def load_saved_state(session, path: Path) -> None:
 def restore_in_place(session, state: TrainState, path: Path) -> None:
     """Put the run's objects back at checkpoint `path` of this run (verified), and `state` itself: weights,
     optimizer, schedule, random states, the weight average and the hooks as saved, and the checkpoint's data
-    position. The session's own bookkeeping is the session's to reset (Session.roll_back)."""
+    position. The session's own bookkeeping is the session's to reset (Session.roll_back). A checkpoint written before
+    this run resumed with changed hyperparameters holds the old ones: they are applied again, as the resume did."""
+    current = state.hyperparameters  # this run's (Session sets them at its start)
     load_saved_state(session, path)
     saved = TrainState(**ckpt.load_train_state(path))  # this run's own: the same micro-batch and world size
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
+    if current and saved.hyperparameters and saved.hyperparameters != current:
+        apply_hyperparameters(session.optimizer, session.scheduler, saved.hyperparameters, current,
+                              engine_owned=session.accelerator.distributed_type.value == "DEEPSPEED")
+        state.hyperparameters = current
     restore_hooks(session, state)
 
 

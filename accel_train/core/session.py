@@ -43,25 +43,17 @@ from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
 from .hooks import call_hooks, hook_keys
+from .hyperparameters import group_peaks
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
 from .objects import check_interval, report_lines, split_schedulers, what_ran
-from .optim import (
-    batches_per_process,
-    build_optimizer,
-    current_lr,
-    group_peaks,
-    make_plan,
-    run_hyperparameters,
-    run_schedule,
-    steps_on_evaluation,
-)
-from .restore import exclusions_after, load_saved_state, restore_in_place, resume
+from .optim import batches_per_process, build_optimizer, current_lr, make_plan, run_schedule, steps_on_evaluation
+from .restore import exclusions_after, load_saved_state, restore_in_place, resume, session_hyperparameters
 from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, end_loader_workers, idle_worker_notes, stateful_loaders
-from .token_batches import token_plan
+from .token_batches import check_token_loader, token_plan
 
 
 @dataclass(frozen=True)
@@ -96,6 +88,7 @@ class Session:
         acc.wait_for_everyone()  # every rank has looked before the main process writes anything
         model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
         check_interval(config, spec.scheduler is not None)
+        check_token_loader(train_loader, config, acc.num_processes)  # a TokenBudgetBatchSampler of the user's own
         self.own_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else built (from groups or the config)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = build_optimizer(model, config, optimizer, acc)
@@ -109,7 +102,8 @@ class Session:
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
-        own, plateau = split_schedulers(spec.scheduler)  # a clock schedule, and a plateau beside it (or not)
+        # a clock schedule, and a plateau beside it (or not), each built on the optimizer that trains
+        own, plateau = split_schedulers(spec.scheduler, optimizer, self.own_optimizer)
         scheduler = run_schedule(optimizer, config, plan, own, acc)
         refuse_rollback_on_a_stream(config, train_loader)
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
@@ -189,7 +183,7 @@ class Session:
                                     record=ran)
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
-        state.hyperparameters = run_hyperparameters(self.config, self.plan, self.group_peaks)
+        state.hyperparameters = session_hyperparameters(self)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
         schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps)
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)

@@ -108,6 +108,27 @@ def check_token_plan(state, config, num_processes: int, path) -> None:
                           f"its data position does not carry over. Resume on {state.world_size} process(es).")
 
 
+def check_token_loader(loader, config, num_processes: int) -> None:
+    """A training loader batched by a TokenBudgetBatchSampler of one's own: its budget must be the run's
+    --max_tokens_per_batch (what the checkpoints' data position, the report and the refusals count in), and it must
+    plan for the processes that run (Accelerate evens out a plan made for another number by repeating batches, and
+    its rounds would not pair batches of close token counts). ConfigError otherwise, before training."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, TokenBudgetBatchSampler):
+        return
+    if sampler.max_tokens != config.max_tokens_per_batch:
+        raise ConfigError(f"the training loader's TokenBudgetBatchSampler plans batches of {sampler.max_tokens} padded "
+                          f"tokens and {FLAG} is {config.max_tokens_per_batch or '0 (off)'}: set {FLAG} "
+                          f"{sampler.max_tokens} (the run's steps, checkpoints and start-up report count in its plan), "
+                          "or let make_loader(..., lengths=...) build the loader from the config.")
+    if sampler.num_processes != num_processes:
+        raise ConfigError(f"the training loader's TokenBudgetBatchSampler was planned for {sampler.num_processes} "
+                          f"process(es) and this run has {num_processes}: Accelerate would repeat batches to even "
+                          "out its count and deal batches of unequal tokens side by side. Build it "
+                          f"with TokenBudgetBatchSampler(lengths, {sampler.max_tokens}, accelerator.num_processes, "
+                          "seed), or with make_loader(..., lengths=...), which plans for the processes that run.")
+
+
 def _batching(plan: list[int]) -> str:
     if not plan:
         return f"batches of --per_device_train_batch_size (no {FLAG})"

@@ -18,6 +18,7 @@ from accel_train import ConfigError, EarlyStopping, ModelError, TrainConfig, mak
 from accel_train.core.accelerator import duplicated_samples
 from accel_train.core.hooks import hook_keys, saved_hook_state
 from accel_train.core.loss import as_loss_output
+from accel_train.errors import CheckpointError
 from accel_train.observe.preflight.model_checks import check_schedule
 from accel_train.rundir.checkpoint import list_checkpoints, resolve_checkpoint, rotate_checkpoints, verify_checkpoint
 from accel_train.rundir.weights import load_weights
@@ -172,6 +173,37 @@ def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path,
                                  "--resume_from_checkpoint", "latest"])
     err = capsys.readouterr().err
     assert "resuming with changed lr_scheduler_type ('linear' -> 'cosine')" in err and "Traceback" not in err
+
+
+def test_another_optimizer_or_other_param_groups_are_refused_by_name_not_by_torchs_load(tmp_path, capsys):
+    """--optim muon splits the groups AdamW had: the checkpoint's optimizer state has another number of groups, which
+    torch's load_state_dict would meet with its ValueError; the changed --optim is named before anything is loaded.
+    Groups of the same number with other parameters in them (a layer frozen) are a CheckpointError naming the cause."""
+    common = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "8", "--eval_strategy", "no"]
+    run_toy(capsys, tmp_path, *common, "--stop_at_step", "4")
+    reset_accelerate()
+    with pytest.raises(SystemExit):
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path), *QUIET, *common, "--optim", "muon",
+                                 "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert "resuming with changed optim ('adamw' -> 'muon')" in err and "Traceback" not in err
+
+    def two_layers(frozen: bool):
+        reset_accelerate()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        model[0].requires_grad_(not frozen)  # decay {w0, w1} and no-decay {b0, b1}, or {w1} and {b1}
+        config = TrainConfig(output_dir=str(tmp_path / "frozen"), report_to=["none"], disable_tqdm=True,
+                             run_report=False, per_device_train_batch_size=4, max_steps=4, save_strategy="steps",
+                             save_steps=2, weight_decay=0.1, resume_from_checkpoint="latest" if frozen else None)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+        train(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), config=config,
+              loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+
+    two_layers(frozen=False)
+    with pytest.raises(CheckpointError, match=r"its optimizer state does not fit this run's optimizer \(.*parameter "
+                                              r"group.*\): which parameters train, or how they are grouped, changed"):
+        two_layers(frozen=True)
 
 
 def test_hook_state_follows_its_name_not_its_position():

@@ -122,6 +122,38 @@ def test_an_epoch_schedule_resumes_mid_epoch_bitwise(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_never_applies_the_flags_that_built_none_of_your_objects(tmp_path, capsys):
+    """Your SGD and StepLR are not built from --learning_rate, --sgd_momentum or --lr_scheduler_type: a resume that
+    changes them changes nothing in your objects (no rate scaled, no momentum written into your groups, no schedule
+    refused) and says nothing of them; the resumed run is the uncut run, bitwise."""
+    whole: list[float] = []
+    tutorial_run(tmp_path / "whole", whole, scheduler_interval="epoch")
+    cut: list[float] = []
+    tutorial_run(tmp_path / "cut", cut, scheduler_interval="epoch", hooks=[StopOnSave(9)])
+    capsys.readouterr()
+    resumed: list[float] = []
+    tutorial_run(tmp_path / "cut", resumed, scheduler_interval="epoch", resume_from_checkpoint="latest",
+                 learning_rate=0.5, sgd_momentum=0.5, weight_decay=0.1, lr_scheduler_type="cosine")
+    assert "applied to the loaded optimizer" not in capsys.readouterr().out
+    assert cut + resumed == pytest.approx(whole)
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_scheduler_built_on_another_optimizer_than_the_one_that_trains_is_refused(tmp_path):
+    """It would step the other optimizer's rates and leave the trained one's constant, while the pre-flight plotted
+    its curve: refused before anything is written, whether the optimizer that trains is yours or built."""
+    model = torch.nn.Linear(4, 1)
+    schedule = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    config = TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], per_device_train_batch_size=4)
+    for optimizer, trains in ((None, "the optimizer accel_train built"),
+                              (torch.optim.SGD(model.parameters(), lr=0.1), "the optimizer you passed")):
+        reset_accelerate()
+        with pytest.raises(ConfigError, match=f"the StepLR was built on a SGD that does not train; {trains}"):
+            train(model, data(), config=config, optimizer=optimizer, scheduler=schedule)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_wrong_clock_choices_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="--scheduler_interval='hourly': choose one of step, epoch"):
         TrainConfig(scheduler_interval="hourly")

@@ -148,6 +148,25 @@ def test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch(t
     assert_rolled_back_to_the_run_without_the_batch(*runs, positions=[5])
 
 
+def test_a_rollback_after_a_resume_with_another_learning_rate_keeps_the_new_rate(tmp_path):
+    """A resume applies a changed --learning_rate to the loaded optimizer and schedule; the spike at step 6 then rolls
+    back to step 4, which the first run wrote at the old rate: the new one is applied again, so every step from the
+    resume on trains at the rate of a run begun at the new one (a linear schedule: a function of the step)."""
+    flags = ["--on_spike", "rollback", *ROLLBACK, "--per_device_train_batch_size", "8", "--logging_steps", "1",
+             "--spike_index", str(SPIKE), "--spike_scale", "1e4"]
+    cut, new = tmp_path / "cut", tmp_path / "new"
+    run(["--output_dir", str(cut), *QUIET, *flags, "--stop_at_step", "4"])
+    run(["--output_dir", str(cut), *QUIET, *flags, "--learning_rate", "0.1", "--resume_from_checkpoint", "latest"])
+    run(["--output_dir", str(new), *QUIET, *flags, "--learning_rate", "0.1"])
+    rows = read_jsonl(cut / "metrics.jsonl")
+    assert [(r["spike_rollback_step"], r["rolled_back_to"]) for r in rows if "spike_rollback_step" in r][0] == \
+        (6, "step-00000004")
+    rates = [{r["step"]: r["learning_rate"] for r in read_jsonl(d / "metrics.jsonl") if "learning_rate" in r}
+             for d in (cut, new)]  # the last logged value of each step: after the rollbacks
+    assert rates[0][4] == pytest.approx(rates[1][4] / 2)  # the first run's last step, at 0.05
+    assert len(rates[1]) == 33 and all(rates[0][s] == rates[1][s] for s in range(5, 34))
+
+
 def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. With a clock
     that reads one second later at each reading, each logged interval is one second; the rolled-back run logged 4

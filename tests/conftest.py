@@ -515,9 +515,10 @@ def step_gradient(out: Path) -> dict:
     return {name: initial[name] - final[name] for name in final}
 
 
-def token_gradient_error(grads: dict) -> float:
-    """Largest difference from the one-batch token-mean gradient of token_train's 16 sequences."""
+def token_gradient_error(grads: dict, per_sequence: bool = False) -> float:
+    """Largest difference from the one-batch token-mean gradient of token_train's 16 sequences (`per_sequence`: of the
+    mean over the sequences of each one's token mean, --mean_loss)."""
     import token_train
 
-    reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0))
+    reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0), per_sequence)
     return max((grads[name] - reference[name]).abs().max().item() for name in grads)

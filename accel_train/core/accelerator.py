@@ -21,10 +21,11 @@ from ..compat import unchecked_notes
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
+from .muon import refuse_sharded_muon
 from .peak import cpu_info, device_peak
 from .rendezvous import join_attempt_group, reuses_agent_store
 from .seeding import data_seed
-from .sharded import check_engine
+from .sharded import check_deepspeed_run, check_engine
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
 WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -73,6 +74,9 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = (), stati
     )
     check_world_size(accelerator, config.expected_world_size)
     check_engine(accelerator)  # FSDP / DeepSpeed asked for but not running: refused, never silent DDP
+    check_deepspeed_run(accelerator, config)  # what DeepSpeed would replace or cannot weigh: refused, before a model
+    if config.optim == "muon":
+        refuse_sharded_muon(accelerator)  # build_optimizer again, for an Accelerator built elsewhere
     check_precision(accelerator)
     refuse_mixed_runs(config)  # before a recipe spends minutes loading a model and tokenizing data
     _set_tf32(accelerator, config.tf32)
@@ -351,7 +355,8 @@ def _auto_note(accelerator: Accelerator, config: TrainConfig) -> str:
 
 def duplicated_samples(plan, config: TrainConfig, num_processes: int, num_train_samples: int | None) -> int:
     """Samples each epoch trains twice because Accelerate fills every process's last batch (even_batches)."""
-    if num_processes == 1 or config.dataloader_drop_last or plan.batches_per_epoch is None or not num_train_samples:
+    if num_processes == 1 or config.dataloader_drop_last or plan.batches_per_epoch is None or not num_train_samples \
+            or config.max_tokens_per_batch:  # a token budget's plan deals every example once, in whole batches
         return 0
     return max(0, plan.batches_per_epoch * num_processes * config.per_device_train_batch_size - num_train_samples)
 

@@ -19,7 +19,7 @@ import torch
 from ..errors import DataError
 from .data import take_examples, take_real_tokens
 from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
-from .loss import Window, as_loss_output, batch_size_of
+from .loss import Window, as_loss_output, batch_size_of, weigh_by_examples
 from .meter import StepMeter
 from .objects import steps_each_epoch, steps_each_optimizer_step
 from .rescue import StepBoundary, pending_evaluation
@@ -35,6 +35,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     told when a step's gradients are complete and when it is taken."""
     acc, model, plan = session.accelerator, session.model, session.plan
     window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
+    # a token budget's micro-batches differ in size: where a step spans several, a mean loss is weighed by examples
+    weigh = bool(session.config.max_tokens_per_batch) and acc.gradient_accumulation_steps * acc.num_processes > 1
     model.train()
     spike = SpikeWatch(session.config.spike_window, session.config.spike_threshold,
                        state.spike_losses) if session.config.spike_window else None
@@ -52,6 +54,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     tokens = take_real_tokens(batch)  # before the loss: a packed batch's count is no model input
                     with boundary.kept(), acc.accumulate(model), meter.flops.measure(n, _positions(batch)):  # MFU once
                         out = as_loss_output(session.loss_fn(model, batch), session.loss_fn)
+                        out = weigh_by_examples(out, n) if weigh else out
                         acc.backward(out["objective"])  # Accelerate divides by the accumulation count
                     window.add(out)
                     guard.watch(out["objective"], out["loss"])

@@ -25,7 +25,9 @@ uses instead: `evaluation_loss(loss_fn)`. `default_loss(label_smoothing)` has on
 What an optimizer step's gradient is (the loop applies it after the window's backward passes, before clipping):
 
 * means: the mean over the micro-batches the window really had (a short last window of an epoch, or of a stream,
-  counts its own micro-batches);
+  counts its own micro-batches); under --max_tokens_per_batch, whose micro-batches hold varying numbers of examples,
+  a step of several micro-batches weighs each mean by its examples (`weigh_by_examples`): the mean over the step's
+  examples;
 * sums: ∇ Σ sums / N, N the item count of the whole accumulation window on all processes (one all-reduce of one
   number). Accelerate divides every backward by the accumulation count and DDP averages over processes; both are
   undone here, so the objective does not depend on how the window was split into micro-batches, processes or an
@@ -208,6 +210,19 @@ def token_loss(model, batch: Mapping[str, torch.Tensor], label_smoothing: float 
                                                reduction="none").view(labels.shape)
     counted = labels != IGNORE_INDEX
     return {"loss_sum": (losses * counted).sum(dim=1), "num_items": counted.sum(dim=1)}
+
+
+def weigh_by_examples(out: dict[str, Any], examples: int) -> dict[str, Any]:
+    """A mean loss (`as_loss_output`) as the sum over its micro-batch's `examples`: the objective times their count,
+    which becomes its "items". For micro-batches of unequal sizes (--max_tokens_per_batch's) several to a step,
+    accumulated or on several processes, the step is then the mean over the step's examples, as one batch of them,
+    not over its micro-batches (where an example alone in one would weigh as much as a hundred in another). A sum
+    loss is returned as it is; "loss" stays the micro-batch's mean."""
+    if "items" in out:
+        return out
+    objective = out["objective"]
+    return {**out, "objective": objective * examples,
+            "items": torch.tensor(float(examples), device=objective.device)}
 
 
 class Window:

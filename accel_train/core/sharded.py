@@ -103,12 +103,30 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
     if running == "FSDP" and accelerator.is_fsdp2:
         carve_out_embedding(accelerator.state.fsdp_plugin, model)
     elif running == "DEEPSPEED":
-        plugin = accelerator.state.deepspeed_plugin
-        if "optimizer" in plugin.deepspeed_config:
-            use_json_optimizer(plugin.deepspeed_config["optimizer"], config.optim)
-        if "scheduler" in plugin.deepspeed_config:
-            use_json_scheduler(plugin.deepspeed_config["scheduler"], config)
-        fill_deepspeed_config(plugin, config, plan)
+        check_deepspeed_run(accelerator, config)  # as build_accelerator did; again for an Accelerator built elsewhere
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
+
+
+def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
+    """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
+    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), and --max_tokens_per_batch
+    with steps of several micro-batches. They need only the config and the JSON: build_accelerator calls this, before
+    a recipe loads its data or builds its model."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return
+    if config.max_tokens_per_batch and config.gradient_accumulation_steps * accelerator.num_processes > 1:
+        raise ConfigError(
+            f"--max_tokens_per_batch {config.max_tokens_per_batch} under DeepSpeed with {accelerator.num_processes} "
+            f"process(es) x {config.gradient_accumulation_steps} accumulation: a step's micro-batches hold varying "
+            "numbers of examples, which the loop weighs by their count before the optimizer step, and DeepSpeed "
+            "steps inside backward, so the step would average micro-batches instead of examples. Train the token "
+            "budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed batches "
+            "(--per_device_train_batch_size).")
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    if "optimizer" in ds:
+        use_json_optimizer(ds["optimizer"], config.optim)
+    if "scheduler" in ds:
+        use_json_scheduler(ds["scheduler"], config)
 
 
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
@@ -202,8 +220,8 @@ def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
 def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
     """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
     --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
-    (the start-up report says so); a schedule asked for by name or with arguments is refused before training, with
-    nothing written (the JSON's would replace it without a word)."""
+    (the start-up report says so); a schedule asked for by name or with arguments is refused (the JSON's would
+    replace it without a word): by `check_deepspeed_run`, before a recipe has loaded anything."""
     default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
     asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
     asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []

@@ -13,9 +13,11 @@ import pytest
 import token_train
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from conftest import read_jsonl, reset_accelerate, step_gradient, token_gradient_error, token_main
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from accel_train import TrainConfig, make_loader
+from accel_train.core.accelerator import duplicated_samples
+from accel_train.core.optim import make_plan
 from accel_train.core.state import TrainState
 from accel_train.core.token_batches import TokenBudgetBatchSampler, check_token_plan, padded_tokens, plan_batches
 from accel_train.errors import CheckpointError, ConfigError
@@ -128,26 +130,80 @@ def test_a_checkpoint_resumes_only_with_its_own_plan(tmp_path):
         run_tokens(tmp_path, *common, "--max_tokens_per_batch", "80", "--resume_from_checkpoint", "latest")
 
 
-def test_a_step_of_token_budget_batches_is_the_token_mean_gradient(tmp_path):
+def test_a_resume_goes_on_at_its_plans_micro_batch_whatever_the_per_device_batch(tmp_path):
+    """Under a budget --per_device_train_batch_size batches nothing: a resume that changes it goes on at the
+    checkpoint's micro-batch of its plan (not one re-derived from samples counted in batches of the new size),
+    feeding what the uncut run fed and ending on its weights, bitwise."""
+    from safetensors.torch import load_file
+
+    common = ["--max_steps", "5", "--max_tokens_per_batch", "64", "--eval_strategy", "no", "--save_strategy", "steps",
+              "--save_steps", "1"]
+    run_tokens(tmp_path / "whole", *common)
+    run_tokens(tmp_path / "cut", *common, "--stop_at_step", "2")
+    run_tokens(tmp_path / "cut", *common, "--resume_from_checkpoint", "latest", "--per_device_train_batch_size", "4")
+    whole = json.loads(next((tmp_path / "whole").glob("token_rank0_*.json")).read_text())["fed"]
+    cut, resumed = (json.loads(p.read_text())["fed"] for p in sorted((tmp_path / "cut").glob("token_rank0_*.json")))
+    assert len(whole) == 5 and cut == whole[:2] and resumed == whole[2:]
+    final = [load_file(tmp_path / run / "model.safetensors") for run in ("whole", "cut")]
+    assert all(final[0][name].equal(final[1][name]) for name in final[0])
+
+
+@pytest.mark.parametrize("mean_loss", [False, True], ids=["token sums", "example means"])
+def test_a_step_of_token_budget_batches_is_the_token_mean_gradient(tmp_path, mean_loss):
     """One SGD step over the 16 sequences' whole plan (7 micro-batches of 1 to 4 sequences, 64 padded tokens at most,
-    accumulated): the token-mean gradient of all 16, as one batch of them."""
+    accumulated): the token-mean gradient of all 16, as one batch of them. With a mean loss (one value per example,
+    as a classifier's) the mean over the 16 sequences: each micro-batch's mean weighs as many as its examples, not
+    one micro-batch's worth (loss.weigh_by_examples)."""
     sizes = {len(batch) for batch in plan_batches(list(map(len, token_train.sequences(16, 0))), 64)}
     assert len(sizes) > 1
-    run_tokens(tmp_path, *ONE_SGD_STEP, "--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "16")
-    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
+    run_tokens(tmp_path, *ONE_SGD_STEP, "--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "16",
+               "--mean_loss", str(mean_loss).lower())
+    assert token_gradient_error(step_gradient(tmp_path), per_sequence=mean_loss) < 1e-6
 
 
-def test_two_processes_run_as_many_micro_batches_and_give_the_token_mean_gradient(tmp_path, ranks):
+@pytest.mark.parametrize("mean_loss", [False, True], ids=["token sums", "example means"])
+def test_two_processes_run_as_many_micro_batches_and_give_the_token_mean_gradient(tmp_path, ranks, mean_loss):
     """2 processes on the session's gloo ranks: the plan's 8 micro-batches dealt 4 and 4 (each rank's tokens close to
-    the other's), one accumulated step: the token-mean gradient of all 16 sequences."""
+    the other's), one accumulated step: the token-mean gradient of all 16 sequences (with a mean loss, the mean over
+    the sequences of both ranks)."""
     ranks.run(token_main, [*ONE_SGD_STEP, "--save_initial", "true", "--max_tokens_per_batch", "64",
-                           "--gradient_accumulation_steps", "16", "--output_dir", str(tmp_path)])
-    assert token_gradient_error(step_gradient(tmp_path)) < 1e-6
+                           "--gradient_accumulation_steps", "16", "--output_dir", str(tmp_path),
+                           "--mean_loss", str(mean_loss).lower()])
+    assert token_gradient_error(step_gradient(tmp_path), per_sequence=mean_loss) < 1e-6
     fed = [json.loads(p.read_text())["fed"] for p in sorted(tmp_path.glob("token_rank[01]_*.json"))]
     assert len(fed[0]) == len(fed[1]) == 4
     tokens = [sum(real for _, real in rank) for rank in fed]
     assert sum(tokens) == sum(map(len, token_train.sequences(16, 0)))
     assert abs(tokens[0] - tokens[1]) <= 0.1 * sum(tokens)
+
+
+def test_two_processes_over_two_epochs_cut_and_resumed_feed_and_end_as_the_uncut_run(tmp_path, ranks):
+    """2 processes, accumulation 2, a mean loss, 2 epochs (the second epoch's order reaches the plan through
+    Accelerate's sharding wrapper), cut after step 3 (inside epoch 1) and resumed: each rank feeds as many
+    micro-batches as the other, each epoch's examples once across both ranks, and the resumed run feeds what the uncut
+    run fed from there and ends on its weights, bitwise."""
+    from safetensors.torch import load_file
+
+    common = ["--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
+              "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "1", "--mean_loss", "true"]
+    ranks.run(token_main, [*common, "--output_dir", str(tmp_path / "whole")])
+    ranks.run(token_main, [*common, "--output_dir", str(tmp_path / "cut"), "--stop_at_step", "3"])
+    ranks.run(token_main, [*common, "--output_dir", str(tmp_path / "cut"), "--resume_from_checkpoint", "latest"])
+
+    def fed(run: str, rank: int) -> list[list[list[int]]]:  # each run's micro-batches, oldest run first
+        files = sorted((tmp_path / run).glob(f"token_rank{rank}_*.json"), key=lambda p: int(p.stem.split("_")[-1]))
+        return [json.loads(p.read_text())["fed"] for p in files]
+
+    total = sum(map(len, token_train.sequences(16, 0)))
+    for rank in (0, 1):
+        (whole,), (cut, resumed) = fed("whole", rank), fed("cut", rank)
+        assert len(whole) == 8 and cut == whole[:6] and resumed == whole[6:]
+    both = [fed("whole", rank)[0] for rank in (0, 1)]
+    for epoch in (0, 1):  # 4 micro-batches a rank an epoch: every token of the 16 sequences once
+        assert sum(real for rank in both for _, real in rank[4 * epoch:4 * epoch + 4]) == total
+    assert [r[:4] for r in both] != [r[4:] for r in both]  # the second epoch in another order
+    final = [load_file(tmp_path / run / "model.safetensors") for run in ("whole", "cut")]
+    assert all(final[0][name].equal(final[1][name]) for name in final[0])
 
 
 def plan_of_a_loader_built_without_the_world(out: str) -> None:
@@ -160,7 +216,33 @@ def plan_of_a_loader_built_without_the_world(out: str) -> None:
     rows = token_train.sequences(16, 0)
     loader = make_loader(rows, config, train=True, lengths=list(map(len, rows)))
     assert (loader.batch_sampler.num_processes, len(loader)) == (2, 8)
+    # the start-up report's "trained twice" note counts batches of --per_device_train_batch_size: none under a plan
+    plan = make_plan(config, 4, 2)
+    assert duplicated_samples(plan, config, 2, 16) == 0
+    assert duplicated_samples(plan, TrainConfig(output_dir=out), 2, 16) == 48  # 4 x 2 x 8 - 16
     assert len(plan_batches(list(map(len, rows)), 64, 1)) == 7
+
+
+def test_a_token_budget_sampler_of_ones_own_must_plan_for_the_run(tmp_path):
+    """A DataLoader batched by a TokenBudgetBatchSampler built by hand: planned for another number of processes than
+    run (Accelerate would repeat batches to even out its count), or for another budget than
+    --max_tokens_per_batch (the checkpoints and report would count in batches of examples), refused before training."""
+    from accel_train import train
+    from accel_train.core.token_batches import check_token_loader
+
+    rows = token_train.sequences(16, 0)
+    lengths = list(map(len, rows))
+    budget = TrainConfig(output_dir=str(tmp_path / "run"), max_tokens_per_batch=64, report_to=["none"])
+    loader = DataLoader(rows, batch_sampler=TokenBudgetBatchSampler(lengths, 64, 1, 0))
+    check_token_loader(loader, budget, 1)
+    with pytest.raises(ConfigError, match=r"planned for 1 process\(es\) and this run has 2: Accelerate would repeat "
+                                          r"batches.*TokenBudgetBatchSampler\(lengths, 64, accelerator"):
+        check_token_loader(loader, budget, 2)
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"plans batches of 64 padded tokens and --max_tokens_per_batch is 0 \(off\): "
+                                          "set --max_tokens_per_batch 64"):
+        train(token_train.tiny_lm(), loader, config=TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"]))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_a_loader_built_without_the_number_of_processes_plans_for_the_world(tmp_path, ranks):

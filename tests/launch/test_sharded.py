@@ -236,6 +236,43 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     assert ds == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
 
 
+def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
+    """An --optim or a schedule that a DeepSpeed JSON would replace is refused by build_accelerator, which a recipe
+    calls before it loads data or builds a model (the refusals need only the config and the JSON), with nothing
+    written; `adamw_torch_fused` is passed on there. Accelerate runs DeepSpeed only on GPU-like devices: here a CPU
+    accelerator reports DEEPSPEED, with the preset's JSON and a scheduler added, once check_engine has returned."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError
+    from accel_train.core import accelerator as module
+
+    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}
+    check = module.check_engine
+
+    def build(**flags) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            def then_deepspeed(accelerator) -> None:
+                check(accelerator)
+                patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
+                patch.setattr(AcceleratorState, "deepspeed_plugin",
+                              property(lambda _: SimpleNamespace(deepspeed_config=ds)))
+
+            patch.setattr(module, "check_engine", then_deepspeed)
+            build_accelerator(TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], **flags))
+
+    for flags, refusal in (({"optim": "sgd"}, "--optim sgd asks for another update than the DeepSpeed JSON"),
+                           ({"lr_scheduler_type": "cosine"}, "--lr_scheduler_type cosine .* scheduler, WarmupLR")):
+        with pytest.raises(ConfigError, match=refusal):
+            build(**flags)
+        assert not (tmp_path / "run").exists()
+    assert "fused" not in ds["optimizer"]["params"]
+    build(optim="adamw_torch_fused")
+    assert ds["optimizer"]["params"]["fused"] is True
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

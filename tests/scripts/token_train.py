@@ -41,6 +41,8 @@ class TokenArgs:
     length_buckets: str = ""  # "16,32,48" / "auto": batches padded by the text recipes' TrainCollator to buckets
     static_shapes: bool = False  # --torch_compile with one static graph per shape, buckets or not
     evaluate: bool = True  # false: no evaluation loader (no final evaluation either)
+    mean_loss: bool = False  # the loss as a mean over the micro-batch's sequences of each one's token mean: one value
+    # per example, as a classifier's (the contract's "loss"), not per-token sums
 
 
 class StopAt:
@@ -133,13 +135,16 @@ def packed_loader(rows: list[list[int]], args: TokenArgs, batch_size: int) -> Da
                       collate_fn=PackedCollator(0, flatten=args.padding_free))
 
 
-def reference_gradient(model, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """∇ (Σ token losses / number of tokens) over all rows in one batch: the step gradient to match."""
+def reference_gradient(model, rows: list[list[int]], per_sequence: bool = False) -> dict[str, torch.Tensor]:
+    """∇ (Σ token losses / number of tokens) over all rows in one batch: the step gradient to match; `per_sequence`:
+    ∇ of the mean over the rows of each row's token mean (--mean_loss)."""
     batch = collate()(rows)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     labels = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum")
-    (loss / (labels != -100).sum()).backward()
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    counted = (labels != -100).sum(dim=1)
+    loss = (losses.sum(dim=1) / counted).mean() if per_sequence else losses.sum() / counted.sum()
+    loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -182,6 +187,8 @@ def main(argv=None):
         out = base(model, batch)
         if fed[-1][0] == spiked:  # the spiked micro-batch (identified by its content: padding adds 0)
             out = {**out, "loss_sum": out["loss_sum"] * args.spike_scale}
+        if args.mean_loss:  # per-sample sums and counts [B] -> the mean over the micro-batch's sequences
+            return {"loss": (out["loss_sum"] / out["num_items"].clamp(min=1)).mean()}
         return out
 
     result = train(model, train_loader, config=config, eval_loader=eval_loader if args.evaluate else None,

@@ -109,11 +109,25 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
                  else list(group["params"])) for group in items]
 
 
+def refuse_low_rank_adapters(names, model: torch.nn.Module) -> None:
+    """--optim muon on a model with LoRA adapters (peft): a ConfigError. Muon orthogonalises each matrix's whole
+    update; LoRA trains two rank-r factors of one update (lora_A, lora_B), which Muon would orthogonalise apart,
+    so the update it makes is no orthogonalised update of the adapted matrix, and no setting of it is known good."""
+    adapters = [n for n in names if ".lora_A." in n or ".lora_B." in n or ".lora_embedding_" in n]
+    if adapters or getattr(model, "peft_config", None):
+        raise ConfigError(f"--optim muon with LoRA adapters ({len(adapters)} factor(s), e.g. "
+                          f"{adapters[0] if adapters else 'a peft model'}): Muon orthogonalises a matrix's whole "
+                          "update, and LoRA trains two low-rank factors of it, which Muon would orthogonalise one "
+                          "by one. Train LoRA with --optim adamw, or train the model's own weights with Muon (no "
+                          "--lora_r).")
+
+
 def build_muon(model: torch.nn.Module, config: TrainConfig, groups: list[Any], fused: bool = False) -> MuonWithAdamW:
     """Each of `groups` split into its Muon part (hidden 2-D matrices, at the group's rate x --muon_lr_ratio) and
     its AdamW part (the rest, at the group's rate); Muon's groups first, then AdamW's, in the order given. `fused`:
     the AdamW part with torch's fused kernel (where `--optim adamw` would take it: core/fused.py)."""
     kept, names = kept_from_muon(model), {id(p): n for n, p in model.named_parameters()}
+    refuse_low_rank_adapters(names.values(), model)
     muon_groups, adamw_groups, muon_labels, adamw_labels = [], [], [], []
     for group in as_groups(groups):
         matrices = [p for p in group["params"] if p.ndim == 2 and id(p) not in kept]

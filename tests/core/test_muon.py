@@ -64,6 +64,18 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_head_biases_and
     assert all(p.ndim == 2 for g in build_optimizer(bert, MUON).muon.param_groups for p in g["params"])
 
 
+def test_lora_adapters_are_refused_with_why():
+    """LoRA's two rank-r factors of one update would be orthogonalised one by one: refused, naming a factor."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    lora = get_peft_model(gpt2, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    with pytest.raises(ConfigError, match=r"--optim muon with LoRA adapters \(2 factor\(s\), e.g. .*c_attn.lora_A."
+                                          r".*Train LoRA with --optim adamw"):
+        build_optimizer(lora, MUON)
+
+
 def test_groups_keep_their_rates_and_decay_and_muon_gets_the_ratio():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     config = TrainConfig(optim="muon", learning_rate=0.01, weight_decay=0.1, muon_lr_ratio=3.0, report_to=["none"])

@@ -109,7 +109,8 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
     return ran
 
 
-def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0) -> tuple[str | None, list[str]]:
+def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0,
+                 lr_scale: float = 1.0) -> tuple[str | None, list[str]]:
     """The start-up report's words for `what_ran`: the schedule line for a scheduler of the user's, or for one built
     over the user's optimizer (None: the report's own line, built from the config, is true) and the optimizer and
     clipping lines. Each thing the user did not choose is named as a default."""
@@ -131,7 +132,10 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
                        f"{g['weight_decay']:g}" for g in opt["groups"][:4])
     more = f"; ... {len(opt['groups'])} groups" if len(opt["groups"]) > 4 else ""
     kernel = ", fused kernel" if opt.get("fused") else ""
-    lines = [f"  optimizer        {opt['class']} ({opt['given']}{kernel}): {groups}{more}"]
+    # --scale_lr multiplies the rates of an optimizer of the user's too (run_schedule): the rates shown are scaled
+    scaled = f" (your rates x {lr_scale:.4g}: --scale_lr {config.scale_lr})" if opt["given"] == "yours" and \
+        lr_scale != 1.0 else ""
+    lines = [f"  optimizer        {opt['class']} ({opt['given']}{kernel}): {groups}{more}{scaled}"]
     clip = ran["clipping"]["max_grad_norm"]
     if clip is None:
         lines.append("  clipping         none (--max_grad_norm 0)")

@@ -185,7 +185,7 @@ class Session:
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's
         state.hyperparameters = session_hyperparameters(self)
         hparams = {k: v for cfg in self.extra_configs for k, v in dataclasses.asdict(cfg).items()}
-        schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps)
+        schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps, self.plan.lr_scale)
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
                       "\n".join([report, *(f"  note             {note}" for note in self.notes)]))

@@ -109,6 +109,16 @@ def test_a_built_schedule_for_your_optimizer_is_named_as_built(tmp_path, capsys)
                                 "stepped": "each optimizer step"}
 
 
+def test_scale_lr_on_your_optimizer_is_named_with_its_factor(tmp_path, capsys):
+    """--scale_lr multiplies your optimizer's rates before the built schedule takes them: the report says by what."""
+    used: list[float] = []
+    tutorial_run(tmp_path / "run", used, step_size=None, max_steps=2, scale_lr="linear", scale_lr_reference_batch=8,
+                 lr_scheduler_type="constant")
+    assert used == pytest.approx([0.05, 0.05])  # 0.1 x 4 / 8
+    assert "optimizer        SGD (yours): lr 0.05, weight decay 0 (your rates x 0.5: --scale_lr linear)" in \
+        capsys.readouterr().out
+
+
 def test_an_epoch_schedule_resumes_mid_epoch_bitwise(tmp_path):
     whole: list[float] = []
     tutorial_run(tmp_path / "whole", whole, scheduler_interval="epoch")

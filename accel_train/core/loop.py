@@ -101,8 +101,11 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
     # stop: report and raise; skip: count it; rollback: the checkpoint to go back to
     back_to = on_spike(session, state, verdict) if verdict.spike else None
     # fp16: the scaler halves its scale on an overflow. Accelerate infers a skipped step from step() not being called,
-    # and a fused kernel is called anyway and skips inside (huggingface/accelerate#4242): the scale tells both apart
-    scale = acc.scaler.get_scale() if acc.scaler is not None and not verdict.drops_update else None
+    # and a fused kernel is called anyway and skips inside (huggingface/accelerate#4242): there the scale tells (read
+    # on the host before and after the step: fp16 with a fused kernel only)
+    fused = acc.scaler is not None and not verdict.drops_update and any(
+        g.get("fused") for g in session.optimizer.param_groups)
+    scale = acc.scaler.get_scale() if fused else None
     if verdict.drops_update:
         _skip_optimizer_step(acc)
     else:

@@ -22,7 +22,9 @@ class StepMeter:
 
     Losses are summed on the device and reduced across processes only when a record is made, so the loop does
     not synchronise with the device at every step. The logged loss is the mean of the micro-batches' means, or,
-    for a sum loss, Σ sums / Σ items over the interval and all processes (then "num_items" is logged too).
+    for a sum loss, Σ sums / Σ items over the interval and all processes (then "num_items" is logged too; under
+    --max_tokens_per_batch a mean loss of a step of several micro-batches counts as the sum over its examples,
+    loss.weigh_by_examples, so its logged loss is the mean over the interval's examples).
     Scalars a loss function returns under "log" ({"itc_loss": ..., "itm_weight": ...}; the same names on every
     process) are averaged over the interval's micro-batches and all processes, and recorded beside the loss.
     """

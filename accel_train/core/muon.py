@@ -110,13 +110,14 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def refuse_low_rank_adapters(names, model: torch.nn.Module) -> None:
-    """--optim muon on a model with LoRA adapters (peft): a ConfigError. Muon orthogonalises each matrix's whole
-    update; LoRA trains two rank-r factors of one update (lora_A, lora_B), which Muon would orthogonalise apart,
-    so the update it makes is no orthogonalised update of the adapted matrix, and no setting of it is known good."""
+    """--optim muon on a model with LoRA adapters (or any peft model's adapters): a ConfigError. Muon
+    orthogonalises each matrix's whole update; LoRA trains two rank-r factors of one update (lora_A, lora_B), which
+    Muon would orthogonalise apart, so the update it makes is no orthogonalised update of the adapted matrix, and no
+    setting of it is known good."""
     adapters = [n for n in names if ".lora_A." in n or ".lora_B." in n or ".lora_embedding_" in n]
     if adapters or getattr(model, "peft_config", None):
-        raise ConfigError(f"--optim muon with LoRA adapters ({len(adapters)} factor(s), e.g. "
-                          f"{adapters[0] if adapters else 'a peft model'}): Muon orthogonalises a matrix's whole "
+        which = f"{len(adapters)} factor(s), e.g. {adapters[0]}" if adapters else "a peft model's adapters"
+        raise ConfigError(f"--optim muon with LoRA adapters ({which}): Muon orthogonalises a matrix's whole "
                           "update, and LoRA trains two low-rank factors of it, which Muon would orthogonalise one "
                           "by one. Train LoRA with --optim adamw, or train the model's own weights with Muon (no "
                           "--lora_r).")

@@ -27,6 +27,19 @@ def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
                           "step_size_epochs / milestones_epochs in --lr_scheduler_kwargs.")
 
 
+def drives(driven, optimizer) -> bool:
+    """Whether a scheduler built on `driven` sets the rates of `optimizer`: the same object, or one whose param groups
+    are the trained optimizer's own dicts (a wrapper such as a Lookahead shares them); Accelerate's DummyOptim stands
+    in for an optimizer a DeepSpeed engine builds later (its schedule is rebuilt on that one)."""
+    if driven is None or optimizer is None or driven is optimizer:
+        return True
+    if "DummyOptim" in (type(driven).__name__, type(optimizer).__name__):
+        return True
+    trained = {id(group) for group in getattr(optimizer, "param_groups", [])}
+    groups = getattr(driven, "param_groups", [])
+    return bool(groups) and all(id(group) in trained for group in groups)
+
+
 def split_schedulers(given, optimizer=None, own_optimizer: bool = True) -> tuple[Any, list]:
     """train(scheduler=...): one scheduler, or several as a tutorial has them (a StepLR beside a ReduceLROnPlateau):
     (the schedule on the clock or None, [the plateau stepped at evaluations beside it]). More than one of either is
@@ -34,7 +47,7 @@ def split_schedulers(given, optimizer=None, own_optimizer: bool = True) -> tuple
     (it would step the other's rates and leave the trained one's constant)."""
     for scheduler in given if isinstance(given, (list, tuple)) else [given]:
         driven = getattr(scheduler, "optimizer", None)
-        if optimizer is not None and driven is not None and driven is not optimizer:
+        if not drives(driven, optimizer):
             own = "the optimizer you passed" if own_optimizer else \
                 "the optimizer accel_train built (train() was given no optimizer object, or param groups)"
             raise ConfigError(f"train(scheduler=...): the {type(scheduler).__name__} was built on a "

@@ -157,9 +157,11 @@ def restore_in_place(session, state: TrainState, path: Path) -> None:
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
     if current and saved.hyperparameters and saved.hyperparameters != current:
-        apply_hyperparameters(session.optimizer, session.scheduler, saved.hyperparameters, current,
-                              engine_owned=session.accelerator.distributed_type.value == "DEEPSPEED")
-        state.hyperparameters = current
+        lines = apply_hyperparameters(session.optimizer, session.scheduler, saved.hyperparameters, current,
+                                      engine_owned=session.accelerator.distributed_type.value == "DEEPSPEED")
+        for line in lines:
+            session.accelerator.print(f"rollback to {path.name}: {line}")
+    state.hyperparameters = current or state.hyperparameters
     restore_hooks(session, state)
 
 

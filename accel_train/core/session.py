@@ -90,8 +90,7 @@ class Session:
         check_interval(config, spec.scheduler is not None)
         check_token_loader(train_loader, config, acc.num_processes)  # a TokenBudgetBatchSampler of the user's own
         self.own_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else built (from groups or the config)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = build_optimizer(model, config, optimizer, acc)
+        optimizer = optimizer if self.own_optimizer else build_optimizer(model, config, optimizer, acc)
         loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)
         check_accumulation(loss_fn, config.gradient_accumulation_steps)
         if getattr(loss_fn, "leaves_parameters_unused", False):  # some steps give trainable parameters no gradient
@@ -102,8 +101,7 @@ class Session:
         self.shapes = ckpt.parameter_shapes(model)
         plan = make_plan(config, batches_per_process(train_loader, acc.num_processes), acc.num_processes)
         prepare_engine(acc, model, config, plan)  # FSDP2's wrap, DeepSpeed's "auto" values: before prepare
-        # a clock schedule, and a plateau beside it (or not), each built on the optimizer that trains
-        own, plateau = split_schedulers(spec.scheduler, optimizer, self.own_optimizer)
+        own, plateau = split_schedulers(spec.scheduler, optimizer, self.own_optimizer)  # a clock one, a plateau or not
         scheduler = run_schedule(optimizer, config, plan, own, acc)
         refuse_rollback_on_a_stream(config, train_loader)
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save

@@ -109,20 +109,20 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
 
 def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
-    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), and --max_tokens_per_batch
-    with steps of several micro-batches. They need only the config and the JSON: build_accelerator calls this, before
-    a recipe loads its data or builds its model."""
+    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), and --max_tokens_per_batch.
+    They need only the config and the JSON: build_accelerator calls this, before a recipe loads its data or builds
+    its model."""
     if accelerator.distributed_type.value != "DEEPSPEED":
         return
-    if config.max_tokens_per_batch and config.gradient_accumulation_steps * accelerator.num_processes > 1:
+    if config.max_tokens_per_batch:
         raise ConfigError(
-            f"--max_tokens_per_batch {config.max_tokens_per_batch} under DeepSpeed with {accelerator.num_processes} "
-            f"process(es) x {config.gradient_accumulation_steps} accumulation: a step's micro-batches hold varying "
-            "numbers of examples, which the loop weighs by their count before the optimizer step, and DeepSpeed "
-            "steps inside backward, so the step would average micro-batches instead of examples. Train the token "
-            "budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed batches "
-            "(--per_device_train_batch_size).")
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+            f"--max_tokens_per_batch {config.max_tokens_per_batch} under DeepSpeed: its micro-batches hold varying "
+            "numbers of examples, and DeepSpeed needs a fixed number per micro-batch (train_micro_batch_size_per_gpu) "
+            "and steps inside backward, where the loop cannot weigh a step's micro-batches by their examples or "
+            "tokens. Train the token budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed "
+            "batches (--per_device_train_batch_size).")
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    ds = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" in ds:
         use_json_optimizer(ds["optimizer"], config.optim)
     if "scheduler" in ds:

@@ -111,8 +111,8 @@ def check_token_plan(state, config, num_processes: int, path) -> None:
 def check_token_loader(loader, config, num_processes: int) -> None:
     """A training loader batched by a TokenBudgetBatchSampler of one's own: its budget must be the run's
     --max_tokens_per_batch (what the checkpoints' data position, the report and the refusals count in), and it must
-    plan for the processes that run (Accelerate evens out a plan made for another number by repeating batches, and
-    its rounds would not pair batches of close token counts). ConfigError otherwise, before training."""
+    plan for the processes that run (its rounds are made for that number: Accelerate would repeat batches to even
+    out another count, or pair batches of unequal tokens). ConfigError otherwise, before training."""
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, TokenBudgetBatchSampler):
         return
@@ -123,8 +123,9 @@ def check_token_loader(loader, config, num_processes: int) -> None:
                           "or let make_loader(..., lengths=...) build the loader from the config.")
     if sampler.num_processes != num_processes:
         raise ConfigError(f"the training loader's TokenBudgetBatchSampler was planned for {sampler.num_processes} "
-                          f"process(es) and this run has {num_processes}: Accelerate would repeat batches to even "
-                          "out its count and deal batches of unequal tokens side by side. Build it "
+                          f"process(es) and this run has {num_processes}: its plan is dealt in rounds of one batch "
+                          "per process, made for that number (Accelerate would repeat batches to even out another "
+                          "count, or deal batches of unequal tokens side by side). Build it "
                           f"with TokenBudgetBatchSampler(lengths, {sampler.max_tokens}, accelerator.num_processes, "
                           "seed), or with make_loader(..., lengths=...), which plans for the processes that run.")
 

@@ -162,6 +162,19 @@ def test_a_scheduler_built_on_another_optimizer_than_the_one_that_trains_is_refu
         with pytest.raises(ConfigError, match=f"the StepLR was built on a SGD that does not train; {trains}"):
             train(model, data(), config=config, optimizer=optimizer, scheduler=schedule)
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    from accelerate.utils import DummyOptim
+
+    from accel_train.core.objects import drives
+
+    trained = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Lookahead:  # a wrapper that shares the trained optimizer's param groups (timm's Lookahead does)
+        def __init__(self, base):
+            self.param_groups = base.param_groups
+
+    assert drives(trained, trained) and drives(Lookahead(trained), trained)
+    assert drives(DummyOptim(model.parameters()), trained)  # DeepSpeed's engine builds the optimizer later
+    assert not drives(torch.optim.SGD(model.parameters(), lr=0.1), trained)
 
 
 def test_wrong_clock_choices_are_refused_before_training(tmp_path):

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import token_train
+import torch
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from conftest import read_jsonl, reset_accelerate, step_gradient, token_gradient_error, token_main
 from torch.utils.data import DataLoader, IterableDataset
@@ -148,6 +149,16 @@ def test_a_resume_goes_on_at_its_plans_micro_batch_whatever_the_per_device_batch
     assert all(final[0][name].equal(final[1][name]) for name in final[0])
 
 
+def test_a_mean_is_weighed_by_its_examples_and_a_sum_is_left_as_it_is():
+    from accel_train.core.loss import as_loss_output, weigh_by_examples
+
+    mean = as_loss_output({"loss": torch.tensor(2.0, requires_grad=True)})
+    weighed = weigh_by_examples(mean, 5)
+    assert weighed["objective"].item() == 10.0 and weighed["items"].item() == 5.0 and weighed["loss"].item() == 2.0
+    sums = as_loss_output({"loss_sum": torch.tensor([3.0, 3.0]), "num_items": torch.tensor([2, 1])})
+    assert weigh_by_examples(sums, 7) is sums
+
+
 @pytest.mark.parametrize("mean_loss", [False, True], ids=["token sums", "example means"])
 def test_a_step_of_token_budget_batches_is_the_token_mean_gradient(tmp_path, mean_loss):
     """One SGD step over the 16 sequences' whole plan (7 micro-batches of 1 to 4 sequences, 64 padded tokens at most,
@@ -235,8 +246,8 @@ def test_a_token_budget_sampler_of_ones_own_must_plan_for_the_run(tmp_path):
     budget = TrainConfig(output_dir=str(tmp_path / "run"), max_tokens_per_batch=64, report_to=["none"])
     loader = DataLoader(rows, batch_sampler=TokenBudgetBatchSampler(lengths, 64, 1, 0))
     check_token_loader(loader, budget, 1)
-    with pytest.raises(ConfigError, match=r"planned for 1 process\(es\) and this run has 2: Accelerate would repeat "
-                                          r"batches.*TokenBudgetBatchSampler\(lengths, 64, accelerator"):
+    with pytest.raises(ConfigError, match=r"planned for 1 process\(es\) and this run has 2: its plan is dealt in "
+                                          r"rounds.*TokenBudgetBatchSampler\(lengths, 64, accelerator"):
         check_token_loader(loader, budget, 2)
     reset_accelerate()
     with pytest.raises(ConfigError, match=r"plans batches of 64 padded tokens and --max_tokens_per_batch is 0 \(off\): "

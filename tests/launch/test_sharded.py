@@ -237,10 +237,11 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
 
 
 def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
-    """An --optim or a schedule that a DeepSpeed JSON would replace is refused by build_accelerator, which a recipe
-    calls before it loads data or builds a model (the refusals need only the config and the JSON), with nothing
-    written; `adamw_torch_fused` is passed on there. Accelerate runs DeepSpeed only on GPU-like devices: here a CPU
-    accelerator reports DEEPSPEED, with the preset's JSON and a scheduler added, once check_engine has returned."""
+    """An --optim or a schedule that a DeepSpeed JSON would replace, a token budget and Muon are refused by
+    build_accelerator, which a recipe calls before it loads data or builds a model (the refusals need only the config
+    and the JSON), with nothing written; `adamw_torch_fused` is passed on there. Accelerate runs DeepSpeed only on
+    GPU-like devices: here a CPU accelerator reports DEEPSPEED, with the preset's JSON and a scheduler added, once
+    check_engine has returned (for Muon, a JSON without an optimizer: with one, the JSON's refusal comes first)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
@@ -252,19 +253,21 @@ def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
     ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}
     check = module.check_engine
 
-    def build(**flags) -> None:
+    def build(json_config=ds, **flags) -> None:
         with pytest.MonkeyPatch.context() as patch:
             def then_deepspeed(accelerator) -> None:
                 check(accelerator)
                 patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
                 patch.setattr(AcceleratorState, "deepspeed_plugin",
-                              property(lambda _: SimpleNamespace(deepspeed_config=ds)))
+                              property(lambda _: SimpleNamespace(deepspeed_config=json_config)))
 
             patch.setattr(module, "check_engine", then_deepspeed)
             build_accelerator(TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], **flags))
 
     for flags, refusal in (({"optim": "sgd"}, "--optim sgd asks for another update than the DeepSpeed JSON"),
-                           ({"lr_scheduler_type": "cosine"}, "--lr_scheduler_type cosine .* scheduler, WarmupLR")):
+                           ({"lr_scheduler_type": "cosine"}, "--lr_scheduler_type cosine .* scheduler, WarmupLR"),
+                           ({"max_tokens_per_batch": 64}, "--max_tokens_per_batch 64 under DeepSpeed: its micro-"),
+                           ({"optim": "muon", "json_config": {}}, "--optim muon cannot run under DeepSpeed")):
         with pytest.raises(ConfigError, match=refusal):
             build(**flags)
         assert not (tmp_path / "run").exists()

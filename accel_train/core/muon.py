@@ -8,7 +8,8 @@ part takes torch's fused kernel where `--optim adamw` does (core/fused.py).
 * embeddings: the parameters of every `nn.Embedding` module (a tied output head shares its tensor);
 * the output head: the module the model's `get_output_embeddings()` returns (a transformers language model's
   lm_head), else the last `nn.Linear` in module order (a classifier: BERT's `classifier`, a plain `nn.Sequential`'s
-  last layer). The start-up report names the tensors chosen.
+  last layer); a model of several heads names them in `muon_adamw_modules` (the multimodal encoders' projections and
+  ITM head). The start-up report names the tensors chosen.
 
 Learning rate: Muon runs with torch's `adjust_lr_fn="match_rms_adamw"` (Moonshot, "Muon is Scalable for LLM
 Training"): each matrix's orthogonalised update is scaled by 0.2 * sqrt(max(rows, cols)), the RMS of an AdamW update,
@@ -87,12 +88,14 @@ def kept_from_muon(model: torch.nn.Module) -> dict[int, str]:
     """{id(parameter): "embedding" | "head"} for the 2-D parameters AdamW takes although Muon could (module
     docstring)."""
     kept: dict[int, str] = {}
+    named = getattr(model, "muon_adamw_modules", ())  # a model of several heads names them (DualEncoder's projections)
+    heads = [model.get_submodule(name) for name in named]
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if not isinstance(head, torch.nn.Module):
+    if not heads and not isinstance(head, torch.nn.Module):
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         head = linears[-1] if linears else None
-    if head is not None:
-        kept.update({id(p): "head" for p in head.parameters()})
+    for module in heads or ([head] if head is not None else []):
+        kept.update({id(p): "head" for p in module.parameters()})
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             kept.update({id(p): "embedding" for p in module.parameters()})

@@ -64,6 +64,32 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_head_biases_and
     assert all(p.ndim == 2 for g in build_optimizer(bert, MUON).muon.param_groups for p in g["params"])
 
 
+def test_a_model_of_several_heads_keeps_each_of_them_for_adamw():
+    """The multimodal DualEncoder's two towers end in a projection each; by the last-Linear rule one went to Muon and
+    the other to AdamW. It names both (`muon_adamw_modules`), as FusionEncoder adds its ITM head."""
+    from transformers import BertConfig, BertModel
+
+    from accel_train.tasks.multimodal.dual_encoder import DualEncoder
+    from accel_train.tasks.multimodal.fusion_model import FusionEncoder
+
+    class Vision(torch.nn.Module):
+        num_features = 8
+
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8)
+
+    text = BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                vocab_size=50))
+    dual = DualEncoder(text, Vision(), embed_dim=8)
+    muon, adamw = parts(build_optimizer(dual, MUON), dual)
+    assert {"text_projection.weight", "vision_projection.weight"} <= adamw and "vision.body.weight" in muon
+    fusion = FusionEncoder(text, Vision(), embed_dim=8, fusion_dim=8, fusion_heads=2, fusion_layers=1)
+    muon, adamw = parts(build_optimizer(fusion, MUON), fusion)
+    assert {"text_projection.weight", "vision_projection.weight", "fusion.itm_head.weight"} <= adamw
+    assert "fusion.text_in.0.weight" in muon
+
+
 def test_lora_adapters_are_refused_with_why():
     """LoRA's two rank-r factors of one update would be orthogonalised one by one: refused, naming a factor."""
     from peft import LoraConfig, get_peft_model

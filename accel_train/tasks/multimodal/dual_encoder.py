@@ -43,6 +43,8 @@ class DualEncoder(nn.Module):
     """
 
     factory_target = "accel_train.deploy.factories:dual_encoder"
+    # the output heads, one per tower: --optim muon leaves them to AdamW (core/muon.py kept_from_muon)
+    muon_adamw_modules: tuple[str, ...] = ("text_projection", "vision_projection")
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0):

@@ -131,6 +131,7 @@ class FusionEncoder(DualEncoder):
     (image, caption) pair (`factory_target` / `factory_kwargs` rebuild it)."""
 
     factory_target = "accel_train.deploy.factories:fusion_encoder"
+    muon_adamw_modules = (*DualEncoder.muon_adamw_modules, "fusion.itm_head")
 
     def __init__(self, text_model: nn.Module, vision_model: nn.Module, embed_dim: int = 256,
                  init_temperature: float = 0.07, max_logit_scale: float = 100.0, fusion_layers: int = 2,

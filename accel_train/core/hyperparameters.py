@@ -33,16 +33,21 @@ def group_peaks(optimizer) -> list[list[float]]:
 
 
 def run_hyperparameters(config: TrainConfig, plan: StepPlan, groups: list[list[float]] | None = None,
-                        own: tuple[bool, bool] = (False, False)) -> dict[str, Any]:
+                        own: tuple[bool, bool] = (False, False),
+                        classes: tuple[str, str] | None = None) -> dict[str, Any]:
     """The hyperparameters this run's optimizer and schedule are built with (saved in train_state.json); `groups`
     from `group_peaks`. `own`: whether the optimizer and the scheduler are the user's objects; the flags that did not
     build one are left out, so that a resume never applies them to it (an optimizer of the user's is compared by its
-    groups' own rates and decays)."""
+    groups' own rates and decays). `classes`: the optimizer's and the scheduler's classes, recorded with who built
+    them, so that a resume into other objects (a user's SGD where a built AdamW was) is refused, not loaded."""
     values = {name: getattr(config, name) for name in HYPERPARAMETERS}
     values.update(peak_lr=config.learning_rate * plan.lr_scale, total_steps=plan.total_steps,
                   warmup_steps=plan.warmup_steps)
     if groups is not None:
         values["param_groups"] = groups
+    if classes is not None:
+        values["objects"] = [f"{name} ({'yours' if mine else 'built'})"
+                             for name, mine in zip(classes, own, strict=True)]
     left_out = (OPTIMIZER_FLAGS if own[0] else ()) + (SCHEDULE_FLAGS if own[1] else ())
     return {name: value for name, value in values.items() if name not in left_out}
 
@@ -56,7 +61,8 @@ def hyperparameter_changes(scheduler, saved: dict[str, Any], current: dict[str, 
     if not changed:
         return {}
     inner = getattr(scheduler, "scheduler", scheduler)
-    refused = [k for k in ("optim", "lr_scheduler_type", "lr_scheduler_kwargs", "scheduler_interval") if k in changed]
+    refused = [k for k in ("optim", "objects", "lr_scheduler_type", "lr_scheduler_kwargs", "scheduler_interval")
+               if k in changed]
     if not isinstance(inner, (torch_sched.LambdaLR, torch_sched.ReduceLROnPlateau)):
         # torch's step / multistep / ... schedules keep their step counts in their saved state
         refused += [k for k in ("total_steps", "warmup_steps") if k in changed]

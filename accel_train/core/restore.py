@@ -80,9 +80,12 @@ def resume(session) -> Resumed:
 
 
 def session_hyperparameters(session) -> dict:
-    """`run_hyperparameters` of the session's run, without the flags that built neither object of the user's own."""
+    """`run_hyperparameters` of the session's run, without the flags that built neither object of the user's own,
+    with the classes of the optimizer and the scheduler inside Accelerate's wrappers."""
+    classes = (type(getattr(session.optimizer, "optimizer", session.optimizer)).__name__,
+               type(getattr(session.scheduler, "scheduler", session.scheduler)).__name__)
     return run_hyperparameters(session.config, session.plan, session.group_peaks,
-                               (session.own_optimizer, not session.scheduler_built_here))
+                               (session.own_optimizer, not session.scheduler_built_here), classes)
 
 
 def precision_notes(state: TrainState, now: str) -> list[str]:

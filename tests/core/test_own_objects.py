@@ -4,6 +4,7 @@ them (a built schedule, clipping) said in the start-up report and recorded in co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -148,6 +149,32 @@ def test_a_resume_never_applies_the_flags_that_built_none_of_your_objects(tmp_pa
     assert cut + resumed == pytest.approx(whole)
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_into_other_objects_is_refused_by_name(tmp_path):
+    """The checkpoint of your SGD and StepLR resumed with your Adam (the same one group: torch would load SGD's
+    state into it and fail at its first step), or with what accel_train builds: refused before loading, naming the
+    objects of both runs."""
+    tutorial_run(tmp_path / "run", [], scheduler_interval="epoch", hooks=[StopOnSave(9)])
+    config = TrainConfig(output_dir=str(tmp_path / "run"), num_train_epochs=2, report_to=["none"], disable_tqdm=True,
+                         run_report=False, per_device_train_batch_size=4, save_strategy="steps", save_steps=3,
+                         mixed_precision="no", seed=0, resume_from_checkpoint="latest", scheduler_interval="epoch")
+
+    def resume(optimizer_cls):
+        reset_accelerate()
+        model = torch.nn.Linear(4, 1)
+        optimizer = optimizer_cls(model.parameters(), lr=0.1) if optimizer_cls else None
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.1) if optimizer else None
+        train(model, data(), config=config if optimizer else dataclasses.replace(config, scheduler_interval="step"),
+              optimizer=optimizer, scheduler=schedule,
+              loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]).squeeze(-1), b[1]))
+
+    with pytest.raises(ConfigError, match=r"resuming with changed objects \(\['SGD \(yours\)', 'StepLR \(yours\)'\] -> "
+                                          r"\['Adam \(yours\)', 'StepLR \(yours\)'\]\)"):
+        resume(torch.optim.Adam)
+    with pytest.raises(ConfigError, match=r"changed objects \(\['SGD \(yours\)', 'StepLR \(yours\)'\] -> "
+                                          r"\['AdamW \(built\)', 'LambdaLR \(built\)'\]\)"):
+        resume(None)
 
 
 def test_a_scheduler_built_on_another_optimizer_than_the_one_that_trains_is_refused(tmp_path):

@@ -42,7 +42,7 @@ def resume(session) -> Resumed:
     manifest = ckpt.verify_checkpoint(path)
     ckpt.check_compatible(path, manifest, session.shapes)
     state = TrainState(**ckpt.load_train_state(path))
-    check_token_plan(state, config, acc.num_processes, path)  # the same plan of batches, the same steps
+    check_token_plan(state, config, acc.num_processes, path, session.train_loader)  # the same plan, the same steps
     if state.global_batch_size != plan.global_batch_size:
         raise CheckpointError(
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "

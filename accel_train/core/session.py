@@ -174,7 +174,8 @@ class Session:
         else:
             state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
                                per_device_batch=self.config.per_device_train_batch_size,
-                               token_plan=token_plan(self.config), precision=precision_in_effect(acc))
+                               token_plan=token_plan(self.config, self.train_loader),
+                               precision=precision_in_effect(acc))
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,

@@ -22,6 +22,7 @@ round by round.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -87,25 +88,46 @@ def _even_out(batches: list[list[int]], num_processes: int, max_tokens: int) -> 
     return batches
 
 
-def token_plan(config) -> list[int]:
-    """What a checkpoint records of the plan its data position counts in: [budget, accumulation], or [] without."""
-    return [config.max_tokens_per_batch, config.gradient_accumulation_steps] if config.max_tokens_per_batch else []
+def token_plan(config, loader=None) -> list[int]:
+    """What a checkpoint records of the plan its data position counts in: [budget, accumulation, micro-batches an
+    epoch, a checksum of the lengths planned over] (the last two from `loader`'s sampler), or [] without a budget."""
+    if not config.max_tokens_per_batch:
+        return []
+    sampler = budget_sampler(loader)
+    shape = [len(sampler), zlib.crc32(",".join(map(str, sampler.lengths)).encode())] if sampler is not None else []
+    return [config.max_tokens_per_batch, config.gradient_accumulation_steps, *shape]
 
 
-def check_token_plan(state, config, num_processes: int, path) -> None:
+def budget_sampler(loader) -> TokenBudgetBatchSampler | None:
+    """The TokenBudgetBatchSampler that batches `loader`, through Accelerate's sharding wrapper, or None."""
+    sampler = getattr(loader, "batch_sampler", None)
+    for _ in range(3):
+        if isinstance(sampler, TokenBudgetBatchSampler):
+            return sampler
+        sampler = getattr(sampler, "batch_sampler", None)
+    return None
+
+
+def check_token_plan(state, config, num_processes: int, path, loader=None) -> None:
     """A checkpoint's data position counts micro-batches of its run's plan, its steps windows of them: resuming it
-    needs the same plan (the same budget, as many processes: the plan is dealt in rounds of one batch per process)
-    and the same accumulation (a fixed batch's global batch is checked as such; a budget's has no fixed size)."""
-    then, now = state.token_plan or [], token_plan(config)
-    if then == now and (not now or state.world_size in (0, num_processes)):
-        return
-    if then != now:
+    needs the same plan (the same budget over the same example lengths, as many processes: the plan is dealt in
+    rounds of one batch per process) and the same accumulation (a fixed batch's global batch is checked as such; a
+    budget's has no fixed size). A checkpoint that recorded no lengths (before 2026-12-05) is compared without."""
+    then, now = state.token_plan or [], token_plan(config, loader)
+    if then[:2] != now[:2]:
         raise CheckpointError(f"{path} was trained with {_batching(then)}, this run asks for {_batching(now)}: its "
                               "data position counts the micro-batches of its own plan, and its steps windows of "
                               "them. Resume with the flags it was trained with, or start a new run.")
-    raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {now[0]}, this run "
-                          f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, so "
-                          f"its data position does not carry over. Resume on {state.world_size} process(es).")
+    if now and state.world_size not in (0, num_processes):
+        raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {now[0]}, this run "
+                              f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, "
+                              f"so its data position does not carry over. Resume on {state.world_size} process(es).")
+    if then[2:] and now[2:] and then[2:] != now[2:]:
+        raise CheckpointError(f"{path} was trained on a plan of {then[2]} micro-batches an epoch over other example "
+                              f"lengths than this run's ({now[2]} micro-batches): the data or the widths examples are "
+                              "padded to changed (--length_buckets, --max_seq_length, a GPU's pad multiple under "
+                              "another precision), and its data position counts the micro-batches of its own plan. "
+                              "Resume with the data and flags it was trained with, or start a new run.")
 
 
 def check_token_loader(loader, config, num_processes: int) -> None:

@@ -123,12 +123,20 @@ def test_refused_where_it_cannot_hold(tmp_path):
 
 
 def test_a_checkpoint_resumes_only_with_its_own_plan(tmp_path):
-    """Its data position counts the micro-batches of its plan: resuming it with another budget is refused by name."""
+    """Its data position counts the micro-batches of its plan: resuming it with another budget, or the same budget
+    over other example lengths, is refused by name."""
     common = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--eval_strategy", "no"]
     run_tokens(tmp_path, *common, "--max_tokens_per_batch", "64", "--stop_at_step", "2")
     with pytest.raises(CheckpointError, match="trained with --max_tokens_per_batch 64 and --gradient_accumulation_"
                                               "steps 1, this run asks for --max_tokens_per_batch 80"):
         run_tokens(tmp_path, *common, "--max_tokens_per_batch", "80", "--resume_from_checkpoint", "latest")
+    # the same budget over other examples (their lengths are the plan's): refused, not a position in another plan
+    with pytest.raises(CheckpointError, match=r"was trained on a plan of 7 micro-batches an epoch over other example "
+                                              r"lengths than this run's \(9 micro-batches\)"):
+        run_tokens(tmp_path, *common, "--max_tokens_per_batch", "64", "--num_sequences", "18",
+                   "--resume_from_checkpoint", "latest")
+    state = json.loads(sorted((tmp_path / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
+    assert state["token_plan"][:3] == [64, 1, 7] and len(state["token_plan"]) == 4
 
 
 def test_a_resume_goes_on_at_its_plans_micro_batch_whatever_the_per_device_batch(tmp_path):

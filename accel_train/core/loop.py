@@ -26,6 +26,7 @@ from .rescue import StepBoundary, pending_evaluation
 from .seeding import data_seed, seeded_generator
 from .session import Session
 from .state import TrainState
+from .token_batches import round_examples
 
 
 def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any | None = None,
@@ -37,6 +38,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     window = Window(acc)  # what this accumulation window fed back: micro-batches, items of a sum loss
     # a token budget's micro-batches differ in size: where a step spans several, a mean loss is weighed by examples
     weigh = bool(session.config.max_tokens_per_batch) and acc.gradient_accumulation_steps * acc.num_processes > 1
+    rounds = round_examples(session.train_loader, acc.num_processes)  # a budget's ranks feed unequal micro-batches
     model.train()
     spike = SpikeWatch(session.config.spike_window, session.config.spike_threshold,
                        state.spike_losses) if session.config.spike_window else None
@@ -59,7 +61,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     window.add(out)
                     guard.watch(out["objective"], out["loss"])
                     meter.add_micro_batch(out, n, tokens, waited)
-                    _advance(state, n * acc.num_processes)
+                    _advance(state, rounds(state.epoch, state.batch_in_epoch) if rounds else n * acc.num_processes)
                     if not acc.sync_gradients:  # Accelerate also syncs at the loader's real end: a short last window
                         continue
                     grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
@@ -124,6 +126,7 @@ def epoch_batches(session: Session, state: TrainState, skip: int):
     waited for; those an --on_spike rollback excluded are passed over (counted in the data position, never fed).
     Raises when the epoch yields no batch. Closing it mid-epoch (a rollback) ends Accelerate's pass."""
     loader = session.train_loader
+    rounds = round_examples(loader, session.accelerator.num_processes)
     _seed_epoch(loader, session.config, state.epoch)
     batches = session.accelerator.skip_first_batches(loader, skip) if skip else loader
     fed, finished, epoch = False, False, state.epoch
@@ -131,7 +134,8 @@ def epoch_batches(session: Session, state: TrainState, skip: int):
         for batch, waited in _timed(batches):
             fed = True
             if [state.epoch, state.batch_in_epoch] in state.excluded_batches:
-                _advance(state, take_examples(batch, batch_size_of(batch)) * session.accelerator.num_processes, False)
+                _advance(state, rounds(state.epoch, state.batch_in_epoch) if rounds else
+                         take_examples(batch, batch_size_of(batch)) * session.accelerator.num_processes, False)
                 if session.accelerator.gradient_state.end_of_dataloader:  # it was the epoch's last
                     _next_epoch(session, state)
                 continue

@@ -108,6 +108,29 @@ def budget_sampler(loader) -> TokenBudgetBatchSampler | None:
     return None
 
 
+class RoundExamples:
+    """The examples a micro-batch index of an epoch feeds on all processes together, under a plan dealt to several:
+    rank r's b-th micro-batch is the plan's batch b x P + r, so round b's examples are those of its P batches (one
+    rank's micro-batch times P would count the others' as its own size). The epoch's plan is drawn once."""
+
+    def __init__(self, sampler: TokenBudgetBatchSampler):
+        self.sampler, self.epoch, self.sizes = sampler, -1, []
+
+    def __call__(self, epoch: int, index: int) -> int:
+        if epoch != self.epoch:
+            p = self.sampler.num_processes
+            batches = self.sampler.epoch_batches(epoch)
+            self.epoch, self.sizes = epoch, [sum(map(len, batches[r:r + p])) for r in range(0, len(batches), p)]
+        return self.sizes[index]
+
+
+def round_examples(loader, num_processes: int) -> RoundExamples | None:
+    """A RoundExamples for a loader batched by a token budget's plan on several processes, else None (every
+    process's micro-batch then holds as many examples as this one's)."""
+    sampler = budget_sampler(loader)
+    return RoundExamples(sampler) if sampler is not None and num_processes > 1 else None
+
+
 def check_token_plan(state, config, num_processes: int, path, loader=None) -> None:
     """A checkpoint's data position counts micro-batches of its run's plan, its steps windows of them: resuming it
     needs the same plan (the same budget over the same example lengths, as many processes: the plan is dealt in

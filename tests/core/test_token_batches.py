@@ -199,8 +199,8 @@ def test_two_processes_run_as_many_micro_batches_and_give_the_token_mean_gradien
 def test_two_processes_over_two_epochs_cut_and_resumed_feed_and_end_as_the_uncut_run(tmp_path, ranks):
     """2 processes, accumulation 2, a mean loss, 2 epochs (the second epoch's order reaches the plan through
     Accelerate's sharding wrapper), cut after step 3 (inside epoch 1) and resumed: each rank feeds as many
-    micro-batches as the other, each epoch's examples once across both ranks, and the resumed run feeds what the uncut
-    run fed from there and ends on its weights, bitwise."""
+    micro-batches as the other, each epoch's examples once across both ranks (and counts them so: samples_seen), and
+    the resumed run feeds what the uncut run fed from there and ends on its weights, bitwise."""
     from safetensors.torch import load_file
 
     common = ["--max_tokens_per_batch", "64", "--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
@@ -218,6 +218,8 @@ def test_two_processes_over_two_epochs_cut_and_resumed_feed_and_end_as_the_uncut
         (whole,), (cut, resumed) = fed("whole", rank), fed("cut", rank)
         assert len(whole) == 8 and cut == whole[:6] and resumed == whole[6:]
     both = [fed("whole", rank)[0] for rank in (0, 1)]
+    # each rank counts the examples of both ranks' micro-batches, not its own times 2: 16 an epoch
+    assert [json.loads(p.read_text())["samples"] for p in (tmp_path / "whole").glob("token_rank*_*.json")] == [32, 32]
     for epoch in (0, 1):  # 4 micro-batches a rank an epoch: every token of the 16 sequences once
         assert sum(real for rank in both for _, real in rank[4 * epoch:4 * epoch + 4]) == total
     assert [r[:4] for r in both] != [r[4:] for r in both]  # the second epoch in another order

@@ -196,7 +196,7 @@ def main(argv=None):
                    extra_configs=[args])
     if accelerator.is_main_process:
         (out / "token_results.json").write_text(json.dumps(result.metrics))
-    record = {"fed": fed, "metrics": result.metrics, "step": result.state.step}
+    record = {"fed": fed, "metrics": result.metrics, "step": result.state.step, "samples": result.state.samples_seen}
     name = f"token_rank{accelerator.process_index}_{os.getpid()}_{time.time_ns()}.json"  # one file per run
     Path(config.output_dir, name).write_text(json.dumps(record))
     return result

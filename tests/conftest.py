@@ -522,3 +522,31 @@ def token_gradient_error(grads: dict, per_sequence: bool = False) -> float:
 
     reference = token_train.reference_gradient(token_train.tiny_lm(), token_train.sequences(16, 0), per_sequence)
     return max((grads[name] - reference[name]).abs().max().item() for name in grads)
+
+
+def points_run(tmp_path, metrics_values, **overrides):
+    """A tiny classifier evaluated every 2 steps; metrics_fn returns the given values in turn as 'score'."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel_train import TrainConfig, train
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    values = iter(metrics_values)  # one per evaluation: no pre-flight call of metrics_fn (preflight=False)
+    settings = dict(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8, learning_rate=0.01,
+                    eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=["none"],
+                    disable_tqdm=True, run_report=False, metric_for_best_model="score", greater_is_better=True,
+                    load_best_model_at_end=True, logging_steps=2, preflight=False)
+    config = TrainConfig(**{**settings, **overrides})
+
+    def loss_fn(model, batch):
+        logits = model(batch[0])
+        losses = torch.nn.functional.cross_entropy(logits, batch[1], reduction="none")
+        return {"loss": losses.mean(), "per_sample_loss": losses}
+
+    reset_accelerate()
+    return train(torch.nn.Linear(6, 2), DataLoader(data, batch_size=8, shuffle=True), config=config,
+                 loss_fn=loss_fn, eval_loader=DataLoader(data, batch_size=8), metrics_fn=lambda out: {
+                     "score": next(values)})

@@ -186,6 +186,9 @@ def check_best(session, state: TrainState, resumed_from: Path) -> list[str]:
     if state.best_checkpoint and resumed_from.resolve().parent != here.resolve():
         note = (f"the checkpoint's best model ({state.best_checkpoint}) is in {resumed_from.parent}, not in this run's "
                 f"{here}: the best is tracked afresh")
+    elif state.best_checkpoint and not (here / state.best_checkpoint).is_dir():
+        note = (f"the checkpoint's best model ({state.best_checkpoint}) is no longer in {here} (deleted by hand, or "
+                "by the rotation of a run before 2026-12-05 with --async_save): the best is tracked afresh")
     elif state.best_metric_name is not None and (state.best_metric_name, state.best_greater) != (name, greater):
         note = (f"the checkpoint's best model was chosen by {state.best_metric_name} "
                 f"({'higher' if state.best_greater else 'lower'} is better); this run chooses by {name}: the best is "

@@ -264,9 +264,9 @@ class Session:
         """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop.
         With --async_save and wait=False (the interval's saves) the write goes on in the background
         (rundir/async_checkpoint.py): it is rotated and reaches on_save when the next save settles it."""
+        stop = self.settle_writes(state)  # one write at a time, rotated (keeping the best so far) when it landed
         if best:  # this step's checkpoint (perhaps written already) is the best one
             state.best_checkpoint = checkpoint_name(state.step)
-        stop = self.settle_writes(state)  # one write at a time, and rotation never during one
         if self.last_save != state.step:
             state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
                            if hasattr(hook, "state_dict")}
@@ -281,8 +281,8 @@ class Session:
         for path, saved in self.writer.settle():
             self.verified.add(path.name)
             if self.accelerator.is_main_process:
-                ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit, state.best_checkpoint,
-                                        self.verified)
+                ckpt.rotate_checkpoints(self.config.output_dir, self.config.save_total_limit,  # the bests it names
+                                        {state.best_checkpoint, saved.best_checkpoint}, self.verified)
             self.accelerator.wait_for_everyone()
             stop = call_hooks(self.hooks, "on_save", saved, path) or stop
         return stop
@@ -335,6 +335,7 @@ class Session:
         if cfg.save_strategy != "no":
             self.keep_interval(state, meter)
             self.save(state)
+        self.settle_writes(state)  # a background write a hook's request_save started (--save_strategy no too)
         if cfg.load_best_model_at_end and state.best_checkpoint:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
             load_saved_state(self, best)

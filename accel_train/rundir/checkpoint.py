@@ -253,11 +253,12 @@ def load_train_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {TRAIN_STATE} ({err}).") from None
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | None,
+def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | set | None,
                        verified: set[str] | None = None) -> list[Path]:
-    """Keep the newest `keep` checkpoints that verify against their manifest and the `protect`ed (best) one;
-    delete the other checkpoints that verify. A checkpoint that does not verify never counts toward `keep` and is
-    never deleted here, so a good checkpoint is never deleted in favour of a corrupt one.
+    """Keep the newest `keep` checkpoints that verify against their manifest and the `protect`ed (best) one(s: the
+    run's best and the one a landed background checkpoint names); delete the other checkpoints that verify. A
+    checkpoint that does not verify never counts toward `keep` and is never deleted here, so a good checkpoint is
+    never deleted in favour of a corrupt one.
 
     `verified`: names already known good (written or verified by this process); rotation adds the ones it
     verifies, so each checkpoint is hashed at most once per run. Main process only. Stale temporary directories
@@ -277,7 +278,8 @@ def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | 
                 continue
             verified.add(path.name)
         good.append(path)
-    doomed = [p for p in good[keep:] if p.name != protect]
+    kept = {protect} if isinstance(protect, str) or protect is None else set(protect)
+    doomed = [p for p in good[keep:] if p.name not in kept]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         verified.discard(path.name)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import toy_train
-from conftest import printed_per_rank, printing_to_a_file, read_jsonl, reset_accelerate, toy_main
+from conftest import points_run, printed_per_rank, printing_to_a_file, read_jsonl, reset_accelerate, toy_main
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -108,29 +108,6 @@ def test_rotation_counts_only_checkpoints_that_verify(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ 2. best model
-
-
-def points_run(tmp_path, metrics_values, **overrides):
-    """A tiny classifier evaluated every 2 steps; metrics_fn returns the given values in turn as 'score'."""
-    torch.manual_seed(0)
-    x = torch.randn(32, 6)
-    data = TensorDataset(x, (x[:, 0] > 0).long())
-    values = iter(metrics_values)  # one per evaluation: no pre-flight call of metrics_fn (preflight=False)
-    settings = dict(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8, learning_rate=0.01,
-                    eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=["none"],
-                    disable_tqdm=True, run_report=False, metric_for_best_model="score", greater_is_better=True,
-                    load_best_model_at_end=True, logging_steps=2, preflight=False)
-    config = TrainConfig(**{**settings, **overrides})
-
-    def loss_fn(model, batch):
-        logits = model(batch[0])
-        losses = torch.nn.functional.cross_entropy(logits, batch[1], reduction="none")
-        return {"loss": losses.mean(), "per_sample_loss": losses}
-
-    reset_accelerate()
-    return train(torch.nn.Linear(6, 2), DataLoader(data, batch_size=8, shuffle=True), config=config,
-                 loss_fn=loss_fn, eval_loader=DataLoader(data, batch_size=8), metrics_fn=lambda out: {
-                     "score": next(values)})
 
 
 def test_a_nan_evaluation_is_never_the_best(tmp_path, capsys):

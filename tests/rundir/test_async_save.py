@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from conftest import SCRIPTS, reset_accelerate, stop_then_resume, subprocess_env, toy_main
+from conftest import SCRIPTS, points_run, reset_accelerate, stop_then_resume, subprocess_env, toy_main
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, run_cli
@@ -155,6 +155,38 @@ def test_a_failed_background_write_is_an_error_at_the_next_save_and_loses_nothin
     err = capsys.readouterr().err
     assert "could not write checkpoint" in err and "(in the background, --async_save)" in err, err[-3000:]
     assert "No space left on device" in err and "step-00000008" in err
+
+
+def test_the_best_checkpoint_survives_a_failed_background_write_of_a_new_best(tmp_path, monkeypatch, capsys):
+    """--save_total_limit 1 with a best model: step 6 is a new best while step 4's write is still to land. The
+    rotation when step 4 lands keeps step 2, the best the run and step 4 name, until step 6 has landed; step 6's
+    write fails, so step 4 stays `latest` and the best it names is still there (before, the best was marked step 6
+    first and step 2 was deleted for it: a resume found its best gone)."""
+    import accelerate.checkpointing as writer
+
+    real = writer.save_accelerator_state
+
+    def full_disk(output_dir, *args, **kwargs):
+        if args[4] == "background" and output_dir.endswith("step-00000006"):
+            raise OSError(28, "No space left on device")
+        return real(output_dir, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "save_accelerator_state", full_disk)
+    with pytest.raises(Exception, match="could not write checkpoint"):  # noqa: PT011 - the project's CheckpointError
+        points_run(tmp_path, [0.9, 0.5, 0.95, 0.4, 0.3, 0.2], async_save=True, save_total_limit=1)
+    latest = list_checkpoints(tmp_path)[-1]
+    state = json.loads((latest / "train_state.json").read_text())
+    assert latest.name == "step-00000004" and state["best_checkpoint"] == "step-00000002"
+    assert (tmp_path / "checkpoints" / "step-00000002" / "manifest.json").is_file()
+    # a best deleted by hand: the resume says so and tracks the best afresh, and the run ends on its own best
+    import shutil
+
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000002")
+    result = points_run(tmp_path, [0.7, 0.6, 0.5, 0.4], async_save=True, save_total_limit=1,
+                        resume_from_checkpoint="latest")
+    assert "best model (step-00000002) is no longer in" in capsys.readouterr().out
+    assert result.state.best_checkpoint == "step-00000006" and result.state.best_metric == 0.7
 
 
 def test_sharded_engines_save_on_each_node_and_pre_hooks_are_refused_with_the_reason():

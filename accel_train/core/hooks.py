@@ -134,9 +134,15 @@ class EarlyStopping:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "bad_evaluations": self.bad_evaluations, "stopped_at": self.stopped_at}
+        return {"best": self.best, "bad_evaluations": self.bad_evaluations, "stopped_at": self.stopped_at,
+                "metric": self.metric, "mode": self.mode}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved best and count, when they were kept for the same metric in the same direction (a state saved
+        without them, before 2026-12-05, is taken as it is); otherwise early stopping starts afresh, as the run's
+        best does (restore.check_best)."""
+        if (state.get("metric", self.metric), state.get("mode", self.mode)) != (self.metric, self.mode):
+            return
         self.best = state["best"]
         self.bad_evaluations = state["bad_evaluations"]
         self.stopped_at = state["stopped_at"]

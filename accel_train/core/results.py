@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import MetricsError
+from ..rundir.final_model import save_final_model
 from ..rundir.layout import RESULTS
 from .ema import evaluate_with_average
 from .meter import StepMeter, peak_memory
@@ -15,7 +17,24 @@ from .state import TrainState
 
 def final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float], dict[str, float]]:
     """(metrics, fresh): the evaluation of the final (or restored best) model, reusing this step's if it ran, then
-    the final evaluation loaders, each under its own prefix; `fresh` is what no evaluation during training logged."""
+    the final evaluation loaders, each under its own prefix; `fresh` is what no evaluation during training logged.
+    An error there under --save_strategy no, where no checkpoint holds the trained weights, writes the final model
+    first (the weight average with --save_ema_as_final; on several processes only for an error every rank agreed
+    on, a MetricsError), then is raised: a metric that fails on the test split loses no training."""
+    try:
+        return _final_evaluation(session, state)
+    except Exception as error:
+        agreed = session.accelerator.num_processes == 1 or isinstance(error, MetricsError)
+        if session.config.save_strategy == "no" and agreed:
+            if session.config.save_ema_as_final:
+                session.average.copy_into_model()
+            save_final_model(session.accelerator, session.model, session.config.output_dir, session.processing_class)
+            session.log.write(f"the final evaluation failed: the final model was written first to "
+                              f"{session.config.output_dir}")
+        raise
+
+
+def _final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float], dict[str, float]]:
     metrics: dict[str, float] = {}
     fresh: dict[str, float] = {}
     if session.eval_loader is not None:

@@ -118,14 +118,16 @@ def test_a_nan_evaluation_is_never_the_best(tmp_path, capsys):
 
 
 def test_resuming_with_another_metric_does_not_compare_across_metrics(tmp_path, capsys):
-    # run 1 keeps the lowest score (a stale 1.0 of a lower-is-better metric); run 2 chooses by eval_accuracy
-    points_run(tmp_path, [1.0, 2.0, 3.0, 4.0, 5.0], greater_is_better=False, max_steps=4)
+    # run 1 keeps the lowest score (a stale 1.0 of a lower-is-better metric); run 2 chooses by eval_accuracy, and
+    # its early stopping (patience 1) starts afresh too: against the stale 1.0 it stopped at step 6
+    points_run(tmp_path, [1.0, 2.0, 3.0, 4.0, 5.0], greater_is_better=False, max_steps=4, early_stopping_patience=1)
     capsys.readouterr()
     result = points_run(tmp_path, [0.9, 0.95, 0.8], resume_from_checkpoint="latest", metric_for_best_model="score",
-                        greater_is_better=True)
+                        greater_is_better=True, early_stopping_patience=1)
     out = capsys.readouterr().out
     assert "this run chooses by eval_score: the best is tracked afresh" in out
     assert result.state.best_metric == 0.95 and result.state.best_checkpoint == "step-00000008"
+    assert result.state.step == 8 and "early stopping" not in out
 
 
 # ---------------------------------------------------------------------------------- 3. resume with a changed config
@@ -181,6 +183,57 @@ def test_another_optimizer_or_other_param_groups_are_refused_by_name_not_by_torc
     with pytest.raises(CheckpointError, match=r"its optimizer state does not fit this run's optimizer \(.*parameter "
                                               r"group.*\): which parameters train, or how they are grouped, changed"):
         two_layers(frozen=True)
+
+
+def test_an_evaluation_stream_on_several_processes_is_refused():
+    """Each process would read its own part of a stream of unknown length: a hang in the gather, or items counted
+    twice. Refused before training; on one process it is evaluated as it comes."""
+    from accel_train.core.evaluation import prepare_for_evaluation
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(37))
+
+    with pytest.raises(ConfigError, match="the evaluation set is a stream .* on 2 processes"):
+        prepare_for_evaluation(SimpleNamespace(num_processes=2), DataLoader(Stream(), batch_size=8))
+    assert prepare_for_evaluation(SimpleNamespace(num_processes=1, prepare=lambda loader: loader),
+                                  DataLoader(Stream(), batch_size=8)) is not None
+
+
+def test_a_failing_final_evaluation_without_checkpoints_writes_the_model_first(tmp_path):
+    """--save_strategy no: a metric that fails on the test split after training had nothing but memory to lose
+    the trained weights from. The final model is written, then the error raised."""
+    from accel_train.errors import MetricsError
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+
+    def broken(outputs):
+        raise ZeroDivisionError("a metric that fails on the test split")
+
+    config = TrainConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8, save_strategy="no",
+                         eval_strategy="no", report_to=["none"], disable_tqdm=True, run_report=False, preflight=False)
+    reset_accelerate()
+    model = torch.nn.Linear(6, 2)
+    with pytest.raises(MetricsError):
+        train(model, DataLoader(data, batch_size=8), config=config, metrics_fn=broken,
+              final_eval_loaders={"test": DataLoader(data, batch_size=8)},
+              loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    saved = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(saved["weight"], model.weight.detach()) and torch.equal(saved["bias"], model.bias.detach())
+
+
+def test_evaluating_changes_nothing_in_the_training_that_follows(tmp_path, capsys):
+    """The evaluation loader's iterator draws its base seed from torch's generator: with dropout, a run evaluated
+    every 3 steps (and its weight average beside it) trained on other dropout masks than the run never evaluated,
+    and ended on other weights. The draw is put back: all three end on the same weights, bitwise."""
+    common = ["--dropout", "0.2", "--max_steps", "12", "--save_strategy", "no"]
+    run_toy(capsys, tmp_path / "none", *common, "--eval_strategy", "no")
+    run_toy(capsys, tmp_path / "every3", *common, "--eval_strategy", "steps", "--eval_steps", "3")
+    run_toy(capsys, tmp_path / "ema", *common, "--eval_strategy", "steps", "--eval_steps", "3", "--ema_decay", "0.9")
+    weights = [load_file(tmp_path / run / "model.safetensors") for run in ("none", "every3", "ema")]
+    assert all(torch.equal(weights[0][k], other[k]) for other in weights[1:] for k in weights[0])
 
 
 def test_hook_state_follows_its_name_not_its_position():

@@ -59,23 +59,19 @@ def gather_outputs(accelerator: Accelerator, model: torch.nn.Module, loader,
     was_training = model.training
     model.eval()
     collected: dict[str, list[torch.Tensor]] = defaultdict(list)
-    cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
-    # the loader's iterator draws its base seed from torch's generator: put it back, so that evaluating (how often,
-    # with a weight average or not) never changes the dropout and the data of the training that follows
-    with torch.random.fork_rng(devices=cuda):
-        for batch in loader:
-            out = step_fn(model, batch)
-            n = batch_size_of(batch)
-            labels = batch.get("labels") if isinstance(batch, Mapping) else tuple_target(batch)
-            if labels is not None and "labels" not in out:  # a tuple batch's target, as a dict's labels
-                out["labels"] = labels
-            tensors = {k: v.detach() for k, v in sorted(out.items())
-                       if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == n}
-            if accelerator.num_processes > 1:  # collective, the same keys in the same order on every rank
-                tensors = {k: accelerator.pad_across_processes(v, dim=1, pad_index=_pad_value(v)) if v.ndim > 1
-                           else v for k, v in tensors.items()}
-            for key, value in (accelerator.gather_for_metrics(tensors) if prepared else tensors).items():
-                collected[key].append(value.cpu())
+    for batch in loader:
+        out = step_fn(model, batch)
+        n = batch_size_of(batch)
+        labels = batch.get("labels") if isinstance(batch, Mapping) else tuple_target(batch)
+        if labels is not None and "labels" not in out:  # a tuple batch's target, as a dict's labels
+            out["labels"] = labels
+        tensors = {k: v.detach() for k, v in sorted(out.items())
+                   if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == n}
+        if accelerator.num_processes > 1:  # collective, the same keys in the same order on every rank
+            tensors = {k: accelerator.pad_across_processes(v, dim=1, pad_index=_pad_value(v)) if v.ndim > 1 else v
+                       for k, v in tensors.items()}
+        for key, value in (accelerator.gather_for_metrics(tensors) if prepared else tensors).items():
+            collected[key].append(value.cpu())
     model.train(was_training)
     if not collected:
         raise DataError("the evaluation data loader is empty: check the validation split or file.")

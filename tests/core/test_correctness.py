@@ -224,18 +224,6 @@ def test_a_failing_final_evaluation_without_checkpoints_writes_the_model_first(t
     assert torch.equal(saved["weight"], model.weight.detach()) and torch.equal(saved["bias"], model.bias.detach())
 
 
-def test_evaluating_changes_nothing_in_the_training_that_follows(tmp_path, capsys):
-    """The evaluation loader's iterator draws its base seed from torch's generator: with dropout, a run evaluated
-    every 3 steps (and its weight average beside it) trained on other dropout masks than the run never evaluated,
-    and ended on other weights. The draw is put back: all three end on the same weights, bitwise."""
-    common = ["--dropout", "0.2", "--max_steps", "12", "--save_strategy", "no"]
-    run_toy(capsys, tmp_path / "none", *common, "--eval_strategy", "no")
-    run_toy(capsys, tmp_path / "every3", *common, "--eval_strategy", "steps", "--eval_steps", "3")
-    run_toy(capsys, tmp_path / "ema", *common, "--eval_strategy", "steps", "--eval_steps", "3", "--ema_decay", "0.9")
-    weights = [load_file(tmp_path / run / "model.safetensors") for run in ("none", "every3", "ema")]
-    assert all(torch.equal(weights[0][k], other[k]) for other in weights[1:] for k in weights[0])
-
-
 def test_hook_state_follows_its_name_not_its_position():
     class Counter:
         def state_dict(self):

@@ -136,17 +136,22 @@ def test_a_kill_inside_a_background_write_keeps_the_previous_checkpoint_and_resu
     assert not partial.exists(), "the partial write is removed by the next rotation"
 
 
-def test_a_failed_background_write_is_an_error_at_the_next_save_and_loses_nothing(tmp_path, monkeypatch, capsys):
+def full_disk_at(monkeypatch, step: int) -> None:
+    """The background write of checkpoint `step` fails as a full disk does (in Accelerate's writer)."""
     import accelerate.checkpointing as writer
 
     real = writer.save_accelerator_state
 
     def full_disk(output_dir, *args, **kwargs):
-        if args[4] == "background" and output_dir.endswith("step-00000008"):
+        if args[4] == "background" and output_dir.endswith(f"step-{step:08d}"):
             raise OSError(28, "No space left on device")
         return real(output_dir, *args, **kwargs)
 
     monkeypatch.setattr(writer, "save_accelerator_state", full_disk)
+
+
+def test_a_failed_background_write_is_an_error_at_the_next_save_and_loses_nothing(tmp_path, monkeypatch, capsys):
+    full_disk_at(monkeypatch, 8)
     with pytest.raises(SystemExit) as exit_info:
         toy(tmp_path / "run", *SAVES, "--async_save")
     assert exit_info.value.code != 0
@@ -162,16 +167,7 @@ def test_the_best_checkpoint_survives_a_failed_background_write_of_a_new_best(tm
     rotation when step 4 lands keeps step 2, the best the run and step 4 name, until step 6 has landed; step 6's
     write fails, so step 4 stays `latest` and the best it names is still there (before, the best was marked step 6
     first and step 2 was deleted for it: a resume found its best gone)."""
-    import accelerate.checkpointing as writer
-
-    real = writer.save_accelerator_state
-
-    def full_disk(output_dir, *args, **kwargs):
-        if args[4] == "background" and output_dir.endswith("step-00000006"):
-            raise OSError(28, "No space left on device")
-        return real(output_dir, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "save_accelerator_state", full_disk)
+    full_disk_at(monkeypatch, 6)
     with pytest.raises(Exception, match="could not write checkpoint"):  # noqa: PT011 - the project's CheckpointError
         points_run(tmp_path, [0.9, 0.5, 0.95, 0.4, 0.3, 0.2], async_save=True, save_total_limit=1)
     latest = list_checkpoints(tmp_path)[-1]

@@ -21,7 +21,7 @@ from .data import take_examples, take_real_tokens
 from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of, weigh_by_examples
 from .meter import StepMeter
-from .objects import steps_each_epoch, steps_each_optimizer_step
+from .objects import fused_kernel, steps_each_epoch, steps_each_optimizer_step
 from .rescue import StepBoundary, pending_evaluation
 from .seeding import data_seed, seeded_generator
 from .session import Session
@@ -50,7 +50,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
             boundary.take()  # an epoch's start, or a rollback's: the next window's first batch is not fetched yet
             skip = 0 if restored else state.batch_in_epoch
             restored = False  # later epochs, and a rollback's replay, start where their state says
-            with closing(epoch_batches(session, state, skip)) as batches:  # closed: Accelerate's pass ends
+            with closing(epoch_batches(session, state, skip, rounds)) as batches:  # closed: Accelerate's pass ends
                 for batch, waited in batches:
                     n = take_examples(batch, batch_size_of(batch))  # a padding-free row holds several examples
                     tokens = take_real_tokens(batch)  # before the loss: a packed batch's count is no model input
@@ -105,8 +105,7 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
     # fp16: the scaler halves its scale on an overflow. Accelerate infers a skipped step from step() not being called,
     # and a fused kernel is called anyway and skips inside (huggingface/accelerate#4242): there the scale tells (read
     # on the host before and after the step: fp16 with a fused kernel only)
-    fused = acc.scaler is not None and not verdict.drops_update and any(
-        g.get("fused") for g in session.optimizer.param_groups)
+    fused = acc.scaler is not None and not verdict.drops_update and fused_kernel(session.optimizer)
     scale = acc.scaler.get_scale() if fused else None
     if verdict.drops_update:
         _skip_optimizer_step(acc)
@@ -121,12 +120,12 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
     return grad_norm, verdict, back_to
 
 
-def epoch_batches(session: Session, state: TrainState, skip: int):
+def epoch_batches(session: Session, state: TrainState, skip: int, rounds=None):
     """The batches of the epoch in progress, from `skip` (the micro-batches it had consumed), with the time each was
-    waited for; those an --on_spike rollback excluded are passed over (counted in the data position, never fed).
-    Raises when the epoch yields no batch. Closing it mid-epoch (a rollback) ends Accelerate's pass."""
+    waited for; those an --on_spike rollback excluded are passed over (counted in the data position, never fed; a
+    token budget's `rounds` count their examples on every process). Raises when the epoch yields no batch. Closing it
+    mid-epoch (a rollback) ends Accelerate's pass."""
     loader = session.train_loader
-    rounds = round_examples(loader, session.accelerator.num_processes)
     _seed_epoch(loader, session.config, state.epoch)
     batches = session.accelerator.skip_first_batches(loader, skip) if skip else loader
     fed, finished, epoch = False, False, state.epoch

@@ -75,7 +75,7 @@ def steps_each_epoch(scheduler, config: TrainConfig) -> bool:
     return config.scheduler_interval == "epoch" and not steps_on_evaluation(scheduler)
 
 
-def _inner(obj):
+def inner_object(obj):
     """The object Accelerate wrapped (AcceleratedOptimizer.optimizer, AcceleratedScheduler.scheduler), or obj; under
     DeepSpeed, the torch optimizer inside its ZeRO optimizer (DeepSpeedOptimizerWrapper -> DeepSpeedZeroOptimizer ->
     torch.optim.AdamW), which steps the partitions, and the schedule inside DeepSpeedSchedulerWrapper."""
@@ -87,7 +87,7 @@ def _inner(obj):
     return obj
 
 
-def _fused(opt) -> bool:
+def fused_kernel(opt) -> bool:
     """Whether every param group steps with torch's fused kernel (read from the groups: a resumed run takes the
     checkpoint's choice, whatever the optimizer was built with)."""
     groups = getattr(opt, "param_groups", None) or []
@@ -98,7 +98,7 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
              plateau=None) -> dict[str, Any]:
     """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps;
     `plateau`: a ReduceLROnPlateau of the user's beside the clock schedule."""
-    opt, sched = _inner(optimizer), _inner(scheduler)
+    opt, sched = inner_object(optimizer), inner_object(scheduler)
     if steps_on_evaluation(scheduler):
         clock = f"at each evaluation, on {config.monitored_metric}"
     elif own_scheduler:
@@ -110,14 +110,14 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         group["params"] = label  # a composite optimizer (--optim muon) says which of its parts steps each group
     ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
-                      "groups": groups, **({"fused": True} if _fused(opt) else {})},
+                      "groups": groups, **({"fused": True} if fused_kernel(opt) else {})},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
                       "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},
         "clipping": {"max_grad_norm": config.max_grad_norm if config.max_grad_norm > 0 else None},
     }
     if plateau is not None:
-        ran["plateau"] = {"class": type(_inner(plateau)).__name__, "given": "yours",
+        ran["plateau"] = {"class": type(inner_object(plateau)).__name__, "given": "yours",
                           "stepped": f"at each evaluation, on {config.monitored_metric}"}
     return ran
 

@@ -18,6 +18,7 @@ from .accelerator import precision_in_effect
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .hyperparameters import apply_hyperparameters, hyperparameter_changes, run_hyperparameters
+from .objects import inner_object
 from .state import TrainState
 from .stream import rereading_notes
 from .token_batches import check_token_plan
@@ -81,9 +82,8 @@ def resume(session) -> Resumed:
 
 def session_hyperparameters(session) -> dict:
     """`run_hyperparameters` of the session's run, without the flags that built neither object of the user's own,
-    with the classes of the optimizer and the scheduler inside Accelerate's wrappers."""
-    classes = (type(getattr(session.optimizer, "optimizer", session.optimizer)).__name__,
-               type(getattr(session.scheduler, "scheduler", session.scheduler)).__name__)
+    with the classes of the optimizer and the scheduler inside Accelerate's and DeepSpeed's wrappers (as what_ran)."""
+    classes = (type(inner_object(session.optimizer)).__name__, type(inner_object(session.scheduler)).__name__)
     return run_hyperparameters(session.config, session.plan, session.group_peaks,
                                (session.own_optimizer, not session.scheduler_built_here), classes)
 

@@ -158,8 +158,8 @@ def check_token_loader(loader, config, num_processes: int) -> None:
     --max_tokens_per_batch (what the checkpoints' data position, the report and the refusals count in), and it must
     plan for the processes that run (its rounds are made for that number: Accelerate would repeat batches to even
     out another count, or pair batches of unequal tokens). ConfigError otherwise, before training."""
-    sampler = getattr(loader, "batch_sampler", None)
-    if not isinstance(sampler, TokenBudgetBatchSampler):
+    sampler = budget_sampler(loader)
+    if sampler is None:
         return
     if sampler.max_tokens != config.max_tokens_per_batch:
         raise ConfigError(f"the training loader's TokenBudgetBatchSampler plans batches of {sampler.max_tokens} padded "

@@ -37,6 +37,7 @@ from .core.optim import (
                          no_decay_param_groups,
 )
 from .core.state import TrainResult, TrainState
+from .core.token_batches import TokenBudgetBatchSampler, resolve_token_budget
 from .errors import (
                          CheckpointError,
                          ConfigError,
@@ -73,6 +74,7 @@ __all__ = [
     "train",
     "TrainResult",
     "TrainState",
+    "TokenBudgetBatchSampler",
     "default_loss",
     "evaluation_loss",
     "evaluate_model",
@@ -86,6 +88,7 @@ __all__ = [
     "make_plan",
     "StepPlan",
     "make_loader",
+    "resolve_token_budget",
     "split_loaders",
     "SplitLoaders",
     "pad_multiple",

@@ -32,9 +32,10 @@ Runs (RUNS):
   accel_train muon 1x   + --optim muon: Muon's groups at the AdamW rate, its update RMS matched to AdamW's (the
                         from-scratch setting of Moonshot's "Muon is Scalable for LLM Training")
   accel_train fused     + --optim adamw_torch_fused (what the default builds since 2026-12-04)
-  accel_train token budget  + --max_tokens_per_batch (Task.token_budget: about as many steps an epoch as batches of
-                        32, less padding); samples to the target about epochs x training examples (the epoch
-                        counts micro-batches, whose sizes vary)
+  accel_train token budget  + --max_tokens_per_batch auto (the mean padded tokens of the default's length-grouped
+                        batches: main 1,102, SST-2 832, clm 1,048; about as many steps an epoch, less padding);
+                        samples to the target about epochs x training examples (the epoch counts micro-batches,
+                        whose sizes vary)
   accel_train buckets+compile  + --length_buckets auto --torch_compile: a few padded widths, one graph each, compiled
                         in the training seconds
   accel_train sweep defaults  + batch 16, lr 1.5e-4, warmup 0.13: the best mean accuracy after one epoch over two
@@ -82,10 +83,6 @@ class Task:
     results: str  # file name under OUT
     best: dict  # the Trainer at its best: the recipe's settings for this task (TrainingArguments)
     train_examples: int  # the training set's size: an epoch's samples
-    token_budget: int = 0  # --max_tokens_per_batch for the token-budget lever: the mean padded tokens of the
-    # default's length-grouped batches at seed 42, so about as many steps per epoch (main: the budget of
-    # benchmarks/token_batches.py; SST-2: 215 micro-batches an epoch against 217, padding 0.5% against 3.3%; clm: the
-    # grouped batches of 16 pad to 1,047.6 tokens on average, 1.4% padding, 463 an epoch)
     layerwise_lr_decay: float = 1.0  # the recipe's, given to the Trainer's optimizer as its groups
     metric: str = "accuracy"  # eval_<metric> in the recipe's metrics.jsonl; "loss": lower is better
     recipe: str = "nlp_finetune.py"
@@ -96,17 +93,17 @@ BEST = {"train_sampling_strategy": "group_by_length", "bf16": True, "optim": "ad
         "per_device_train_batch_size": 32, "warmup_steps": 0.1, "weight_decay": 0.01}
 LLAMA = ROOT / "recipes" / "configs" / "textgen_ag_headlines_llama.yaml"
 TASKS = {
-    "main": Task(0.77, 1024, (), "results.json", {**BEST, "num_train_epochs": 2}, 6000, token_budget=1102),
+    "main": Task(0.77, 1024, (), "results.json", {**BEST, "num_train_epochs": 2}, 6000),
     "sst2": Task(0.88, 2048, ("--config", str(ROOT / "recipes" / "configs" / "nlp_sst2.yaml")), "results_sst2.json",
-                 {**BEST, "num_train_epochs": 4, "label_smoothing_factor": 0.1}, 6920, token_budget=832,
+                 {**BEST, "num_train_epochs": 4, "label_smoothing_factor": 0.1}, 6920,
                  layerwise_lr_decay=0.85),
     "clm": Task(6.0, 1024, ("--config", str(LLAMA), "--max_generate_samples", "0"), "results_clm.json",
                 {"train_sampling_strategy": "group_by_length", "bf16": True, "optim": "adamw_torch_fused",
                  "learning_rate": 1e-3, "per_device_train_batch_size": 16, "num_train_epochs": 2,
                  "lr_scheduler_type": "cosine", "warmup_steps": 0.05, "weight_decay": 0.1}, 7400, metric="loss",
-                recipe="text_generation.py", batch=16, token_budget=1048),
+                recipe="text_generation.py", batch=16),
 }
-# run name -> ("accel_train", recipe flags, formatted with the task's fields) or ("trainer", (the base: "default"
+# run name -> ("accel_train", recipe flags) or ("trainer", (the base: "default"
 # or the task's "best", TrainingArguments added to it))
 RUNS = {
     "accel_train default": ("accel_train", []),
@@ -114,7 +111,7 @@ RUNS = {
     "accel_train muon": ("accel_train", ["--optim", "muon", "--muon_lr_ratio", "5"]),
     "accel_train muon 1x": ("accel_train", ["--optim", "muon"]),
     "accel_train fused": ("accel_train", ["--optim", "adamw_torch_fused"]),
-    "accel_train token budget": ("accel_train", ["--max_tokens_per_batch", "{token_budget}"]),
+    "accel_train token budget": ("accel_train", ["--max_tokens_per_batch", "auto"]),
     "accel_train buckets+compile": ("accel_train", ["--length_buckets", "auto", "--torch_compile"]),
     "accel_train sweep defaults": ("accel_train", ["--per_device_train_batch_size", "16", "--learning_rate", "1.5e-4",
                                                    "--warmup_steps", "0.13"]),
@@ -126,9 +123,6 @@ RUNS = {
 
 def accel_train_run(task: Task, name: str, flags: list[str], seed: int, out: Path, cap: float) -> list[dict]:
     """The recipe in a process of its own; its evaluations as [{"samples", "train_seconds", task.metric}]."""
-    if any("{token_budget}" in flag for flag in flags) and not task.token_budget:
-        raise SystemExit(f"{name}: this task has no token budget (Task.token_budget)")
-    flags = [flag.format(**vars(task)) for flag in flags]
     batch = int(flags[flags.index("--per_device_train_batch_size") + 1]) if "--per_device_train_batch_size" in flags \
         else task.batch  # a run that sets its own batch is evaluated at the same sample intervals
     key, every = f"eval_{task.metric}", task.eval_samples // batch

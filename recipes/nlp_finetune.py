@@ -26,6 +26,7 @@ from accel_train import (
     make_loader,
     pad_multiple,
     parse_config,
+    resolve_token_budget,
     run_cli,
     train,
 )
@@ -166,6 +167,7 @@ def main(argv=None) -> dict[str, float]:
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     pad_to = dargs.max_seq_length if dargs.pad_to_max_length else None
     planned = loader_lengths(lengths, cfg, dargs.group_by_length, pad_to, pad_multiple(accelerator), buckets)
+    cfg = resolve_token_budget(cfg, planned)  # --max_tokens_per_batch auto: its number, from the padded widths
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator, lengths=planned,
                                num_processes=accelerator.num_processes)
     pad = train_padding(lengths, cfg, train_loader, dargs.group_by_length, pad_to, buckets)

@@ -34,6 +34,7 @@ from accel_train import (
     make_loader,
     pad_multiple,
     parse_with_defaults,
+    resolve_token_budget,
     run_cli,
     train,
 )
@@ -158,6 +159,7 @@ def main(argv=None) -> dict[str, float]:
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
     rows = training_set(train_set, data_args, width, tokenizer.pad_token_id, pad_multiple(accelerator), model,
                         buckets, config.max_tokens_per_batch)  # padded (to buckets), packed, padding-free or a budget
+    config = resolve_token_budget(config, rows.lengths)  # --max_tokens_per_batch auto: its number, from the widths
     chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
     trips = round_trip_line({name: split.round_trip for name, split in splits.items() if split.round_trip})
     for line in (rows.summary, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets

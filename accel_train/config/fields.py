@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .validation import EXPORT_FORMATS, OPTIMIZERS, TORCH_SCHEDULERS, validate, validate_observability
+from ..errors import ConfigError
+from .validation import EXPORT_FORMATS, OPTIMIZERS, TORCH_SCHEDULERS, parse_tokens, validate, validate_observability
 
 # Metrics where lower is better, matched as whole words of the name (eval_mse, eval_i2t_median_rank, ...).
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "perplexity", "ppl", "error", "wer", "cer", "median_rank")
@@ -54,10 +55,12 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch size on each process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size on each process."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    max_tokens_per_batch: int = field(default=0, metadata={
+    max_tokens_per_batch: int | str = field(default=0, metadata={
         "help": "Training micro-batches of as many examples as fit in N padded tokens (rows x longest row) instead "
-                "of --per_device_train_batch_size examples (0: off). Needs the examples' lengths (make_loader's "
-                "lengths=); not with a stream or --packing (docs/token_batches.md)."})
+                "of --per_device_train_batch_size examples (0: off). auto: the mean padded tokens of the "
+                "length-grouped batches of --per_device_train_batch_size (at least the longest example), about as "
+                "many steps an epoch with less padding. Needs the examples' lengths (make_loader's lengths=); not with "
+                "a stream or --packing (docs/token_batches.md)."})
     dataloader_num_workers: int | None = field(default=None, metadata={
         "help": "DataLoader worker processes (default: 4 beside a GPU, kept between epochs; 0 on a CPU, where "
                 "workers only take cores from the training step)."})
@@ -257,6 +260,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lr_scheduler_kwargs, dict):  # TrainConfig(lr_scheduler_kwargs={...}) in Python: as JSON
             object.__setattr__(self, "lr_scheduler_kwargs", json.dumps(self.lr_scheduler_kwargs))
+        if isinstance(self.max_tokens_per_batch, str):  # TrainConfig(max_tokens_per_batch="auto") in Python
+            try:
+                object.__setattr__(self, "max_tokens_per_batch", parse_tokens(self.max_tokens_per_batch))
+            except ValueError as err:
+                raise ConfigError(f"max_tokens_per_batch: {err}.") from None
         validate(self)
         validate_observability(self)
 

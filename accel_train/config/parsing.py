@@ -7,6 +7,7 @@ names the key and the file.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -23,6 +24,7 @@ from transformers import HfArgumentParser
 from ..errors import ConfigError
 from ..hf_flags import ALIASES, did_you_mean, translate
 from .fields import TrainConfig
+from .validation import parse_tokens
 
 # YAML keys naming files or folders: a relative path there that the current directory does not have is found from
 # the YAML file's folder (output_dir is not: runs go where the command is run).
@@ -53,11 +55,19 @@ class _Parser(HfArgumentParser):
                 continue
             if f.name in HELP_GROUPS:
                 group = self.add_argument_group(f"TrainConfig: {HELP_GROUPS[f.name]}")
-            f.type = hints[f.name]
+            f.type = str if f.name == "max_tokens_per_batch" else hints[f.name]  # a number or auto: _tokens
             self._parse_dataclass_field(group, f)
+        self._option_string_actions["--max_tokens_per_batch"].type = _tokens
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise ConfigError(f"{self.source}: {message}. Run with --help to list the flags.")
+
+
+def _tokens(text: str) -> int | str:
+    try:
+        return parse_tokens(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 RECORD_KEY = "what_ran"  # config.yaml: the optimizer, schedule and clipping a run really used

@@ -49,11 +49,34 @@ def _validate_sizes(cfg) -> None:
         raise bad("num_train_epochs", cfg.num_train_epochs, "must be > 0 (or set --max_steps).")
 
 
+# --max_tokens_per_batch auto (TrainConfig(max_tokens_per_batch="auto")): replaced by its number of tokens once the
+# training examples' lengths are known (core/token_batches.py: resolve_token_budget)
+AUTO_TOKENS = "auto"
+
+
+def budget_flag(value: int | str) -> str:
+    """--max_tokens_per_batch as the user gave it: its number, or auto before the lengths made it one."""
+    return f"--max_tokens_per_batch {value}"
+
+
+def parse_tokens(text: str) -> int | str:
+    """--max_tokens_per_batch's value: a whole number of tokens (0: off), or auto (AUTO_TOKENS)."""
+    if text.strip().lower() == AUTO_TOKENS:
+        return AUTO_TOKENS
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"{text!r} is neither a number of tokens (>= 1; 0: off) nor auto")
+    return tokens
+
+
 def _validate_token_budget(cfg) -> None:
     """--max_tokens_per_batch replaces the number of examples per micro-batch: what needs that number is refused."""
     budget = cfg.max_tokens_per_batch
-    if budget < 0:
-        raise bad("max_tokens_per_batch", budget, "must be a number of tokens >= 1 (0: off).")
+    if budget != AUTO_TOKENS and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise bad("max_tokens_per_batch", budget, "must be a number of tokens >= 1, or auto (0: off).")
     if not budget:
         return
     why = {"auto_find_batch_size": "searches for a number of examples per micro-batch that fits in memory; the token "
@@ -64,7 +87,7 @@ def _validate_token_budget(cfg) -> None:
                        "varying numbers of examples"}
     for name, reason in why.items():
         if getattr(cfg, name) not in (False, "none"):
-            raise ConfigError(f"--{name} and --max_tokens_per_batch {budget}: --{name} {reason}. Drop one of them.")
+            raise ConfigError(f"--{name} and {budget_flag(budget)}: --{name} {reason}. Drop one of them.")
 
 
 def _validate_schedule(cfg) -> None:

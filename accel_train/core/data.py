@@ -19,10 +19,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
+from ..config.validation import budget_flag
 from ..errors import ConfigError
 from .seeding import data_seed, seeded_generator
 from .token_batches import FLAG as TOKEN_FLAG
-from .token_batches import TokenBudgetBatchSampler
+from .token_batches import TokenBudgetBatchSampler, resolve_token_budget
 
 # A packed batch (several sequences per row, told apart by position ids restarting at 0, no attention mask) carries
 # its count of non-padding tokens under this key: nothing else in it says where the row-end padding is.
@@ -275,8 +276,9 @@ def _loader(dataset, config: TrainConfig, collate_fn, process_index: int | None,
 
 def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | None,
                          num_processes: int) -> TokenBudgetBatchSampler:
-    """--max_tokens_per_batch's batch sampler over `lengths`; refused for a stream and for a loader without lengths."""
-    budget = f"{TOKEN_FLAG} {config.max_tokens_per_batch}"
+    """--max_tokens_per_batch's batch sampler over `lengths` (auto: its budget chosen from them); refused for a
+    stream and for a loader without lengths."""
+    budget = budget_flag(config.max_tokens_per_batch)
     if isinstance(dataset, IterableDataset):
         raise ConfigError(f"{budget}: the training set is a stream (an iterable dataset), whose examples' lengths are "
                           "not known ahead, and the plan of batches is made from them before training. Drop "
@@ -290,6 +292,7 @@ def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | 
     if len(lengths) != len(dataset):
         raise ConfigError(f"{budget}: {len(lengths)} lengths for a training set of {len(dataset)} examples: pass one "
                           "length per example.")
+    config = resolve_token_budget(config, lengths)  # auto: train() takes the sampler's number as the run's
     # every process plans for the world it runs in (a plan for fewer would leave Accelerate to repeat batches)
     return TokenBudgetBatchSampler(lengths, config.max_tokens_per_batch, max(num_processes, _world()),
                                    data_seed(config))

@@ -88,7 +88,7 @@ class Session:
         acc.wait_for_everyone()  # every rank has looked before the main process writes anything
         model, optimizer, train_loader = spec.model, spec.optimizer, spec.train_loader
         check_interval(config, spec.scheduler is not None)
-        check_token_loader(train_loader, config, acc.num_processes)  # a TokenBudgetBatchSampler of the user's own
+        config = check_token_loader(train_loader, config, acc.num_processes)  # a budget sampler of one's own; auto
         self.own_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else built (from groups or the config)
         optimizer = optimizer if self.own_optimizer else build_optimizer(model, config, optimizer, acc)
         loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)

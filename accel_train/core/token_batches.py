@@ -27,9 +27,11 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Sampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
+from ..config.validation import AUTO_TOKENS, budget_flag
 from ..errors import CheckpointError, ConfigError
-from .seeding import seeded_generator
+from .seeding import data_seed, seeded_generator
 
 FLAG = "--max_tokens_per_batch"
 
@@ -37,6 +39,35 @@ FLAG = "--max_tokens_per_batch"
 def padded_tokens(lengths: Sequence[int], batch: Sequence[int]) -> int:
     """What a batch costs in the budget: its rows x its longest row."""
     return len(batch) * max(lengths[i] for i in batch)
+
+
+def auto_budget(lengths: Sequence[int], batch_size: int, seed: int = 0) -> int:
+    """--max_tokens_per_batch auto: the mean padded tokens (rows x longest row) of the micro-batches of `batch_size`
+    examples in the length-grouped order of the first epoch at `seed` (what batches of a fixed size cost with
+    length grouping), at least the longest example. About as many micro-batches an epoch as that fixed size, each
+    holding as many examples as that mean allows: more short examples, fewer long ones, less padding. Grouped by
+    the micro-batch alone, so the number does not depend on the processes or the accumulation."""
+    if not lengths:
+        raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the training set is empty.")
+    lengths = list(lengths)
+    order = get_length_grouped_indices(lengths, batch_size, generator=seeded_generator(seed, 0))
+    cost = [padded_tokens(lengths, order[i:i + batch_size]) for i in range(0, len(order), batch_size)]
+    return max(round(sum(cost) / len(cost)), max(lengths))
+
+
+def resolve_token_budget(config, lengths: Sequence[int] | None):
+    """`config` with --max_tokens_per_batch auto replaced by its number of tokens over the training examples'
+    `lengths` (the widths the collator pads them to), so the start-up report, the checkpoints' plan and the
+    refusals name the budget that ran; any other config as it is. Call it where the lengths are known, before
+    make_loader and train()."""
+    if config.max_tokens_per_batch != AUTO_TOKENS:
+        return config
+    if lengths is None:
+        raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the budget is chosen from the training examples' lengths, and "
+                          "the loader was given none (make_loader(..., lengths=None); a recipe: drop "
+                          "--no_group_by_length). Pass lengths=, or give the budget as a number of tokens.")
+    budget = auto_budget(lengths, config.per_device_train_batch_size, data_seed(config))
+    return config.replace(max_tokens_per_batch=budget)
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0,
@@ -153,14 +184,22 @@ def check_token_plan(state, config, num_processes: int, path, loader=None) -> No
                               "Resume with the data and flags it was trained with, or start a new run.")
 
 
-def check_token_loader(loader, config, num_processes: int) -> None:
-    """A training loader batched by a TokenBudgetBatchSampler of one's own: its budget must be the run's
-    --max_tokens_per_batch (what the checkpoints' data position, the report and the refusals count in), and it must
-    plan for the processes that run (its rounds are made for that number: Accelerate would repeat batches to even
-    out another count, or pair batches of unequal tokens). ConfigError otherwise, before training."""
+def check_token_loader(loader, config, num_processes: int):
+    """`config` as the run uses it: with --max_tokens_per_batch auto, the budget of the loader's plan (make_loader
+    chose it from the lengths). A training loader batched by a TokenBudgetBatchSampler of one's own: its budget
+    must be the run's --max_tokens_per_batch (what the checkpoints' data position, the report and the refusals count
+    in), and it must plan for the processes that run (its rounds are made for that number: Accelerate would repeat
+    batches to even out another count, or pair batches of unequal tokens). ConfigError otherwise, before training."""
     sampler = budget_sampler(loader)
+    if config.max_tokens_per_batch == AUTO_TOKENS:
+        if sampler is None:
+            raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the training loader is not batched by a token budget's "
+                              "plan (a loader of one's own, or a stream): build it with make_loader(dataset, config, "
+                              "train=True, lengths=...), which chooses the budget from the lengths, or give the "
+                              "budget as a number of tokens.")
+        config = config.replace(max_tokens_per_batch=sampler.max_tokens)
     if sampler is None:
-        return
+        return config
     if sampler.max_tokens != config.max_tokens_per_batch:
         raise ConfigError(f"the training loader's TokenBudgetBatchSampler plans batches of {sampler.max_tokens} padded "
                           f"tokens and {FLAG} is {config.max_tokens_per_batch or '0 (off)'}: set {FLAG} "
@@ -173,6 +212,7 @@ def check_token_loader(loader, config, num_processes: int) -> None:
                           "count, or deal batches of unequal tokens side by side). Build it "
                           f"with TokenBudgetBatchSampler(lengths, {sampler.max_tokens}, accelerator.num_processes, "
                           "seed), or with make_loader(..., lengths=...), which plans for the processes that run.")
+    return config
 
 
 def _batching(plan: list[int]) -> str:

@@ -20,7 +20,15 @@ from accel_train import TrainConfig, make_loader
 from accel_train.core.accelerator import duplicated_samples
 from accel_train.core.optim import make_plan
 from accel_train.core.state import TrainState
-from accel_train.core.token_batches import TokenBudgetBatchSampler, check_token_plan, padded_tokens, plan_batches
+from accel_train.core.token_batches import (
+    TokenBudgetBatchSampler,
+    auto_budget,
+    check_token_loader,
+    check_token_plan,
+    padded_tokens,
+    plan_batches,
+    resolve_token_budget,
+)
 from accel_train.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -120,6 +128,86 @@ def test_refused_where_it_cannot_hold(tmp_path):
         check_token_plan(TrainState(token_plan=[64, 1], world_size=1), budget, 1, "ckpt")
     with pytest.raises(CheckpointError, match="trained on 2 process.* this run has 1.*Resume on 2"):
         check_token_plan(TrainState(token_plan=[64, 2], world_size=2), budget, 1, "ckpt")
+
+
+def test_auto_is_the_mean_padded_tokens_of_the_grouped_batches_it_replaces(tmp_path):
+    """--max_tokens_per_batch auto: the mean padded tokens of the micro-batches of --per_device_train_batch_size that
+    length grouping makes in epoch 0 at the data seed (about as many micro-batches an epoch, less padding), at least
+    the longest example; the same number whatever the accumulation or the processes; taken by the loader's plan and
+    by train() as the run's budget. Refused, by name, where there is nothing to choose it from."""
+    from accel_train.config.parsing import parse_config
+
+    assert parse_config(argv=["--max_tokens_per_batch", "Auto"])[0].max_tokens_per_batch == "auto"
+    (tmp_path / "c.yaml").write_text("max_tokens_per_batch: auto\n")
+    assert parse_config(argv=["--config", str(tmp_path / "c.yaml")])[0].max_tokens_per_batch == "auto"
+    for value in ("x", "-1", "1.5"):
+        with pytest.raises(ConfigError, match=f"'{value}' is neither a number of tokens"):
+            parse_config(argv=["--max_tokens_per_batch", value])
+    with pytest.raises(ConfigError, match="--scale_lr and --max_tokens_per_batch auto"):
+        TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch="auto", scale_lr="linear")
+
+    fixed = TrainConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, seed=3)
+    batches = list(make_loader(list(range(300)), fixed, train=True, lengths=LENGTHS, num_processes=1).batch_sampler)
+    mean = sum(padded_tokens(LENGTHS, b) for b in batches) / len(batches)  # what length-grouped batches of 8 cost
+    assert auto_budget(LENGTHS, 8, 3) == round(mean) and 128 < round(mean) < 8 * 128
+    assert auto_budget([3, 100, 5, 3], 1) == 100  # a mean of 27.75 padded tokens: at least the longest example
+    auto = fixed.replace(max_tokens_per_batch="auto")
+    for config in (auto, auto.replace(gradient_accumulation_steps=4)):
+        assert resolve_token_budget(config, LENGTHS).max_tokens_per_batch == round(mean)
+    assert resolve_token_budget(fixed, LENGTHS) is fixed  # no budget asked: as it is
+    loader = make_loader(list(range(300)), auto, train=True, lengths=LENGTHS, num_processes=1)
+    assert loader.batch_sampler.max_tokens == round(mean)
+    assert abs(len(loader) - len(batches)) <= 0.1 * len(batches)  # about as many micro-batches an epoch
+    assert loader.batch_sampler.padding_share(LENGTHS) < 1 - sum(LENGTHS) / (len(batches) * mean)  # less padding
+    assert check_token_loader(loader, auto, 1).max_tokens_per_batch == round(mean)  # train() runs with the number
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the budget is chosen from the training "
+                                          "examples' lengths, and the loader was given none"):
+        resolve_token_budget(auto, None)  # a recipe under --no_group_by_length
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the training loader was built without"):
+        make_loader(list(range(300)), auto, train=True)
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the training loader is not batched by a "
+                                          "token budget's plan"):
+        check_token_loader(DataLoader(list(range(300)), batch_size=8), auto, 1)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([[1, 2]])
+
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the training set is a stream"):
+        make_loader(Stream(), auto, train=True, lengths=[2])
+
+
+def test_an_auto_budget_runs_cut_and_resumed_as_the_uncut_run_and_says_its_number(tmp_path, capsys):
+    """train() with --max_tokens_per_batch auto: the start-up report, config.yaml and the checkpoints' plan give the
+    number it resolved to; a run cut after step 2 and resumed with auto (the same data: the same number) feeds what
+    the uncut run fed and ends on its weights, bitwise, under bf16 and accumulation; resumed with another
+    --per_device_train_batch_size (another auto number) it is refused, naming both numbers."""
+    from safetensors.torch import load_file
+
+    rows = token_train.sequences(24, 0)
+    number = auto_budget(list(map(len, rows)), 4, 42)
+    common = ["--max_tokens_per_batch", "auto", "--per_device_train_batch_size", "4", "--num_sequences", "24",
+              "--gradient_accumulation_steps", "2", "--mixed_precision", "bf16", "--max_steps", "5",
+              "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "1"]
+    run_tokens(tmp_path / "whole", *common)
+    assert f"at most {number} padded tokens per micro-batch (--max_tokens_per_batch" in capsys.readouterr().out
+    assert f"max_tokens_per_batch: {number}\n" in (tmp_path / "whole" / "config.yaml").read_text()
+    run_tokens(tmp_path / "cut", *common, "--stop_at_step", "2")
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000002" / "train_state.json").read_text())
+    assert state["token_plan"][:2] == [number, 2]
+    run_tokens(tmp_path / "cut", *common, "--resume_from_checkpoint", "latest")
+    whole = json.loads(next((tmp_path / "whole").glob("token_rank0_*.json")).read_text())["fed"]
+    cut, resumed = (json.loads(p.read_text())["fed"] for p in sorted((tmp_path / "cut").glob("token_rank0_*.json"),
+                                                                       key=lambda p: int(p.stem.split("_")[-1])))
+    assert len(whole) == 9 and cut == whole[:4] and resumed == whole[4:]  # 5 micro-batches an epoch: steps of 2,2,1
+    final = [load_file(tmp_path / run / "model.safetensors") for run in ("whole", "cut")]
+    assert all(final[0][name].equal(final[1][name]) for name in final[0])
+    other = auto_budget(list(map(len, rows)), 2, 42)
+    assert other != number
+    with pytest.raises(CheckpointError, match=f"trained with --max_tokens_per_batch {number} and .*this run asks for "
+                                              f"--max_tokens_per_batch {other}"):
+        run_tokens(tmp_path / "cut", *common, "--per_device_train_batch_size", "2", "--max_steps", "6",
+                   "--resume_from_checkpoint", "latest")
 
 
 def test_a_checkpoint_resumes_only_with_its_own_plan(tmp_path):
@@ -237,6 +325,10 @@ def plan_of_a_loader_built_without_the_world(out: str) -> None:
     rows = token_train.sequences(16, 0)
     loader = make_loader(rows, config, train=True, lengths=list(map(len, rows)))
     assert (loader.batch_sampler.num_processes, len(loader)) == (2, 8)
+    auto = make_loader(rows, config.replace(max_tokens_per_batch="auto"), train=True, lengths=list(map(len, rows)))
+    # auto: the number one process would choose (grouped by the micro-batch, not the world), planned for 2
+    assert auto.batch_sampler.max_tokens == auto_budget(list(map(len, rows)), 8, 42)
+    assert auto.batch_sampler.num_processes == 2 and len(auto.batch_sampler.batches) % 2 == 0
     # the start-up report's "trained twice" note counts batches of --per_device_train_batch_size: none under a plan
     plan = make_plan(config, 4, 2)
     assert duplicated_samples(plan, config, 2, 16) == 0
@@ -304,8 +396,8 @@ LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--conf
 
 def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_otherwise(tmp_path, tiny_bert,
                                                                                        capsys):
-    """In this process: recipes/nlp_finetune.py (tiny BERT, rows of 1 to 28 words, budget 96 tokens) trains on the
-    plan, whose steps and padding share are what it reports; recipes/text_generation.py (a tiny Llama) refuses the
+    """In this process: recipes/nlp_finetune.py (tiny BERT, rows of 1 to 28 words, --max_tokens_per_batch auto)
+    trains on the plan of the budget auto chose, whose steps and padding share are what it reports; recipes/text_generation.py (a tiny Llama) refuses the
     budget with --packing and with --padding_free, naming why, before training; the classification recipe's lengths
     are the widths its collator pads to (a pad multiple, a length bucket)."""
     import text_generation
@@ -330,6 +422,7 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     rows = datasets.Dataset.from_dict({"input_ids": [[1] * 5, [1] * 20], "labels": [[1] * 5, [1] * 20]})
     lm, args = token_train.tiny_lm(), GenerationDataArguments()
     assert training_set(rows, args, 40, 0, 8, lm, None, 96).lengths == [8, 24]  # to the pad multiple
+    assert "batches of at most 96 padded tokens" in training_set(rows, args, 40, 0, 8, lm, None, 96).summary
     assert training_set(rows, args, 40, 0, None, lm, resolve_buckets("16,40", 40, None), 96).lengths == [16, 40]
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
     with pytest.raises(ConfigError, match="encoder-decoder, whose source and target are padded apart"):
@@ -341,12 +434,14 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     out = tmp_path / "nlp"
     run_nlp(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.txt"), "--output_dir",
              str(out), "--report_to", "none", "--disable_tqdm", "--num_train_epochs", "1", "--max_seq_length", "32",
-             "--save_strategy", "no", "--load_best_model_at_end", "false", "--max_tokens_per_batch", "96",
-             "--eval_strategy", "no", "--no_preflight", "--no_run_report"])
+             "--save_strategy", "no", "--load_best_model_at_end", "false", "--max_tokens_per_batch", "auto",
+             "--per_device_train_batch_size", "8", "--eval_strategy", "no", "--no_preflight", "--no_run_report"])
     printed = capsys.readouterr().out
     results = json.loads((out / "all_results.json").read_text())
     steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
-    assert results["train_steps"] == steps and steps < 64
+    assert results["train_steps"] == steps and 5 <= steps <= 9  # auto: about the 7 batches of 8 (58 rows) it replaces
+    budget = int(printed.split("at most ")[1].split(" padded tokens per micro-batch")[0])  # auto's number, in use
+    assert f"max_tokens_per_batch: {budget}\n" in (out / "config.yaml").read_text() and budget <= 8 * 32
     assert f"train padding ratio {100 * results['train_padding_ratio']:.1f}% (token-budget batches)" in printed
 
     d = date_pairs(24, 1)
@@ -365,8 +460,11 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     reset_accelerate()  # a causal LM's padded batches: planned from the widths its collator pads input_ids to
     capsys.readouterr()
     text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), "--num_train_epochs", "1",
-                          "--save_strategy", "no", "--eval_strategy", "no", "--load_best_model_at_end", "false"])
+                          "--save_strategy", "no", "--eval_strategy", "no", "--load_best_model_at_end", "false",
+                          "--max_tokens_per_batch", "auto", "--per_device_train_batch_size", "4"])
     printed = capsys.readouterr().out
-    assert "token budget: batches of at most 256 padded tokens (rows x longest row)" in printed
+    assert "token budget: batches of at most the auto budget (the start-up report gives it)" in printed
+    budget = int(printed.split("at most ")[2].split(" padded tokens per micro-batch")[0])
+    assert f"max_tokens_per_batch: {budget}\n" in (tmp_path / "gen" / "config.yaml").read_text()
     steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
-    assert json.loads((tmp_path / "gen" / "all_results.json").read_text())["train_steps"] == steps < 20
+    assert json.loads((tmp_path / "gen" / "all_results.json").read_text())["train_steps"] == steps <= 6  # 20 rows

@@ -32,6 +32,7 @@ from typing import Any
 import datasets
 import torch
 
+from ....config.validation import budget_flag
 from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
 from ....errors import ConfigError, DataError
@@ -172,7 +173,7 @@ class TrainingSet:
 
 
 def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int, multiple: int | None,
-                 model, buckets: LengthBuckets | None = None, max_tokens: int = 0) -> TrainingSet:
+                 model, buckets: LengthBuckets | None = None, max_tokens: int | str = 0) -> TrainingSet:
     """Padded batches (to their length bucket with `buckets`), packed rows of `width` tokens (`args.packing`) or
     padding-free rows (`args.padding_free`) of `examples`; packing is refused where `model` does not keep packed
     examples apart. With `max_tokens` (--max_tokens_per_batch) the lengths are the widths the collator pads each
@@ -180,8 +181,10 @@ def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int
     if max_tokens:
         refuse_token_budget(args, model, max_tokens)
         widths = [buckets.width(len(i)) if buckets else round_up(len(i), multiple) for i in examples["input_ids"]]
+        most = ("the auto budget (the start-up report gives it)" if isinstance(max_tokens, str)
+                else f"{max_tokens} padded tokens")
         return TrainingSet(examples, TrainCollator(pad_token_id, multiple, buckets), widths,
-                           f"token budget: batches of at most {max_tokens} padded tokens (rows x longest row)")
+                           f"token budget: batches of at most {most} (rows x longest row)")
     lengths = [len(i) + len(lab) for i, lab in zip(examples["input_ids"], examples["labels"], strict=True)]
     vocab_size = model.get_input_embeddings().num_embeddings
     if args.packing:
@@ -209,9 +212,9 @@ def check_packing_flags(args, seq2seq: bool) -> None:
                           f"inputs are separate sequences). Drop {flag}, or train a causal LM.")
 
 
-def refuse_token_budget(args, model, max_tokens: int) -> None:
+def refuse_token_budget(args, model, max_tokens: int | str) -> None:
     """--max_tokens_per_batch plans batches of rows x longest row: what batches otherwise is refused, with why."""
-    budget = f"--max_tokens_per_batch {max_tokens}"
+    budget = budget_flag(max_tokens)
     if args.packing:
         raise ConfigError(f"{budget} and --packing: packing fills rows of --max_seq_length tokens already (a token "
                           "budget of rows x --max_seq_length per micro-batch). Give one of them: --packing with "

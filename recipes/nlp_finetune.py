@@ -151,7 +151,8 @@ def main(argv=None) -> dict[str, float]:
     accelerator = build_accelerator(cfg, static_shapes=bool(dargs.length_buckets))
     raw, text_columns, labels, found = load_data(dargs, cfg.seed)
     if cfg.metric_for_best_model is None:
-        cfg = cfg.replace(metric_for_best_model=BEST_METRIC["regression" if labels.is_regression else "classification"])
+        best = BEST_METRIC["regression" if labels.is_regression else "classification"]
+        cfg = cfg.replace(metric_for_best_model=f"ema_{best}" if cfg.save_ema_as_final else best)  # the saved weights'
     tokenizer, model = build_model(margs, labels, dargs.max_seq_length)
     with accelerator.main_process_first():  # one process tokenizes and fills the cache, the others read it
         data = tokenize(raw, tokenizer, text_columns, dargs.max_seq_length, pad_to_max_length=dargs.pad_to_max_length)

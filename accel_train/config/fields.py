@@ -287,7 +287,7 @@ class TrainConfig:
             name = self.metric_for_best_model
             return name if name.startswith("eval_") else f"eval_{name}"
         if self.load_best_model_at_end or self.early_stopping_patience is not None:
-            return "eval_loss"
+            return "eval_ema_loss" if self.save_ema_as_final else "eval_loss"  # the loss of the weights saved
         return None
 
     @property

@@ -142,6 +142,18 @@ def _validate_guards(cfg) -> None:
         raise bad("ema_decay", cfg.ema_decay, "must be in [0, 1): e.g. 0.999 (0 turns averaging off).")
     if cfg.save_ema_as_final and not cfg.ema_decay:
         raise ConfigError("--save_ema_as_final needs an average to save: set --ema_decay (e.g. 0.999).")
+    best = cfg.best_metric_name if cfg.ema_decay and cfg.load_best_model_at_end else None
+    if best and best.startswith("eval_ema_") != cfg.save_ema_as_final:  # the best step of one, the final of the other
+        if cfg.save_ema_as_final:
+            raise ConfigError(f"--save_ema_as_final saves the average, and --load_best_model_at_end loads the step "
+                              f"best by {best}, a metric of the live weights: the final model would be the average of "
+                              f"a step chosen for its live weights. Choose the best by the average's "
+                              f"(--metric_for_best_model {best.replace('eval_', 'eval_ema_', 1)}), or drop "
+                              "--save_ema_as_final.")
+        raise ConfigError(f"--metric_for_best_model {cfg.metric_for_best_model} chooses the best step by the average, "
+                          "and --load_best_model_at_end then saves that step's live weights, which were not what "
+                          "was measured. Add --save_ema_as_final (the final model: the average of the best step), or "
+                          f"choose the best by the live weights' metric ({best.replace('eval_ema_', 'eval_', 1)}).")
     if not 0 <= cfg.label_smoothing_factor < 1:
         raise bad("label_smoothing_factor", cfg.label_smoothing_factor, "must be in [0, 1).")
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:

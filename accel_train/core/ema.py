@@ -45,6 +45,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _averaged_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The average's dtype: fp32 for half-precision weights (bf16, fp16), else the weights' own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 class WeightAverage:
     """The exponential moving average of `model`'s weights (the unwrapped, prepared model). `update()` after each
     optimizer step; `swapped()` to evaluate or save the average; `save` / `load` with the checkpoints."""
@@ -55,7 +60,11 @@ class WeightAverage:
         self.decay, self.warmup, self.rank = decay, warmup, rank
         self.live = averaged_tensors(model)
         self.sharded = any(hasattr(t, "to_local") for t in self.live.values())  # each process averages its shard
-        self.average = {name: _local(tensor).detach().clone() for name, tensor in self.live.items()}
+        # kept in fp32 where the weights are in half precision: an update of (1 - decay) x (weight - average) is
+        # under half of bf16's step at the average (2^-8 at 1.0) for decay 0.999, and would be rounded away
+        self.average = {name: _local(tensor).detach().clone().to(_averaged_dtype(tensor.dtype))
+                        for name, tensor in self.live.items()}
+        self.held: dict[str, torch.Tensor] = {}  # inside swapped(): the live weights of averages of another dtype
         from torch.distributed.fsdp import FSDPModule
 
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -71,17 +80,19 @@ class WeightAverage:
     def update(self) -> None:
         names = list(self.average)
         ema_update = get_ema_multi_avg_fn(self.current_decay())
-        ema_update([self.average[n] for n in names], [_local(self.live[n]).detach() for n in names], self.updates)
+        live = [_local(self.live[n]).detach().to(self.average[n].dtype) for n in names]  # no copy at equal dtypes
+        ema_update([self.average[n] for n in names], live, self.updates)
         self.updates += 1
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
-        """The model holds the average inside the block, its live weights again after it (bitwise)."""
-        self._swap()
+        """The model holds the average inside the block (rounded to the model's dtype where the average is kept in
+        fp32), its live weights again after it (bitwise), and the average is left as it was."""
+        self._swap(into_model=True)
         try:
             yield
         finally:
-            self._swap()
+            self._swap(into_model=False)
 
     def copy_into_model(self) -> None:
         """Make the average the model's weights for good (--save_ema_as_final, at the end of the run)."""
@@ -91,10 +102,17 @@ class WeightAverage:
                 _local(tensor).copy_(self.average[name])
 
     @torch.no_grad()
-    def _swap(self) -> None:
+    def _swap(self, into_model: bool) -> None:
+        """Exchange the storages where the average has the weights' dtype (no second copy of the model); where it is
+        kept in fp32, write it into the model and hold the live tensor aside (an exchange would round the average)."""
         self._reshard()
         for name, tensor in self.live.items():
             local, average = _local(tensor), self.average[name]
+            if average.dtype != local.dtype:
+                if into_model:
+                    self.held[name] = local.clone()
+                local.copy_(average if into_model else self.held.pop(name))
+                continue
             held = local.clone()
             local.copy_(average)
             average.copy_(held)

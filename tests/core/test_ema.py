@@ -44,6 +44,34 @@ def test_the_average_follows_the_warmed_up_decay_and_the_swap_restores_the_live_
     assert WeightAverage(model, 0.9, warmup=False).current_decay() == 0.9
 
 
+def test_the_average_of_a_bf16_model_keeps_moving_and_survives_evaluations_and_a_checkpoint(tmp_path):
+    """An average of bf16 weights is kept in fp32: at decay 0.999 each update, 0.001 x (weight - average), is under
+    half of bf16's step at 1.0 (2^-8), and an average kept in bf16 would never leave 1.0. Evaluating it (the model
+    holds it, rounded to bf16) neither rounds it nor changes the live weights, and it is saved and loaded as it is."""
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    average = WeightAverage(model, 0.999, warmup=False)
+    assert {t.dtype for t in average.average.values()} == {torch.float32}
+    with torch.no_grad():
+        for name, tensor in average.live.items():
+            average.average[name].fill_(1.0)
+            tensor.fill_(2.0)
+    for _ in range(1000):
+        average.update()
+        with average.swapped():  # an evaluation of the average every step
+            assert model.weight.dtype == torch.bfloat16
+    expected = 2 - 0.999 ** 1000  # 1.632: the fp32 average of 2.0 seen 1,000 times from 1.0
+    assert all(torch.allclose(t, torch.full_like(t, expected), atol=1e-4) for t in average.average.values())
+    with average.swapped():
+        assert model.weight.dtype == torch.bfloat16 and model.weight.eq(torch.tensor(expected).bfloat16()).all()
+    assert model.weight.eq(2.0).all() and model.bias.eq(2.0).all()  # the live weights, bitwise
+    average.save(tmp_path)
+    again = WeightAverage(model, 0.999, warmup=False)
+    again.load(tmp_path, 1)
+    assert all(again.average[n].equal(average.average[n]) for n in average.average) and again.updates == 1000
+    average.copy_into_model()
+    assert model.weight.dtype == torch.bfloat16 and model.weight.eq(torch.tensor(expected).bfloat16()).all()
+
+
 def run(argv):
     reset_accelerate()
     run_cli(toy_train.main, argv)
@@ -68,6 +96,24 @@ def test_a_run_evaluates_the_average_beside_the_live_weights_and_saves_it_as_the
     assert abs(loss - records[-1]["eval_loss"]) > 1e-4, "the saved model would be the live weights"
     results = json.loads((out / "all_results.json").read_text())
     assert (results["eval_ema_loss"], results["eval_loss"]) == (records[-1]["eval_ema_loss"], records[-1]["eval_loss"])
+    # the best step chosen by the weights saved: the average's loss under --save_ema_as_final (the default metric)
+    best = tmp_path / "best"
+    run(["--output_dir", str(best), *QUIET, "--num_train_epochs", "3", "--learning_rate", "0.05", "--ema_decay", "0.9",
+         "--save_ema_as_final", "--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end"])
+    records = [r for r in read_jsonl(best / "metrics.jsonl") if "eval_ema_loss" in r][:3]
+    model.load_state_dict(load_file(best / "model.safetensors"))
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(points.x), points.y).item()
+    assert abs(loss - min(r["eval_ema_loss"] for r in records)) < 1e-6
+    state = json.loads((best / "checkpoints" / "step-00000036" / "train_state.json").read_text())
+    assert state["best_metric_name"] == "eval_ema_loss"  # not the live eval_loss, whose best step may be another
+    for flags, refusal in ((["--save_ema_as_final", "--metric_for_best_model", "accuracy"],
+                            "best by eval_accuracy, a metric of the live weights.*eval_ema_accuracy"),
+                           (["--metric_for_best_model", "ema_loss"], "saves that step's live weights.*Add "
+                                                                     "--save_ema_as_final.*\\(eval_loss\\)")):
+        with pytest.raises(ConfigError, match=refusal):
+            TrainConfig(output_dir=str(tmp_path), ema_decay=0.9, load_best_model_at_end=True, **{
+                "save_ema_as_final": "--save_ema_as_final" in flags, "metric_for_best_model": flags[-1]})
 
 
 def test_the_averages_metrics_can_choose_the_best_model_and_keep_their_names(tmp_path):

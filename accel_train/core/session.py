@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
 
 from ..config import TrainConfig
-from ..errors import ConfigError, FinishError, Preempted
+from ..errors import ConfigError, FinishError, MetricsError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.async_checkpoint import CheckpointWriter
 from ..rundir.final_model import final_model_names, save_final_model
@@ -251,13 +251,16 @@ class Session:
         self.last_eval = (state.step, metrics)
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
-        for schedule in (self.scheduler, self.plateau):
-            if steps_on_evaluation(schedule):
-                schedule.step(metrics[self.config.monitored_metric])
+        plateau = [schedule for schedule in (self.scheduler, self.plateau) if steps_on_evaluation(schedule)]
+        for watched in {name, self.config.monitored_metric if plateau else None} - {None} - set(metrics):
+            # a MetricsError: the loop saves this step's training state before it stops (core/rescue.py)
+            raise MetricsError(f"--metric_for_best_model {watched}: the evaluation returned only {sorted(metrics)} "
+                               "(best model, early stopping and a plateau schedule watch it). Set "
+                               "--metric_for_best_model to one of them, or return it from the metrics function.")
+        for schedule in plateau:
+            schedule.step(metrics[self.config.monitored_metric])
         if name is None:
             return metrics, False
-        if name not in metrics:
-            raise ConfigError(f"--metric_for_best_model {name}: the evaluation returned only {sorted(metrics)}.")
         return metrics, state.update_best(name, self.config.best_is_greater, float(metrics[name]))
 
     def save(self, state: TrainState, best: bool = False, wait: bool = True) -> bool:

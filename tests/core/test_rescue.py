@@ -49,8 +49,8 @@ class Accuracy:
         return {"accuracy": (outputs["logits"].argmax(-1) == outputs["labels"]).float().mean()}
 
 
-def run(out, metrics_fn, accumulation: int = 1, resume: bool = False):
-    """8 optimizer steps on (x, y) tuples, evaluated every 2 steps, checkpointed every 3."""
+def run(out, metrics_fn, accumulation: int = 1, resume: bool = False, **changes):
+    """8 optimizer steps on (x, y) tuples, evaluated every 2 steps, checkpointed every 3 (TrainConfig `changes`)."""
     reset_accelerate()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
@@ -58,7 +58,7 @@ def run(out, metrics_fn, accumulation: int = 1, resume: bool = False):
                          per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
                          mixed_precision="no", eval_strategy="steps", eval_steps=2, logging_steps=1,
                          save_strategy="steps", save_steps=3, seed=0,
-                         resume_from_checkpoint="latest" if resume else None)
+                         resume_from_checkpoint="latest" if resume else None, **changes)
     loader = DataLoader(data(), batch_size=4 // accumulation, shuffle=True, generator=torch.Generator().manual_seed(1))
     return train(model, loader, config=config, loss_fn=cross_entropy, eval_loader=DataLoader(data(), batch_size=8),
                  metrics_fn=metrics_fn)
@@ -94,6 +94,19 @@ def test_a_metric_that_fails_once_costs_nothing_after_a_resume(tmp_path, accumul
     assert [s for s, *_ in evaluations(tmp_path / "whole")] == [2, 4, 6, 8]
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+
+
+@pytest.mark.parametrize("schedule", ["linear", "reduce_lr_on_plateau"])
+def test_a_watched_metric_the_evaluation_never_returns_stops_the_run_with_its_step_saved(tmp_path, schedule):
+    """--metric_for_best_model f1 with a metrics function that returns only accuracy (and names nothing, so the start
+    cannot tell): the first evaluation raises a MetricsError naming the metric and what was returned, after the
+    step's training state was saved (a plateau schedule stepping on the metric no longer fails first with a bare
+    KeyError that saved nothing)."""
+    with pytest.raises(MetricsError, match=r"--metric_for_best_model eval_f1: the evaluation returned only "
+                                           r"\['eval_accuracy', 'eval_loss'.*saved first"):
+        run(tmp_path, Accuracy(), metric_for_best_model="f1", lr_scheduler_type=schedule)
+    saved = json.loads((tmp_path / "checkpoints" / checkpoint_name(2) / "train_state.json").read_text())
+    assert saved["step"] == 2 and saved["evaluation_pending"] is True
 
 
 def failing_on_two_ranks(out: str, ranks: tuple[int, ...] | None) -> None:

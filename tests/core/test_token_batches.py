@@ -397,9 +397,10 @@ LLAMA = ["--model_type", "llama", "--train_tokenizer_vocab_size", "300", "--conf
 def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_otherwise(tmp_path, tiny_bert,
                                                                                        capsys):
     """In this process: recipes/nlp_finetune.py (tiny BERT, rows of 1 to 28 words, --max_tokens_per_batch auto)
-    trains on the plan of the budget auto chose, whose steps and padding share are what it reports; recipes/text_generation.py (a tiny Llama) refuses the
-    budget with --packing and with --padding_free, naming why, before training; the classification recipe's lengths
-    are the widths its collator pads to (a pad multiple, a length bucket)."""
+    trains on the plan of the budget auto chose, whose steps and padding share are what it reports;
+    recipes/text_generation.py (a tiny Llama) refuses a budget with --packing and with --padding_free, naming why,
+    before training, and trains on auto's; the classification recipe's lengths are the widths its collator pads to
+    (a pad multiple, a length bucket)."""
     import text_generation
     from conftest import FILLER
     from conftest import nlp_main as run_nlp

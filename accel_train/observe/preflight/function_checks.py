@@ -23,7 +23,7 @@ from accelerate.utils import send_to_device
 from torch.utils.data import IterableDataset
 
 from ...core.accelerator import holds_whole_model
-from ...core.evaluation import loss_outputs, one_number
+from ...core.evaluation import LOSS_METRICS, loss_outputs, metric_name, one_number
 from ...core.guard import fetch_batch
 from ...core.loss import as_loss_output, tuple_target
 from ...errors import ConfigError
@@ -129,5 +129,13 @@ def _metric_findings(f, model, batch) -> list[Finding]:
     except Exception as err:  # noqa: BLE001 - a vector or a string, named by one_number
         return [Finding("functions", "error", f"{str(err).rstrip('.')} (the metrics function {name}, on one batch's "
                         "evaluation outputs).", "return one number per name.")]
+    watched = f.config.best_metric_name if f.eval_loader is not None else None
+    reported = [*LOSS_METRICS, *(metric_name(key, "eval") for key in metrics)]
+    reported += [metric_name(key, "eval_ema") for key in reported] if f.config.ema_decay else []
+    if watched and watched not in reported:  # a warning: a name may need more than one batch (a class present)
+        return [Finding("functions", "warning", f"--metric_for_best_model {watched} (best model, early stopping, a "
+                        f"plateau schedule) is not among what the metrics function {name} returned on one batch's "
+                        f"evaluation outputs ({', '.join(reported)}): the first evaluation would stop the run.",
+                        "set --metric_for_best_model to one of them, or return it from the metrics function.")]
     return [Finding("functions", "ok", f"the metrics function {name} returned {len(metrics)} number(s) on one "
                     "batch's evaluation outputs.")]

@@ -37,7 +37,7 @@ from .core.optim import (
                          no_decay_param_groups,
 )
 from .core.state import TrainResult, TrainState
-from .core.token_batches import TokenBudgetBatchSampler, resolve_token_budget
+from .core.token_batches import TokenBudgetBatchSampler, default_budget, resolve_token_budget
 from .errors import (
                          CheckpointError,
                          ConfigError,
@@ -88,6 +88,7 @@ __all__ = [
     "make_plan",
     "StepPlan",
     "make_loader",
+    "default_budget",
     "resolve_token_budget",
     "split_loaders",
     "SplitLoaders",

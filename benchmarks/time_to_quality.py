@@ -24,18 +24,22 @@ until --cap_seconds of training): the time to the target is read afterwards, and
 beside it.
 
 Runs (RUNS):
-  accel_train default   the recipe as shipped: bf16 autocast (auto), length grouping, lr 2e-4, batch 32, the task's
-                        epochs and config; AdamW with torch's fused kernel (the default since 2026-12-04)
+  accel_train default   the recipe as shipped: bf16 autocast (auto), lr 2e-4, the task's epochs and config, AdamW
+                        with torch's fused kernel (the default since 2026-12-04), token-budget batches
+                        (--max_tokens_per_batch auto, the default since 2026-12-05: as many padded tokens as the
+                        length-grouped batches of 32 hold on average)
+  accel_train fixed batches  + --max_tokens_per_batch 0: length-grouped batches of 32 examples (the default before
+                        2026-12-05; its runs before then are kept under this name)
   accel_train adamw_torch  + --optim adamw_torch: torch's default AdamW kernel, a loop over the tensors on a CPU
                         (the default before 2026-12-04; its runs before then are kept under this name)
   accel_train muon      + --optim muon --muon_lr_ratio 5 (docs/optimizers.md: the fine-tuning setting)
   accel_train muon 1x   + --optim muon: Muon's groups at the AdamW rate, its update RMS matched to AdamW's (the
                         from-scratch setting of Moonshot's "Muon is Scalable for LLM Training")
   accel_train fused     + --optim adamw_torch_fused (what the default builds since 2026-12-04)
-  accel_train token budget  + --max_tokens_per_batch auto (the mean padded tokens of the default's length-grouped
-                        batches: main 1,102, SST-2 832, clm 1,048; about as many steps an epoch, less padding);
-                        samples to the target about epochs x training examples (the epoch counts micro-batches,
-                        whose sizes vary)
+  accel_train token budget  + --max_tokens_per_batch auto (the mean padded tokens of the length-grouped batches:
+                        main 1,102, SST-2 832, clm 1,048; about as many steps an epoch, less padding): the lever
+                        measured before it became the default, the same runs as the default since; samples to the
+                        target about epochs x training examples (the epoch counts micro-batches, of varying sizes)
   accel_train buckets+compile  + --length_buckets auto --torch_compile: a few padded widths, one graph each, compiled
                         in the training seconds
   accel_train sweep defaults  + batch 16, lr 1.5e-4, warmup 0.13: the best mean accuracy after one epoch over two
@@ -69,6 +73,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "runs" / "time_to_quality"
@@ -107,6 +113,7 @@ TASKS = {
 # or the task's "best", TrainingArguments added to it))
 RUNS = {
     "accel_train default": ("accel_train", []),
+    "accel_train fixed batches": ("accel_train", ["--max_tokens_per_batch", "0"]),
     "accel_train adamw_torch": ("accel_train", ["--optim", "adamw_torch"]),
     "accel_train muon": ("accel_train", ["--optim", "muon", "--muon_lr_ratio", "5"]),
     "accel_train muon 1x": ("accel_train", ["--optim", "muon"]),
@@ -126,7 +133,6 @@ def accel_train_run(task: Task, name: str, flags: list[str], seed: int, out: Pat
     batch = int(flags[flags.index("--per_device_train_batch_size") + 1]) if "--per_device_train_batch_size" in flags \
         else task.batch  # a run that sets its own batch is evaluated at the same sample intervals
     key, every = f"eval_{task.metric}", task.eval_samples // batch
-    budget = "--max_tokens_per_batch" in flags  # steps of varying size: samples read from the epoch
     command = [sys.executable, str(ROOT / "recipes" / task.recipe), *task.flags, "--output_dir", str(out),
                "--overwrite_output_dir", "--seed", str(seed),
                "--eval_strategy", "steps", "--eval_steps", str(every), "--logging_strategy", "steps",
@@ -140,6 +146,8 @@ def accel_train_run(task: Task, name: str, flags: list[str], seed: int, out: Pat
     if code != 0:
         raise SystemExit(f"{name} (seed {seed}) failed with exit code {code}: see {log}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # a token budget (the default since 2026-12-05, or asked for): steps of varying size, samples read from the epoch
+    budget = bool(yaml.safe_load((out / "config.yaml").read_text()).get("max_tokens_per_batch"))
     clock = {r["step"]: r["train_seconds"] for r in records if "train_seconds" in r}
     evaluations: dict[int, dict] = {}  # by step: the final evaluation of weights already evaluated is not another
     for r in records:

@@ -21,12 +21,12 @@ from accel_train import (
     ModelError,
     TrainConfig,
     build_accelerator,
+    default_budget,
     default_loss,
     layerwise_lr_decay_groups,
     make_loader,
     pad_multiple,
     parse_config,
-    resolve_token_budget,
     run_cli,
     train,
 )
@@ -41,6 +41,7 @@ from accel_train.tasks.text.classification import (
     classification_metrics,
     data_summary,
     encode_labels,
+    fixed_batches_reason,
     load_embedded_tweets,
     load_named_dataset,
     load_text_files,
@@ -167,8 +168,8 @@ def main(argv=None) -> dict[str, float]:
                 DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(accelerator)))
     lengths = [sum(mask) for mask in data["train"]["attention_mask"]]  # real tokens, padded or not
     pad_to = dargs.max_seq_length if dargs.pad_to_max_length else None
+    cfg, batching = default_budget(cfg, accelerator, fixed_batches_reason(dargs))  # a token budget, or why not
     planned = loader_lengths(lengths, cfg, dargs.group_by_length, pad_to, pad_multiple(accelerator), buckets)
-    cfg = resolve_token_budget(cfg, planned)  # --max_tokens_per_batch auto: its number, from the padded widths
     train_loader = make_loader(data["train"], cfg, train=True, collate_fn=collator, lengths=planned,
                                num_processes=accelerator.num_processes)
     pad = train_padding(lengths, cfg, train_loader, dargs.group_by_length, pad_to, buckets)
@@ -176,6 +177,8 @@ def main(argv=None) -> dict[str, float]:
                else "random")
     bucketed = f", padded to the length buckets {buckets.describe()}" if buckets else ""
     accelerator.print(f"train padding ratio {pad:.1%} ({batches} batches{bucketed})")
+    if batching:
+        accelerator.print(batching)
     groups = (layerwise_lr_decay_groups(model, cfg.learning_rate, cfg.weight_decay, margs.layerwise_lr_decay)
               if margs.layerwise_lr_decay < 1 else None)
     metrics_fn = build_metrics(labels)

@@ -34,7 +34,6 @@ from accel_train import (
     make_loader,
     pad_multiple,
     parse_with_defaults,
-    resolve_token_budget,
     run_cli,
     train,
 )
@@ -52,6 +51,7 @@ from accel_train.tasks.text.generation import (
     check_best_metric,
     check_packing_flags,
     config_is_seq2seq,
+    default_batching,
     evaluate_generation,
     load_raw_data,
     load_tokenizer,
@@ -101,10 +101,8 @@ def build_model(model_args: GenerationModelArguments, raw, task):
 
 
 def build_loss(config: TrainConfig, chunk_size: int = 0):
-    """The loop's default loss: per-sequence token cross-entropy sums and counts (-100 ignored, the causal shift
-    taken), so every optimizer step is the token mean of the whole step on all processes, whatever the
-    accumulation, and eval_loss / eval_perplexity are token-weighted over the whole validation set; with
-    `chunk_size`, from the hidden states in chunks, never the whole logits."""
+    """The loop's default loss: per-sequence token cross-entropy sums and counts (-100 ignored, the causal shift taken):
+    each step the token mean of the whole step, eval_loss token-weighted; `chunk_size`: in chunks of hidden states."""
     return default_loss(config.label_smoothing_factor, chunk_size)
 
 
@@ -157,12 +155,12 @@ def main(argv=None) -> dict[str, float]:
     allow_recompiles(buckets)  # a static graph per width, in training and in evaluation
     collator = TrainCollator(tokenizer.pad_token_id, pad_multiple(accelerator), buckets)
     train_set, eval_set = (splits[s].tokens.select_columns(["input_ids", "labels"]) for s in ("train", "validation"))
+    config, batching = default_batching(config, accelerator, data_args, facts.seq2seq)  # a token budget, or why not
     rows = training_set(train_set, data_args, width, tokenizer.pad_token_id, pad_multiple(accelerator), model,
                         buckets, config.max_tokens_per_batch)  # padded (to buckets), packed, padding-free or a budget
-    config = resolve_token_budget(config, rows.lengths)  # --max_tokens_per_batch auto: its number, from the widths
     chunk, chunk_note = loss_chunk(model_args, model, accelerator.distributed_type.value)
     trips = round_trip_line({name: split.round_trip for name, split in splits.items() if split.round_trip})
-    for line in (rows.summary, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets
+    for line in (rows.summary, batching, chunk_note, trips):  # trips: the ceiling of exact match on the raw targets
         if line:
             accelerator.print(line)
     modules = {name: load_metric(name) for name in METRICS}

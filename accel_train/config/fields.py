@@ -28,9 +28,11 @@ class TrainConfig:
     """Everything the loop needs. Field names are `TrainingArguments`' where the concept is the same.
 
     `origin` says how the user sets a field ("code": `TrainConfig(name=value)`; "flags": `--name value`, for a
-    config from `parse_config`), so that messages name the right one. `replace(**changes)` keeps it."""
+    config from `parse_config`), so that messages name the right one; `given`, for a config from `parse_config`, the
+    fields its flags or YAML file set (not a recipe's defaults). `replace(**changes)` keeps both."""
 
     origin: ClassVar[str] = "code"
+    given: ClassVar[frozenset[str]] = frozenset()  # parse_config: the fields its flags or YAML file set
 
     # --- where the run lives
     output_dir: str = field(default="outputs/run",
@@ -313,6 +315,7 @@ class TrainConfig:
         """A copy with `changes` (validated again), made the same way (flags or code) as this one."""
         new = dataclasses.replace(self, **changes)
         object.__setattr__(new, "origin", self.origin)
+        object.__setattr__(new, "given", self.given)
         return new
 
     @property

@@ -174,7 +174,15 @@ def parse_config(
         outputs.append(dtype(**{k: v for k, v in values.items() if k in names}))
         if isinstance(outputs[-1], TrainConfig):
             object.__setattr__(outputs[-1], "origin", "flags")
+            object.__setattr__(outputs[-1], "given", _given(parser, yaml_argv + rest))
     return tuple(outputs)
+
+
+def _given(parser: _Parser, argv: list[str]) -> frozenset[str]:
+    """The fields a flag or the YAML file set (their dests), whatever the recipe's defaults: a recipe's default that
+    gives way to what the run asks for (core/token_batches.py: default_budget) needs to know which were chosen."""
+    actions = parser._option_string_actions
+    return frozenset(actions[a.split("=")[0]].dest for a in argv if a.startswith("--") and a.split("=")[0] in actions)
 
 
 def parse_with_defaults(dataclass_types: Sequence[type], argv: Sequence[str] | None, defaults: dict[str, Any],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch.utils.data import Sampler
@@ -31,6 +32,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config.validation import AUTO_TOKENS, budget_flag
 from ..errors import CheckpointError, ConfigError
+from ..rundir.checkpoint import list_checkpoints, load_train_state
 from .seeding import data_seed, seeded_generator
 
 FLAG = "--max_tokens_per_batch"
@@ -68,6 +70,49 @@ def resolve_token_budget(config, lengths: Sequence[int] | None):
                           "--no_group_by_length). Pass lengths=, or give the budget as a number of tokens.")
     budget = auto_budget(lengths, config.per_device_train_batch_size, data_seed(config))
     return config.replace(max_tokens_per_batch=budget)
+
+
+# what asks for batches of a fixed number of examples: a recipe's default budget gives way to it (default_budget)
+FIXED_BATCHES = {"auto_find_batch_size": "--auto_find_batch_size searches for a number of examples per micro-batch",
+                 "dataloader_drop_last": "--dataloader_drop_last drops an incomplete batch of examples",
+                 "scale_lr": "--scale_lr scales the learning rate with a fixed global batch of examples",
+                 "overfit_batches": "--overfit_batches repeats batches of examples"}
+
+
+def default_budget(config, accelerator, refused: str | None = None):
+    """A recipe's default batching, (config, the line that says it): --max_tokens_per_batch auto (issue 42: the
+    targets sooner on two tasks of three at equal final quality), unless the run chose its batching
+    (--max_tokens_per_batch given: a number, auto, or 0 for batches of examples), or something in it needs batches
+    of --per_device_train_batch_size examples: `refused` (the recipe's reason: --packing, an encoder-decoder, ...), a
+    flag of FIXED_BATCHES, DeepSpeed, or a checkpoint it resumes that was trained with them. Those fall back to
+    batches of examples, and the line says why."""
+    if "max_tokens_per_batch" in config.given:
+        return config, ""
+    fixed = [reason for name, reason in FIXED_BATCHES.items() if getattr(config, name) not in (False, 0, "none")]
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        fixed.append("DeepSpeed needs a fixed number of examples per micro-batch")
+    why = refused or (fixed[0] if fixed else None) or _resumed_with_fixed_batches(config)
+    if why:
+        return config.replace(max_tokens_per_batch=0), (
+            f"batches: {config.per_device_train_batch_size} examples each (--per_device_train_batch_size), not the "
+            f"default token budget: {why}")
+    return config.replace(max_tokens_per_batch=AUTO_TOKENS), (
+        "batches: the default token budget (--max_tokens_per_batch auto: as many padded tokens as the length-grouped "
+        f"batches of {config.per_device_train_batch_size} examples hold on average; --max_tokens_per_batch 0 for "
+        "batches of examples)")
+
+
+def _resumed_with_fixed_batches(config) -> str | None:
+    """Why a resume keeps batches of examples: its checkpoint was trained with them (its data position counts them)."""
+    spec = config.resume_from_checkpoint
+    if not spec:
+        return None
+    paths = list_checkpoints(config.output_dir)[-1:] if spec in ("latest", "auto") else [Path(spec)]
+    try:
+        plan = load_train_state(paths[0]).get("token_plan") if paths else [0]
+    except CheckpointError:  # the resume itself says what is wrong with it
+        return None
+    return None if plan else f"the checkpoint it resumes ({paths[0].name}) was trained with batches of examples"
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0,
@@ -175,7 +220,8 @@ def check_token_plan(state, config, num_processes: int, path, loader=None) -> No
     if now and state.world_size not in (0, num_processes):
         raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {now[0]}, this run "
                               f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, "
-                              f"so its data position does not carry over. Resume on {state.world_size} process(es).")
+                              f"so its data position does not carry over. Resume on {state.world_size} process(es) (a "
+                              f"run that must move between world sizes trains with {FLAG} 0: batches of examples).")
     if then[2:] and now[2:] and then[2:] != now[2:]:
         raise CheckpointError(f"{path} was trained on a plan of {then[2]} micro-batches an epoch over other example "
                               f"lengths than this run's ({now[2]} micro-batches): the data or the widths examples are "

@@ -17,6 +17,7 @@ from conftest import read_jsonl, reset_accelerate, step_gradient, token_gradient
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel_train import TrainConfig, make_loader
+from accel_train.config.validation import parse_tokens
 from accel_train.core.accelerator import duplicated_samples
 from accel_train.core.optim import make_plan
 from accel_train.core.state import TrainState
@@ -175,6 +176,50 @@ def test_auto_is_the_mean_padded_tokens_of_the_grouped_batches_it_replaces(tmp_p
 
     with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the training set is a stream"):
         make_loader(Stream(), auto, train=True, lengths=[2])
+
+
+def test_a_recipes_default_budget_gives_way_to_what_the_run_chose_or_needs(tmp_path):
+    """default_budget (the NLP recipes' batching): auto, unless --max_tokens_per_batch was given (a number, auto or
+    0) or the run needs batches of examples (a recipe's reason, a fixed-batch flag, DeepSpeed, a checkpoint trained
+    with batches of examples), each said."""
+    from types import SimpleNamespace
+
+    from accel_train.config.parsing import parse_config
+    from accel_train.core.token_batches import default_budget
+
+    fixed_line = "batches: 8 examples each (--per_device_train_batch_size), not the default token budget: "
+
+    def engine(name="NO"):
+        return SimpleNamespace(distributed_type=SimpleNamespace(value=name))
+
+    def batching(*argv, accelerator=None, refused=None):
+        config = parse_config(argv=["--output_dir", str(tmp_path), *argv])[0]
+        config, line = default_budget(config, accelerator or engine(), refused)
+        return config.max_tokens_per_batch, line
+
+    assert batching() == ("auto", "batches: the default token budget (--max_tokens_per_batch auto: as many padded "
+                          "tokens as the length-grouped batches of 8 examples hold on average; "
+                          "--max_tokens_per_batch 0 for batches of examples)")
+    for given in ("0", "auto", "300"):  # the run's own choice, said by the start-up report
+        assert batching("--max_tokens_per_batch", given) == (0 if given == "0" else parse_tokens(given), "")
+    assert batching("--max_tokens_per_batch", "0", "--scale_lr", "linear")[0] == 0
+    for argv, why in ((["--scale_lr", "linear"], "--scale_lr scales the learning rate"),
+                      (["--dataloader_drop_last"], "--dataloader_drop_last drops"),
+                      (["--auto_find_batch_size"], "--auto_find_batch_size searches"),
+                      (["--overfit_batches", "2"], "--overfit_batches repeats")):
+        tokens, line = batching(*argv)
+        assert tokens == 0 and line.startswith(f"{fixed_line}{why}")
+    assert batching(accelerator=engine("DEEPSPEED"))[1].endswith("DeepSpeed needs a fixed number of examples per "
+                                                                  "micro-batch")
+    assert batching(refused="--packing fills rows")[0] == 0
+    checkpoint = tmp_path / "checkpoints" / "step-00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text("{}")
+    (checkpoint / "train_state.json").write_text(json.dumps({"token_plan": []}))
+    assert batching("--resume_from_checkpoint", "latest") == (0, f"{fixed_line}the checkpoint it resumes "
+                                                                 "(step-00000004) was trained with batches of examples")
+    (checkpoint / "train_state.json").write_text(json.dumps({"token_plan": [300, 1, 5, 7]}))
+    assert batching("--resume_from_checkpoint", str(checkpoint))[0] == "auto"
 
 
 def test_an_auto_budget_runs_cut_and_resumed_as_the_uncut_run_and_says_its_number(tmp_path, capsys):
@@ -435,9 +480,10 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     out = tmp_path / "nlp"
     run_nlp(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.txt"), "--output_dir",
              str(out), "--report_to", "none", "--disable_tqdm", "--num_train_epochs", "1", "--max_seq_length", "32",
-             "--save_strategy", "no", "--load_best_model_at_end", "false", "--max_tokens_per_batch", "auto",
-             "--per_device_train_batch_size", "8", "--eval_strategy", "no", "--no_preflight", "--no_run_report"])
+             "--save_strategy", "no", "--load_best_model_at_end", "false", "--per_device_train_batch_size", "8",
+             "--eval_strategy", "no", "--no_preflight", "--no_run_report"])  # the recipe's default: auto
     printed = capsys.readouterr().out
+    assert "batches: the default token budget (--max_tokens_per_batch auto: as many padded tokens" in printed
     results = json.loads((out / "all_results.json").read_text())
     steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
     assert results["train_steps"] == steps and 5 <= steps <= 9  # auto: about the 7 batches of 8 (58 rows) it replaces
@@ -452,19 +498,24 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     common = ["--train_file", str(data), "--text_column", "text", "--summary_column", "summary", *LLAMA,
               "--validation_split", "4", "--report_to", "none", "--disable_tqdm", "--no_run_report", "--no_preflight",
               "--max_generate_samples", "0", "--max_source_length", "24", "--max_target_length", "12",
-              "--max_tokens_per_batch", "256"]
+              "--num_train_epochs", "1", "--save_strategy", "no", "--eval_strategy", "no",
+              "--load_best_model_at_end", "false"]
     for flags, why in ((["--packing", "--max_seq_length", "64"], "packing fills rows of --max_seq_length tokens"),
                        (["--padding_free"], "a padding-free micro-batch is one row of its examples")):
         reset_accelerate()
-        with pytest.raises(ConfigError, match=why):
-            text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), *flags])
-    reset_accelerate()  # a causal LM's padded batches: planned from the widths its collator pads input_ids to
+        with pytest.raises(ConfigError, match=why):  # asked for: refused
+            text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), "--max_tokens_per_batch", "256",
+                                  *flags])
+    reset_accelerate()  # not asked for: the default gives way to --packing, and says so
     capsys.readouterr()
-    text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), "--num_train_epochs", "1",
-                          "--save_strategy", "no", "--eval_strategy", "no", "--load_best_model_at_end", "false",
-                          "--max_tokens_per_batch", "auto", "--per_device_train_batch_size", "4"])
+    text_generation.main([*common, "--output_dir", str(tmp_path / "packed"), "--packing", "--max_seq_length", "64"])
+    assert ("batches: 32 examples each (--per_device_train_batch_size), not the default token budget: --packing "
+            "fills rows of --max_seq_length tokens already") in capsys.readouterr().out
+    reset_accelerate()  # a causal LM's padded batches: planned from the widths its collator pads input_ids to
+    text_generation.main([*common, "--output_dir", str(tmp_path / "gen"), "--per_device_train_batch_size", "4"])
     printed = capsys.readouterr().out
     assert "token budget: batches of at most the auto budget (the start-up report gives it)" in printed
+    assert "batches: the default token budget (--max_tokens_per_batch auto" in printed
     budget = int(printed.split("at most ")[2].split(" padded tokens per micro-batch")[0])
     assert f"max_tokens_per_batch: {budget}\n" in (tmp_path / "gen" / "config.yaml").read_text()
     steps = int(printed.split("steps            ")[1].split(" per epoch")[0])

@@ -124,7 +124,9 @@ CASES = [
       "same model and label count"]),
     ("resume-other-global-batch", "checkpoint", lambda w, t: [*swap(w["base"], "--per_device_train_batch_size", "4"),
                                                               "RUN", "--resume_from_checkpoint", "latest"],
-     ["global batch of 8 samples per step, this run has 4", "keep the same global batch"]),
+     # the recipe's default token budget is chosen for batches of --per_device_train_batch_size: another number
+     ["was trained with --max_tokens_per_batch", "this run asks for --max_tokens_per_batch",
+      "Resume with the flags it was trained with"]),
     ("resume-tampered", "checkpoint", lambda w, t: [*w["base"], "RUN", "--resume_from_checkpoint", "TAMPERED"],
      ["optimizer.bin does not match its manifest", "Resume from another checkpoint"]),
     ("output-dir-holds-run", "checkpoint", lambda w, t: [*w["base"], "RUN"],

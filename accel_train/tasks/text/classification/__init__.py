@@ -29,7 +29,7 @@ from .data import (
     tokenize,
     truncated_counts,
 )
-from .eval import PredictionFinish, classification_metrics, loader_lengths, train_padding
+from .eval import PredictionFinish, classification_metrics, fixed_batches_reason, loader_lengths, train_padding
 
 __all__ = [
     "ClassificationDataArguments", "ClassificationModelArguments",
@@ -37,5 +37,5 @@ __all__ = [
     "encode_labels", "headerless_hint", "load_embedded_tweets", "load_named_dataset", "load_text_files",
     "pad_with_eos", "padding_ratio", "pick_columns", "read_label_text_lines", "split_off_validation", "tokenize",
     "truncated_counts",
-    "PredictionFinish", "classification_metrics", "loader_lengths", "train_padding",
+    "PredictionFinish", "classification_metrics", "fixed_batches_reason", "loader_lengths", "train_padding",
 ]

@@ -54,6 +54,14 @@ def loader_lengths(lengths: Sequence[int], config: TrainConfig, group_by_length:
     return list(lengths) if group_by_length else None
 
 
+def fixed_batches_reason(args) -> str | None:
+    """Why this run trains on batches of --per_device_train_batch_size examples rather than the recipe's default
+    token budget (core/token_batches.py: default_budget), or None."""
+    if args.pad_to_max_length:
+        return "--pad_to_max_length pads every row to --max_seq_length"
+    return None if args.group_by_length else "--no_group_by_length asks for random batches"
+
+
 def train_padding(lengths: Sequence[int], config: TrainConfig, loader: Any, group_by_length: bool,
                   pad_to: int | None, buckets: LengthBuckets | None = None) -> float:
     """Share of pad tokens in epoch 0's training batches: `pad_to` (static shapes) pads every row to that length;

@@ -60,6 +60,8 @@ from .packing import (
     best_fit_decreasing,
     check_isolation,
     check_packing_flags,
+    default_batching,
+    fixed_batches_reason,
     isolation_error,
     pack_examples,
     training_set,
@@ -100,5 +102,5 @@ __all__ = [
     "IGNORE_INDEX", "GenerationCollator", "ModelFacts", "TokenizedSplit", "TrainCollator", "lm_documents",
     "packing_width", "tokenize_splits",
     "Packed", "PackedCollator", "TrainingSet", "best_fit_decreasing", "check_isolation", "check_packing_flags",
-    "isolation_error", "pack_examples", "training_set",
+    "default_batching", "fixed_batches_reason", "isolation_error", "pack_examples", "training_set",
 ]

@@ -35,6 +35,7 @@ import torch
 from ....config.validation import budget_flag
 from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
+from ....core.token_batches import default_budget
 from ....errors import ConfigError, DataError
 from ..buckets import LengthBuckets, round_up
 from .tokens import TrainCollator, pad
@@ -210,6 +211,24 @@ def check_packing_flags(args, seq2seq: bool) -> None:
     if flag and seq2seq:
         raise ConfigError(f"{flag} is for causal LMs; this model is an encoder-decoder (its encoder and decoder "
                           f"inputs are separate sequences). Drop {flag}, or train a causal LM.")
+
+
+def default_batching(config, accelerator, args, seq2seq: bool):
+    """The recipe's default batching, (config, the line that says it): a token budget (--max_tokens_per_batch auto)
+    unless the run chose its own or needs batches of examples (fixed_batches_reason; core/token_batches.py)."""
+    return default_budget(config, accelerator, fixed_batches_reason(args, seq2seq))
+
+
+def fixed_batches_reason(args, seq2seq: bool) -> str | None:
+    """Why this run's batches are of examples, not the recipes' default token budget (core/token_batches.py:
+    default_budget), or None: what refuse_token_budget refuses an explicit budget for, and random batches."""
+    if args.packing:
+        return "--packing fills rows of --max_seq_length tokens already"
+    if args.padding_free:
+        return "--padding_free makes each micro-batch one row of its examples"
+    if seq2seq:
+        return "this model is an encoder-decoder, whose source and target are padded apart"
+    return None if args.group_by_length else "--no_group_by_length asks for random batches"
 
 
 def refuse_token_budget(args, model, max_tokens: int | str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
-from ..rundir.layout import checkpoints_dir
+from ..rundir.layout import checkpoint_step, checkpoints_dir
 from .accelerator import precision_in_effect
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
@@ -149,16 +149,27 @@ def load_saved_state(session, path: Path) -> None:
         session.average.load(path, session.accelerator.num_processes)
 
 
+BEST_FIELDS = ("best_metric", "best_metric_name", "best_greater", "best_checkpoint")
+
+
 def restore_in_place(session, state: TrainState, path: Path) -> None:
     """Put the run's objects back at checkpoint `path` of this run (verified), and `state` itself: weights,
     optimizer, schedule, random states, the weight average and the hooks as saved, and the checkpoint's data
     position. The session's own bookkeeping is the session's to reset (Session.roll_back). A checkpoint written before
     this run resumed with changed hyperparameters holds the old ones: they are applied again, as the resume did."""
     current = state.hyperparameters  # this run's (Session sets them at its start)
+    best = {name: getattr(state, name) for name in BEST_FIELDS}
     load_saved_state(session, path)
     saved = TrainState(**ckpt.load_train_state(path))  # this run's own: the same micro-batch and world size
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
+    kept = checkpoint_step(best["best_checkpoint"] or "")
+    if kept is not None and kept <= saved.step:
+        # the best known now is no newer than this checkpoint, so it is still on disk and still the best: a step that
+        # became best after its checkpoint was written (a resumed pending evaluation, an evaluation asked for after a
+        # save) is best in memory and in later checkpoints only, and the one rolled back to would bring back an older
+        for name, value in best.items():
+            setattr(state, name, value)
     if current and saved.hyperparameters and saved.hyperparameters != current:
         lines = apply_hyperparameters(session.optimizer, session.scheduler, saved.hyperparameters, current,
                                       engine_owned=session.accelerator.distributed_type.value == "DEEPSPEED")

@@ -49,7 +49,7 @@ class Accuracy:
         return {"accuracy": (outputs["logits"].argmax(-1) == outputs["labels"]).float().mean()}
 
 
-def run(out, metrics_fn, accumulation: int = 1, resume: bool = False, **changes):
+def run(out, metrics_fn, accumulation: int = 1, resume: bool = False, loss_fn=cross_entropy, hooks=(), **changes):
     """8 optimizer steps on (x, y) tuples, evaluated every 2 steps, checkpointed every 3 (TrainConfig `changes`)."""
     reset_accelerate()
     torch.manual_seed(0)
@@ -58,10 +58,10 @@ def run(out, metrics_fn, accumulation: int = 1, resume: bool = False, **changes)
                          per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
                          mixed_precision="no", eval_strategy="steps", eval_steps=2, logging_steps=1,
                          save_strategy="steps", save_steps=3, seed=0,
-                         resume_from_checkpoint="latest" if resume else None, **changes)
+                         resume_from_checkpoint="latest" if resume else None).replace(**changes)
     loader = DataLoader(data(), batch_size=4 // accumulation, shuffle=True, generator=torch.Generator().manual_seed(1))
-    return train(model, loader, config=config, loss_fn=cross_entropy, eval_loader=DataLoader(data(), batch_size=8),
-                 metrics_fn=metrics_fn)
+    return train(model, loader, config=config, loss_fn=loss_fn, eval_loader=DataLoader(data(), batch_size=8),
+                 metrics_fn=metrics_fn, hooks=list(hooks))
 
 
 def evaluations(out) -> list[tuple]:
@@ -94,6 +94,37 @@ def test_a_metric_that_fails_once_costs_nothing_after_a_resume(tmp_path, accumul
     assert [s for s, *_ in evaluations(tmp_path / "whole")] == [2, 4, 6, 8]
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+
+
+class EvaluateAfterFirstSave:
+    """Asks for an evaluation at the step boundary of the first checkpoint, after it was written."""
+
+    def attach(self, run):
+        self.run, self.asked = run, False
+
+    def on_save(self, state, path):
+        if not self.asked:
+            self.asked = True
+            self.run.request_evaluate()
+
+
+def test_a_step_that_became_best_after_its_checkpoint_stays_best_through_a_rollback_to_it(tmp_path):
+    """A save at step 3, then an evaluation asked for at that boundary: step 3 is the best, in memory (its checkpoint
+    was written before the evaluation). A spike at step 4 rolls back to step 3: the best is still step 3 (the
+    checkpoint on disk knew none), so step 6's checkpoint, and --load_best_model_at_end, name it."""
+    calls = []
+
+    def spiking(model, batch):
+        calls.append(model.training)  # the pre-flight's call is in eval mode
+        out = cross_entropy(model, batch)
+        return {**out, "loss": out["loss"] * (1e4 if model.training and sum(calls) == 4 else 1)}  # step 4's batch
+
+    run(tmp_path, Accuracy(), loss_fn=spiking, hooks=[EvaluateAfterFirstSave()], eval_strategy="no",
+        metric_for_best_model="loss", on_spike="rollback", spike_window=2)
+    first = json.loads((tmp_path / "checkpoints" / checkpoint_name(3) / "train_state.json").read_text())
+    later = json.loads((tmp_path / "checkpoints" / checkpoint_name(6) / "train_state.json").read_text())
+    assert first["best_checkpoint"] is None and later["best_checkpoint"] == checkpoint_name(3)
+    assert later["spike_rollbacks"] == 1  # step 4 was rolled back to step 3
 
 
 @pytest.mark.parametrize("schedule", ["linear", "reduce_lr_on_plateau"])

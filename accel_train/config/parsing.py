@@ -180,9 +180,13 @@ def parse_config(
 
 def _given(parser: _Parser, argv: list[str]) -> frozenset[str]:
     """The fields a flag or the YAML file set (their dests), whatever the recipe's defaults: a recipe's default that
-    gives way to what the run asks for (core/token_batches.py: default_budget) needs to know which were chosen."""
-    actions = parser._option_string_actions
-    return frozenset(actions[a.split("=")[0]].dest for a in argv if a.startswith("--") and a.split("=")[0] in actions)
+    gives way to what the run asks for (core/token_batches.py: default_budget) needs to know which were chosen.
+    Parsed again into a namespace that already holds every dest, where argparse sets no default: what it sets was
+    given (abbreviated flags and --no_* included)."""
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    parser.parse_known_args(argv, namespace=namespace)
+    return frozenset(dest for dest, value in vars(namespace).items() if value is not unset)
 
 
 def parse_with_defaults(dataclass_types: Sequence[type], argv: Sequence[str] | None, defaults: dict[str, Any],

@@ -248,15 +248,16 @@ class Session:
         """Evaluate on the evaluation loader, log it, step a plateau schedule; (metrics, is it the best so far)."""
         metrics = evaluate_with_average(self.accelerator, self.model, self.eval_loader, self.eval_loss_fn,
                                         self.metrics_fn, self.average)
-        self.last_eval = (state.step, metrics)
-        self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         name = self.config.best_metric_name
         plateau = [schedule for schedule in (self.scheduler, self.plateau) if steps_on_evaluation(schedule)]
         for watched in {name, self.config.monitored_metric if plateau else None} - {None} - set(metrics):
-            # a MetricsError: the loop saves this step's training state before it stops (core/rescue.py)
+            # a MetricsError, before the record is logged: the loop saves this step's training state before it stops
+            # and the resumed run evaluates it again (core/rescue.py), logging it once
             raise MetricsError(f"--metric_for_best_model {watched}: the evaluation returned only {sorted(metrics)} "
                                "(best model, early stopping and a plateau schedule watch it). Set "
                                "--metric_for_best_model to one of them, or return it from the metrics function.")
+        self.last_eval = (state.step, metrics)
+        self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         for schedule in plateau:
             schedule.step(metrics[self.config.monitored_metric])
         if name is None:

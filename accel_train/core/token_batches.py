@@ -22,6 +22,7 @@ round by round.
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,10 @@ FIXED_BATCHES = {"auto_find_batch_size": "--auto_find_batch_size searches for a 
                  "overfit_batches": "--overfit_batches repeats batches of examples"}
 
 
+# =1 (accel-train verify sets it on its runs): a recipe's default batching is batches of examples (default_budget)
+FIXED_BATCHES_VARIABLE = "ACCEL_TRAIN_FIXED_BATCHES"
+
+
 def default_budget(config, accelerator, refused: str | None = None):
     """A recipe's default batching, (config, the line that says it): --max_tokens_per_batch auto (issue 42: the
     targets sooner on two tasks of three at equal final quality), unless the run chose its batching
@@ -91,6 +96,9 @@ def default_budget(config, accelerator, refused: str | None = None):
     fixed = [reason for name, reason in FIXED_BATCHES.items() if getattr(config, name) not in (False, 0, "none")]
     if accelerator.distributed_type.value == "DEEPSPEED":
         fixed.append("DeepSpeed needs a fixed number of examples per micro-batch")
+    if os.environ.get(FIXED_BATCHES_VARIABLE) == "1":
+        fixed.append("accel-train verify compares runs of other micro-batch sizes and numbers of processes, which a "
+                     "budget chosen per micro-batch would batch differently")
     why = refused or (fixed[0] if fixed else None) or _resumed_with_fixed_batches(config)
     if why:
         return config.replace(max_tokens_per_batch=0), (

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..core.data import UNEQUAL_VARIABLE
+from ..core.token_batches import FIXED_BATCHES_VARIABLE
 from ..errors import ConfigError, UserError
 from ..observe.fed_record import VARIABLE as FED_VARIABLE
 from ..rundir.layout import HISTORY
@@ -70,6 +71,10 @@ class Verify:
         env = {FED_VARIABLE: "1"} if {"data_accounting", "accumulation", "world_size"} & set(self.checks) else {}
         if {"accumulation", "world_size"} & set(self.checks):
             env[UNEQUAL_VARIABLE] = "1"
+        # a recipe's default token budget is chosen per micro-batch size and dealt per process: the variants (B/2 x 2
+        # against B, p x 2 processes against 2p x 1, another pad multiple) would batch other examples; batches of
+        # examples unless the script's flags ask for a budget (core/token_batches.py: default_budget)
+        env[FIXED_BATCHES_VARIABLE] = "1"
         return env
 
     @property

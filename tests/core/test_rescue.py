@@ -138,6 +138,7 @@ def test_a_watched_metric_the_evaluation_never_returns_stops_the_run_with_its_st
         run(tmp_path, Accuracy(), metric_for_best_model="f1", lr_scheduler_type=schedule)
     saved = json.loads((tmp_path / "checkpoints" / checkpoint_name(2) / "train_state.json").read_text())
     assert saved["step"] == 2 and saved["evaluation_pending"] is True
+    assert not [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r]  # the resume logs it, once
     findings = json.loads((tmp_path / "report" / "preflight.json").read_text())["findings"]
     assert any(f["level"] == "warning" and "--metric_for_best_model eval_f1 (best model, early stopping" in f["message"]
                and "eval_accuracy" in f["message"] for f in findings)  # said before training, from one batch

@@ -178,14 +178,14 @@ def test_auto_is_the_mean_padded_tokens_of_the_grouped_batches_it_replaces(tmp_p
         make_loader(Stream(), auto, train=True, lengths=[2])
 
 
-def test_a_recipes_default_budget_gives_way_to_what_the_run_chose_or_needs(tmp_path):
+def test_a_recipes_default_budget_gives_way_to_what_the_run_chose_or_needs(tmp_path, monkeypatch):
     """default_budget (the NLP recipes' batching): auto, unless --max_tokens_per_batch was given (a number, auto or
     0) or the run needs batches of examples (a recipe's reason, a fixed-batch flag, DeepSpeed, a checkpoint trained
     with batches of examples), each said."""
     from types import SimpleNamespace
 
     from accel_train.config.parsing import parse_config
-    from accel_train.core.token_batches import default_budget
+    from accel_train.core.token_batches import FIXED_BATCHES_VARIABLE, default_budget
 
     fixed_line = "batches: 8 examples each (--per_device_train_batch_size), not the default token budget: "
 
@@ -212,6 +212,15 @@ def test_a_recipes_default_budget_gives_way_to_what_the_run_chose_or_needs(tmp_p
     assert batching(accelerator=engine("DEEPSPEED"))[1].endswith("DeepSpeed needs a fixed number of examples per "
                                                                   "micro-batch")
     assert batching(refused="--packing fills rows")[0] == 0
+    assert batching("--max_tokens", "0") == (0, "")  # an abbreviated flag is the run's choice too
+    monkeypatch.setenv(FIXED_BATCHES_VARIABLE, "1")  # accel-train verify's runs: their variants batch alike
+    assert batching()[1].endswith("accel-train verify compares runs of other micro-batch sizes and numbers of "
+                                  "processes, which a budget chosen per micro-batch would batch differently")
+    assert batching("--max_tokens_per_batch", "auto")[0] == "auto"
+    monkeypatch.delenv(FIXED_BATCHES_VARIABLE)
+    from accel_train.verify.runs import Verify
+
+    assert Verify("train.py", [], tmp_path).env[FIXED_BATCHES_VARIABLE] == "1"
     checkpoint = tmp_path / "checkpoints" / "step-00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / "manifest.json").write_text("{}")

@@ -106,7 +106,8 @@ def test_toy_train_is_certified_by_every_check(tmp_path, variant_env):
     assert resumed["optimizer_compared"] and resumed["optimizer_differing"] == [] and resumed["weights_compared"]
     attempts = certificate["variants"]["resumed"]["attempts"]
     assert attempts[0]["env"] == {"ACCEL_TRAIN_FAULT": "kill_after_step:5", "ACCEL_TRAIN_RECORD_FED": "1",
-                                  "ACCEL_TRAIN_UNEQUAL_FIRST_STEP": "1"}  # every variant: step 1 of one order
+                                  "ACCEL_TRAIN_UNEQUAL_FIRST_STEP": "1",  # every variant: step 1 of one order
+                                  "ACCEL_TRAIN_FIXED_BATCHES": "1"}  # a recipe's default budget left off
     assert attempts[0]["returncode"] == -9
     assert attempts[1]["command"][-4:-2] == ["--resume_from_checkpoint", "latest"] and attempts[1]["returncode"] == 0
     accumulated = checks["accumulation"]["measured"]

@@ -108,8 +108,10 @@ def test_accumulation_fails_when_the_two_sides_step_held_other_examples(tmp_path
     micro-batch (core/data.py now groups by the optimizer step), one example of step 1 differed and the gradient
     norm 1.1e-2, reported as a loss defect."""
     verify = parse_args(["--checks", "accumulation", "--output_dir", str(tmp_path / "other"), "--", str(TOY)])
-    assert verify.env == {"ACCEL_TRAIN_RECORD_FED": "1", "ACCEL_TRAIN_UNEQUAL_FIRST_STEP": "1"}
-    assert parse_args(["--checks", "determinism", "--", str(TOY)]).env == {}  # nothing recorded, the script's order
+    assert verify.env == {"ACCEL_TRAIN_RECORD_FED": "1", "ACCEL_TRAIN_UNEQUAL_FIRST_STEP": "1",
+                          "ACCEL_TRAIN_FIXED_BATCHES": "1"}
+    # nothing recorded, the script's order; a recipe's default token budget left off in every check's runs
+    assert parse_args(["--checks", "determinism", "--", str(TOY)]).env == {"ACCEL_TRAIN_FIXED_BATCHES": "1"}
     plans = {"accumulation-micro": {"fed": ([[0, 1], [2, 3], [4, 5]], 2)},
              "accumulation-full": {"fed": ([[0, 1, 2, 4], [3, 5]], 1)}}
     result = accumulation(Runs(verify, None, written(plans)))

@@ -228,6 +228,8 @@ def fixed_batches_reason(args, seq2seq: bool) -> str | None:
         return "--padding_free makes each micro-batch one row of its examples"
     if seq2seq:
         return "this model is an encoder-decoder, whose source and target are padded apart"
+    if args.length_buckets:  # a budget's micro-batches vary in rows: compiled, each (rows, width) another graph
+        return "--length_buckets pads to a few widths so that --torch_compile compiles a few graphs"
     return None if args.group_by_length else "--no_group_by_length asks for random batches"
 
 

@@ -54,11 +54,6 @@ def _validate_sizes(cfg) -> None:
 AUTO_TOKENS = "auto"
 
 
-def budget_flag(value: int | str) -> str:
-    """--max_tokens_per_batch as the user gave it: its number, or auto before the lengths made it one."""
-    return f"--max_tokens_per_batch {value}"
-
-
 def parse_tokens(text: str) -> int | str:
     """--max_tokens_per_batch's value: a whole number of tokens (0: off), or auto (AUTO_TOKENS)."""
     if text.strip().lower() == AUTO_TOKENS:
@@ -87,7 +82,7 @@ def _validate_token_budget(cfg) -> None:
                        "varying numbers of examples"}
     for name, reason in why.items():
         if getattr(cfg, name) not in (False, "none"):
-            raise ConfigError(f"--{name} and {budget_flag(budget)}: --{name} {reason}. Drop one of them.")
+            raise ConfigError(f"--{name} and --max_tokens_per_batch {budget}: --{name} {reason}. Drop one of them.")
 
 
 def _validate_schedule(cfg) -> None:

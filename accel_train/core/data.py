@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
-from ..config.validation import budget_flag
 from ..errors import ConfigError
 from .seeding import data_seed, seeded_generator
 from .token_batches import FLAG as TOKEN_FLAG
@@ -278,7 +277,7 @@ def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | 
                          num_processes: int) -> TokenBudgetBatchSampler:
     """--max_tokens_per_batch's batch sampler over `lengths` (auto: its budget chosen from them); refused for a
     stream and for a loader without lengths."""
-    budget = budget_flag(config.max_tokens_per_batch)
+    budget = f"{TOKEN_FLAG} {config.max_tokens_per_batch}"
     if isinstance(dataset, IterableDataset):
         raise ConfigError(f"{budget}: the training set is a stream (an iterable dataset), whose examples' lengths are "
                           "not known ahead, and the plan of batches is made from them before training. Drop "

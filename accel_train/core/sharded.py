@@ -37,7 +37,6 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 from ..config import TrainConfig
-from ..config.validation import budget_flag
 from ..errors import ConfigError, LaunchError
 from .data import take_examples, take_real_tokens
 
@@ -117,7 +116,7 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
         return
     if config.max_tokens_per_batch:
         raise ConfigError(
-            f"{budget_flag(config.max_tokens_per_batch)} under DeepSpeed: its micro-batches hold varying "
+            f"--max_tokens_per_batch {config.max_tokens_per_batch} under DeepSpeed: its micro-batches hold varying "
             "numbers of examples, and DeepSpeed needs a fixed number per micro-batch (train_micro_batch_size_per_gpu) "
             "and steps inside backward, where the loop cannot weigh a step's micro-batches by their examples or "
             "tokens. Train the token budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed "

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Sampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from ..config.validation import AUTO_TOKENS, budget_flag
+from ..config.validation import AUTO_TOKENS
 from ..errors import CheckpointError, ConfigError
 from ..rundir.checkpoint import list_checkpoints, load_train_state
 from .seeding import data_seed, seeded_generator
@@ -51,7 +51,7 @@ def auto_budget(lengths: Sequence[int], batch_size: int, seed: int = 0) -> int:
     holding as many examples as that mean allows: more short examples, fewer long ones, less padding. Grouped by
     the micro-batch alone, so the number does not depend on the processes or the accumulation."""
     if not lengths:
-        raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the training set is empty.")
+        raise ConfigError(f"{FLAG} {AUTO_TOKENS}: the training set is empty.")
     lengths = list(lengths)
     order = get_length_grouped_indices(lengths, batch_size, generator=seeded_generator(seed, 0))
     cost = [padded_tokens(lengths, order[i:i + batch_size]) for i in range(0, len(order), batch_size)]
@@ -66,7 +66,7 @@ def resolve_token_budget(config, lengths: Sequence[int] | None):
     if config.max_tokens_per_batch != AUTO_TOKENS:
         return config
     if lengths is None:
-        raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the budget is chosen from the training examples' lengths, and "
+        raise ConfigError(f"{FLAG} {AUTO_TOKENS}: the budget is chosen from the training examples' lengths, and "
                           "the loader was given none (make_loader(..., lengths=None); a recipe: drop "
                           "--no_group_by_length). Pass lengths=, or give the budget as a number of tokens.")
     budget = auto_budget(lengths, config.per_device_train_batch_size, data_seed(config))
@@ -247,7 +247,7 @@ def check_token_loader(loader, config, num_processes: int):
     sampler = budget_sampler(loader)
     if config.max_tokens_per_batch == AUTO_TOKENS:
         if sampler is None:
-            raise ConfigError(f"{budget_flag(AUTO_TOKENS)}: the training loader is not batched by a token budget's "
+            raise ConfigError(f"{FLAG} {AUTO_TOKENS}: the training loader is not batched by a token budget's "
                               "plan (a loader of one's own, or a stream): build it with make_loader(dataset, config, "
                               "train=True, lengths=...), which chooses the budget from the lengths, or give the "
                               "budget as a number of tokens.")

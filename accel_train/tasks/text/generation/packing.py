@@ -32,7 +32,6 @@ from typing import Any
 import datasets
 import torch
 
-from ....config.validation import budget_flag
 from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
 from ....core.token_batches import default_budget
@@ -235,7 +234,7 @@ def fixed_batches_reason(args, seq2seq: bool) -> str | None:
 
 def refuse_token_budget(args, model, max_tokens: int | str) -> None:
     """--max_tokens_per_batch plans batches of rows x longest row: what batches otherwise is refused, with why."""
-    budget = budget_flag(max_tokens)
+    budget = f"--max_tokens_per_batch {max_tokens}"
     if args.packing:
         raise ConfigError(f"{budget} and --packing: packing fills rows of --max_seq_length tokens already (a token "
                           "budget of rows x --max_seq_length per micro-batch). Give one of them: --packing with "

@@ -104,3 +104,12 @@ class BucketedPadding:
 
         width = self.buckets.width(max(len(f["input_ids"]) for f in features))
         return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=width)(features)
+
+
+def padded_batches_reason(length_buckets: str | None, group_by_length: bool) -> str | None:
+    """What in a text recipe's padded batches asks for batches of examples rather than the recipes' default token
+    budget (core/token_batches.py: default_budget), or None: buckets (a budget's micro-batches vary in rows, so
+    compiled, each (rows, width) would be another graph) and random batches."""
+    if length_buckets:
+        return "--length_buckets pads to a few widths so that --torch_compile compiles a few graphs"
+    return None if group_by_length else "--no_group_by_length asks for random batches"

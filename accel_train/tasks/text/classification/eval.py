@@ -16,7 +16,7 @@ from ....core.data import make_loader
 from ....core.evaluation import gather_outputs
 from ....rundir.layout import TEST_PREDICTIONS
 from ...metrics import load_metric
-from ..buckets import LengthBuckets, round_up
+from ..buckets import LengthBuckets, padded_batches_reason, round_up
 from .data import Labels, padding_ratio
 
 
@@ -54,18 +54,12 @@ def loader_lengths(lengths: Sequence[int], config: TrainConfig, group_by_length:
     return list(lengths) if group_by_length else None
 
 
-# a budget's micro-batches vary in rows: compiled, each (rows, width) would be another graph
-BUCKETS_REASON = "--length_buckets pads to a few widths so that --torch_compile compiles a few graphs"
-
-
 def fixed_batches_reason(args) -> str | None:
     """Why this run trains on batches of --per_device_train_batch_size examples rather than the recipe's default
     token budget (core/token_batches.py: default_budget), or None."""
     if args.pad_to_max_length:
         return "--pad_to_max_length pads every row to --max_seq_length"
-    if args.length_buckets:
-        return BUCKETS_REASON
-    return None if args.group_by_length else "--no_group_by_length asks for random batches"
+    return padded_batches_reason(args.length_buckets, args.group_by_length)
 
 
 def train_padding(lengths: Sequence[int], config: TrainConfig, loader: Any, group_by_length: bool,

@@ -36,7 +36,7 @@ from ....core.data import EXAMPLES, REAL_TOKENS
 from ....core.loss import IGNORE_INDEX
 from ....core.token_batches import default_budget
 from ....errors import ConfigError, DataError
-from ..buckets import LengthBuckets, round_up
+from ..buckets import LengthBuckets, padded_batches_reason, round_up
 from .tokens import TrainCollator, pad
 
 ISOLATION_TOLERANCE = 1e-4  # fp32 logits of one example, packed beside another vs alone (measured: ~1e-6)
@@ -227,9 +227,7 @@ def fixed_batches_reason(args, seq2seq: bool) -> str | None:
         return "--padding_free makes each micro-batch one row of its examples"
     if seq2seq:
         return "this model is an encoder-decoder, whose source and target are padded apart"
-    if args.length_buckets:  # a budget's micro-batches vary in rows: compiled, each (rows, width) another graph
-        return "--length_buckets pads to a few widths so that --torch_compile compiles a few graphs"
-    return None if args.group_by_length else "--no_group_by_length asks for random batches"
+    return padded_batches_reason(args.length_buckets, args.group_by_length)
 
 
 def refuse_token_budget(args, model, max_tokens: int | str) -> None:

@@ -27,8 +27,10 @@ from ..config import TrainConfig
 from ..errors import ConfigError, DataError, MetricsError
 from .data import take_examples, take_real_tokens
 from .loss import as_loss_output, batch_size_of, tuple_target
+from .seeding import seeded_generator
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
+EVAL_DRAWS = -1  # the counter of the evaluation loaders' generator: no epoch of training uses it
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_items", "eval_samples")  # what evaluate_model reports itself
 
 
@@ -91,10 +93,15 @@ def check_prepared(accelerator: Accelerator, loader) -> bool:
     return prepared
 
 
-def prepare_for_evaluation(accelerator: Accelerator, loader):
+def prepare_for_evaluation(accelerator: Accelerator, loader, seed: int = 0):
     """accelerator.prepare(loader) (None stays None), refused before training rather than at the first evaluation
     where it would not be sharded (`check_prepared`: an iterable that is not a DataLoader comes back unchanged), or
-    where it is a stream on several processes (no exact, once-each evaluation of it exists there)."""
+    where it is a stream on several processes (no exact, once-each evaluation of it exists there).
+
+    A DataLoader without a generator of its own draws its workers' base seed from torch's global generator at every
+    iter(): each evaluation would move every later dropout mask of training, so how often a run is evaluated would
+    change what it trains. Such a loader gets a generator of (seed, EVAL_DRAWS), held for the run: it still draws
+    anew at each evaluation (a second evaluation that depends on its draws gives other numbers, as verify checks)."""
     if loader is None:
         return None
     if accelerator.num_processes > 1 and isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
@@ -105,6 +112,9 @@ def prepare_for_evaluation(accelerator: Accelerator, loader):
                           "datasets.Dataset.from_list(list(stream.take(N)))), or on one process.")
     prepared = accelerator.prepare(loader)
     check_prepared(accelerator, prepared)
+    drawing = getattr(prepared, "base_dataloader", prepared)  # the DataLoader that draws, under Accelerate's wrapper
+    if isinstance(drawing, torch.utils.data.DataLoader) and drawing.generator is None:
+        drawing.generator = seeded_generator(seed, EVAL_DRAWS)
     return prepared
 
 

@@ -143,14 +143,15 @@ class Session:
     def _prepare_evaluation(self, spec: RunSpec, loss_fn: Callable) -> None:
         """The evaluation loaders (prepared) and the functions an evaluation calls."""
         acc = self.accelerator
-        self.eval_loader = prepare_for_evaluation(acc, spec.eval_loader)  # refused now where it would not shard
+        self.eval_loader = prepare_for_evaluation(acc, spec.eval_loader, self.config.seed)  # refused where not sharded
         if any(steps_on_evaluation(s) for s in (self.scheduler, self.plateau)) and (
                 self.eval_loader is None or self.config.eval_strategy == "no"):
             raise ConfigError("--lr_scheduler_type reduce_on_plateau changes the learning rate on evaluations, and "
                               "this run has none: the rate would never change. Give an evaluation loader and "
                               "--eval_strategy steps or epoch, or choose another schedule.")
         finals = spec.final_eval_loaders or {}
-        self.final_eval_loaders = {name: prepare_for_evaluation(acc, loader) for name, loader in finals.items()}
+        self.final_eval_loaders = {name: prepare_for_evaluation(acc, loader, self.config.seed)
+                                   for name, loader in finals.items()}
         self.loss_fn, self.metrics_fn = loss_fn, spec.metrics_fn
         # the metrics object the recipe passed (train() wraps it to keep confusion matrices): its declared hooks
         self.declared_metrics = getattr(spec.metrics_fn, "metrics_fn", spec.metrics_fn)

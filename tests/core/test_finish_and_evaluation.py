@@ -108,6 +108,28 @@ def test_a_loss_with_training_only_terms_declares_the_one_evaluations_use():
         evaluate_model(accelerator, model, loader, plain)["eval_loss"], abs=1e-7)
 
 
+def test_evaluations_leave_the_training_draws_alone(tmp_path):
+    # each iter() of a DataLoader without a generator of its own draws its worker base seed from torch's global
+    # generator: an evaluation every step moved every later dropout mask, so how often a run was evaluated changed
+    # what it trained (the main job evaluated per epoch ended 1 point off the same run evaluated every 32 steps)
+    def dropout_run(out, **changes):
+        reset_accelerate()
+        model = token_train.tiny_lm()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.3
+        train_loader, eval_loader = token_loaders()
+        result = train(model, train_loader, eval_loader=eval_loader,
+                       config=token_config(out, max_steps=4, num_train_epochs=2, **changes))
+        return dict(result.model.named_parameters()), [r["loss"] for r in read_jsonl(out / "metrics.jsonl")
+                                                         if "loss" in r]
+
+    plain, plain_losses = dropout_run(tmp_path / "plain")
+    evaluated, evaluated_losses = dropout_run(tmp_path / "evaluated", eval_strategy="steps", eval_steps=1)
+    assert evaluated_losses == plain_losses and len(plain_losses) == 4
+    assert all(torch.equal(plain[name], value) for name, value in evaluated.items())
+
+
 def test_the_overfit_check_judges_the_unsmoothed_loss(tmp_path):
     # smoothed cross-entropy over a 32-word vocabulary cannot fall below ~0.5 nats: the check judged a floor
     config = token_config(tmp_path, overfit_batches=1, max_steps=300, learning_rate=3e-2, lr_scheduler_type="constant",

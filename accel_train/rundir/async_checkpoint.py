@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -32,7 +31,6 @@ from ..errors import CheckpointError, ConfigError
 from ..testing import faults
 from . import checkpoint as ckpt
 from .final_model import write_pretrained_files
-from .layout import checkpoint_name, checkpoints_dir
 
 # the background writer's own random-states file: Accelerate's writer always writes one, of the moment it runs; the
 # checkpoint's are the ones every process wrote at the step, so this one is deleted before the manifest
@@ -99,16 +97,6 @@ def snapshot_state(accelerator: Accelerator, previous: dict[str, Any] | None = N
             "scaler": Frozen(copies["scaler"]) if copies["scaler"] is not None else None, "raw": copies}
 
 
-def _why(error: BaseException | None) -> str:
-    kept = "The previous checkpoints are untouched"
-    if error is None:
-        return f"another process failed to write its part. {kept}."
-    if isinstance(error, OSError):
-        return (f"{error}. {kept}; free disk space or fix permissions, then resume with --resume_from_checkpoint "
-                "latest.")
-    return f"{type(error).__name__}: {error}. {kept}."
-
-
 class CheckpointWriter:
     """Writes the run's checkpoints, synchronously or (--async_save) in the background; `settle()` returns what
     landed since it was last called."""
@@ -148,13 +136,7 @@ class CheckpointWriter:
             return
         assert self.thread is None, "settle() the pending checkpoint before writing the next"
         acc = self.accelerator
-        root = checkpoints_dir(output_dir)
-        final, tmp = root / checkpoint_name(step), root / f".tmp-{checkpoint_name(step)}"
-        if acc.is_main_process:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        acc.wait_for_everyone()
+        final, tmp = ckpt.open_checkpoint(acc, output_dir, step)
         error = None
         try:  # every process: its random states and loader position (Accelerate's writer, no model: small)
             from accelerate.checkpointing import save_accelerator_state
@@ -170,7 +152,7 @@ class CheckpointWriter:
         if ckpt.any_rank(acc, error is not None):  # also the barrier: every process's part is on disk
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write checkpoint {final}: {_why(error)}") from error
+            raise CheckpointError(f"could not write checkpoint {final}: {ckpt.why_not_written(error)}") from error
         snapshot = dataclasses.replace(state)
         if acc.is_main_process:
             train_state = json.dumps(dataclasses.asdict(state), indent=2)
@@ -193,10 +175,9 @@ class CheckpointWriter:
             faults.kill_point("kill_during_save", step, True)
             (tmp / ckpt.TRAIN_STATE).write_text(train_state)
             ckpt.write_manifest(tmp, step, shapes, world_size)
-            if final.exists():  # the same step saved twice
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            ckpt.fsync_dir(final.parent)
+            failed = ckpt.publish(tmp, final)
+            if failed is not None:
+                raise failed
         except BaseException as err:  # noqa: BLE001 - kept for settle() to raise on the training thread
             shutil.rmtree(tmp, ignore_errors=True)
             self.error = err
@@ -212,7 +193,7 @@ class CheckpointWriter:
             self.pending = None
             if ckpt.any_rank(self.accelerator, error is not None):
                 raise CheckpointError(f"could not write checkpoint {final} (in the background, --async_save): "
-                                      f"{_why(error)}") from error
+                                      f"{ckpt.why_not_written(error)}") from error
             self.landed.append((final, state))
         landed, self.landed = self.landed, []
         return landed

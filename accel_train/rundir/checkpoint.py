@@ -70,14 +70,7 @@ def save_checkpoint(
     """Save the full training state for `step`; every rank must call this (collective). `extra_files(folder)` runs
     on the main process before the manifest, so what it writes there (a model's config.json) is verified too;
     `rank_files(folder)` runs on every rank (a stream's loader position, per process)."""
-    root = checkpoints_dir(output_dir)
-    final = root / checkpoint_name(step)
-    tmp = root / f".tmp-{checkpoint_name(step)}"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    accelerator.wait_for_everyone()
+    final, tmp = open_checkpoint(accelerator, output_dir, step)
     error: BaseException | None = None
     try:  # every rank writes its part (RNG state; FSDP / DeepSpeed shards)
         accelerator.save_state(str(tmp), safe_serialization=True)
@@ -99,18 +92,54 @@ def save_checkpoint(
     if failed:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {error or 'another process failed to write its part'}. "
-            "The previous checkpoints are untouched; free disk space or fix permissions, then resume with "
-            "--resume_from_checkpoint latest."
-        )
+        raise CheckpointError(f"could not write checkpoint {final}: {why_not_written(error)}") from error
+    error = publish(tmp, final) if accelerator.is_main_process else None
+    if any_rank(accelerator, error is not None):  # also the barrier: the checkpoint is in place for every process
+        raise CheckpointError(f"could not write checkpoint {final}: {why_not_written(error)}") from error
+    return final
+
+
+def why_not_written(error: BaseException | None) -> str:
+    """The end of a CheckpointError: what failed (or that another process did), and that nothing older was lost."""
+    kept = "The previous checkpoints are untouched"
+    if error is None:
+        return f"another process failed to write its part. {kept}."
+    if isinstance(error, OSError):
+        return f"{error}. {kept}; free disk space or fix permissions, then resume with --resume_from_checkpoint latest."
+    return f"{type(error).__name__}: {error}. {kept}."
+
+
+def open_checkpoint(accelerator: Accelerator, output_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """(the checkpoint's folder, the temporary folder it is written in), the latter made afresh by the main process
+    (collective). A folder it cannot make (a file in the way, permissions, a full disk) is a CheckpointError on every
+    process, agreed: raised on the main process alone, it would leave the others waiting at the barrier for ever."""
+    root = checkpoints_dir(output_dir)
+    final, tmp = root / checkpoint_name(step), root / f".tmp-{checkpoint_name(step)}"
+    error = None
     if accelerator.is_main_process:
-        if final.exists():  # the same step saved twice (e.g. step and epoch intervals coincide)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as err:
+            error = err
+    if any_rank(accelerator, error is not None):  # also the barrier: the folder is there for every process
+        raise CheckpointError(f"could not write checkpoint {final}: {why_not_written(error)}") from error
+    return final, tmp
+
+
+def publish(tmp: Path, final: Path) -> OSError | None:
+    """Rename the written `tmp` into place (replacing a checkpoint of the same step: step and epoch intervals can
+    coincide); the OSError where that failed, the written folder then removed."""
+    try:
+        if final.is_dir():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        fsync_dir(root)
-    accelerator.wait_for_everyone()
-    return final
+        fsync_dir(final.parent)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return err
+    return None
 
 
 def any_rank(accelerator: Accelerator, flag: bool) -> bool:

@@ -6,6 +6,7 @@ process or on the session's two gloo ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -197,3 +198,45 @@ def test_sharded_engines_save_on_each_node_and_pre_hooks_are_refused_with_the_re
     fake.project_configuration.save_on_each_node, fake._save_model_state_pre_hook = False, {0: print}
     with pytest.raises(ConfigError, match="pre-hook"):  # it would run on the copies, later
         refuse_async(fake)
+
+
+@dataclasses.dataclass
+class Step:
+    step: int
+
+
+def write_over_a_blocked_path(out: str, asynchronous: bool) -> None:
+    """[on each rank] Checkpoint step 1 and then step 2 of a one-layer model into `out`, where the parent put a
+    file at the checkpoints folder's path (step 1) and at step 2's (step 2): the main process cannot make the
+    folder, nor rename the written checkpoint into place."""
+    from pathlib import Path
+
+    from accelerate import Accelerator
+
+    from accel_train.errors import CheckpointError
+    from accel_train.rundir.async_checkpoint import CheckpointWriter
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    writer = CheckpointWriter(accelerator, asynchronous)
+    state = Step(1)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000001: .*untouched"):
+        writer.write(out, 1, state, {})
+        writer.settle()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # the folder can be made now; step 2's place is taken by a file
+        Path(out, "checkpoints").unlink()
+        Path(out, "checkpoints").mkdir()
+        Path(out, "checkpoints", "step-00000002").write_text("")
+    accelerator.wait_for_everyone()
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000002"):
+        writer.write(out, 2, state, {})
+        writer.settle()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_folder_the_main_process_cannot_make_is_an_error_on_every_process(tmp_path, ranks, asynchronous):
+    # before: the main process raised a bare OSError while the other waited at the barrier for ever (a hang)
+    (tmp_path / "checkpoints").write_text("")
+    ranks.run(write_over_a_blocked_path, str(tmp_path), asynchronous, timeout=120)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))

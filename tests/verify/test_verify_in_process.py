@@ -125,7 +125,10 @@ def test_evaluation_seeded_bugs_each_flagged_by_their_comparison_and_the_twin_pa
         result = certificate["checks"]["evaluation"]
         assert (code, result["status"], result["cause"]) == (1, "failed", cause), bug
         measured = result["measured"]
-        assert measured[seen_by]["relative"] > 10 * EVALUATION_RTOL, (bug, measured[seen_by])
+        # clear of the tolerance: dropout's difference is one draw of masks, whose size is chance (the loss 4.4e-4
+        # relative since evaluation loaders draw their worker seeds from a generator of their own; before, other
+        # masks moved the accuracy by one example, 0.077)
+        assert measured[seen_by]["relative"] > 3 * EVALUATION_RTOL, (bug, measured[seen_by])
         assert all(measured[name]["differing"] == [] for name in agreeing), (bug, measured)
         assert "What to change" in result["diagnosis"] and f"evaluation failed ({cause})" in capsys.readouterr().out
     assert measured["world_size"]["differing"] == ["accuracy"]  # the loss is gathered: only the counted metric
@@ -412,3 +415,24 @@ def test_a_row_the_matrix_says_is_named_from_the_reference_runs_start_up_report(
     matrix = certificate["checks"]["data_accounting"]["measured"]["matrix"]
     assert matrix["status"] == "said" and SAID["augmentation (global RNG)"] in matrix["said"]
     assert "; said: augmentation (global RNG)" in capsys.readouterr().out
+
+
+def test_a_token_budget_run_is_not_compared_across_batch_sizes_or_process_counts(tmp_path, capsys):
+    """Run directories written here (no run): a run of --max_tokens_per_batch 1104 (config.yaml). Its micro-batches
+    are the plan's, so k micro-batches of B against one of kB, and 1 process against 2, hold other examples by design:
+    before, both checks compared them and failed (the accumulation check blaming the script's sampler). Both are not
+    applicable with the reason and the flag that checks the rest of the script; nothing is run to compare."""
+    config = {"max_tokens_per_batch": 1104, "per_device_train_batch_size": 4}
+    planned = {"reference": {"losses": [0.7, 0.69, 0.68], "config": config},
+               "accumulation-micro": {"losses": [0.71], "config": {**config, "gradient_accumulation_steps": 2}}}
+    argv = ["--checks", "accumulation,world_size", "--steps", "3", "--output_dir", str(tmp_path / "budget"), "--",
+            str(EVAL_BUGS)]
+    assert main(argv, runner=fabricated(planned)) == 0
+    certificate = json.loads((tmp_path / "budget" / CERTIFICATE).read_text())
+    for name in ("accumulation", "world_size"):
+        check = certificate["checks"][name]
+        assert check["status"] == "not applicable", check
+        assert "token budget (--max_tokens_per_batch 1104)" in check["measured"]["reason"]
+        assert "--max_tokens_per_batch 0" in check["measured"]["reason"]
+    assert sorted(planned["asked"]) == ["accumulation-micro", "reference"]  # no batch of kB, no 2-process run
+    assert "world_size      NOT APPLICABLE" in capsys.readouterr().out

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+import yaml
+
+from ..rundir.layout import CONFIG
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
 from .diagnose import accounting_cause
 from .evidence import Fed, read_fed
@@ -38,6 +41,11 @@ def data_accounting(runs: Runs) -> Result:
         return Result(NOT_APPLICABLE, {"reason": "the reference run recorded nothing fed (diagnostics/fed_rank0.jsonl):"
                                        " the script does not train with accel_train.train()"}, tolerance)
     measured: dict = {"compared": [], "not_compared": [], "findings": [], "rows": {}}
+    budget = (yaml.safe_load((reference.output_dir / CONFIG).read_text()) or {}).get("max_tokens_per_batch")
+    if budget:  # the loop counts a round's examples from the plan: a process's own rows are not recorded
+        measured["not_compared"].append(f"rows: the run batches by a token budget (--max_tokens_per_batch {budget}), "
+                                        "whose processes feed micro-batches of unequal rows, counted per round from "
+                                        "the plan (coverage and resume are judged)")
     variants = []
     for name, check, what in SOURCES:
         variant = runs.done.get(name)
@@ -57,7 +65,7 @@ def data_accounting(runs: Runs) -> Result:
                                            "indices to account for"}, tolerance)
         measured["compared"].append(what)
         variants.append(name)
-        account(name, ranks, measured, resumed=name == "resumed")
+        account(name, ranks, measured, resumed=name == "resumed", rows=not budget)
     probe = read_fed(reference.output_dir, 0).probe
     measured["length"] = probe
     measured["findings"] += length_findings(probe)
@@ -68,8 +76,9 @@ def data_accounting(runs: Runs) -> Result:
     return result
 
 
-def account(name: str, ranks: list[Fed], measured: dict, resumed: bool) -> None:
-    """Rows, coverage and (for the resumed run) replay and positions of one run's processes: findings appended."""
+def account(name: str, ranks: list[Fed], measured: dict, resumed: bool, rows: bool = True) -> None:
+    """Rows (unless `rows` is False), coverage and (for the resumed run) replay and positions of one run's processes:
+    findings appended."""
     findings = measured["findings"]
     planned = fed = 0
     for rank, record in enumerate(ranks):
@@ -77,13 +86,15 @@ def account(name: str, ranks: list[Fed], measured: dict, resumed: bool) -> None:
             want = sum(len(record.plans[e][p]) for e, a, b in entry["segments"] if e in record.plans
                        for p in range(a, min(b, len(record.plans[e]))))
             planned, fed = planned + want, fed + entry["rows"]
-            if entry["rows"] != want and not any(f.get("variant") == name and f["kind"] == "rows" for f in findings):
+            reported = any(f.get("variant") == name and f["kind"] == "rows" for f in findings)
+            if rows and entry["rows"] != want and not reported:
                 findings.append({"kind": "rows", "variant": name, "rank": rank, "step": step, "planned": want,
                                  "fed": entry["rows"], "sentence": f"{name}, process {rank}, step {step}: the sampler "
                                  f"gave {want} indices and {entry['rows']} rows reached the loss."})
         if resumed:
             findings += replay_findings(name, rank, record)
-    measured["rows"][name] = {"planned": planned, "fed": fed}
+    if rows:
+        measured["rows"][name] = {"planned": planned, "fed": fed}
     for epoch in sorted(ranks[0].plans):
         findings += coverage_findings(name, epoch, [record.plans.get(epoch, []) for record in ranks],
                                        ranks[0].meta[epoch])

@@ -220,6 +220,19 @@ def _final_checkpoints(a: Path, b: Path, step: int) -> dict:
             "generators_differing": states_differ(checkpoint_dir(a, step), checkpoint_dir(b, step))}
 
 
+def budget_reason(config: dict, compared: str) -> str | None:
+    """Why a check that compares batchings does not apply to a run of a token budget (its config.yaml `config`): its
+    micro-batches are a plan of padded tokens, so `compared` hold other examples by design. None without a budget."""
+    budget = config.get("max_tokens_per_batch")
+    if not budget:
+        return None
+    return (f"the run batches by a token budget (--max_tokens_per_batch {budget}): a micro-batch is the plan's, not "
+            f"--per_device_train_batch_size examples, so {compared} hold other examples by design. The budget's "
+            "exactness under accumulation and 2 processes is proven in accel_train's own tests "
+            "(tests/core/test_token_batches.py); rerun verify with --max_tokens_per_batch 0 to check the rest of the "
+            "script with batches of examples")
+
+
 def accumulation(runs: Runs) -> Result:
     """k micro-batches of B (accumulated) against one batch of kB: the same first step, within ACCUMULATION_RTOL. A
     script that refuses accumulation (a loss over the whole batch) makes it not applicable; a BatchNorm model differs
@@ -235,6 +248,9 @@ def accumulation(runs: Runs) -> Result:
     micro_flags, shared = accumulation_sides(runs)
     micro = runs.finished("accumulation-micro", own, **micro_flags)
     config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
+    budget = budget_reason(config, f"{k} micro-batches of B and one batch of kB")
+    if budget is not None:
+        return Result(NOT_APPLICABLE, {"reason": budget}, tolerance, ["accumulation-micro"])
     batch = int(config.get("per_device_train_batch_size", 0))
     asked = micro_flags.get("per_device_train_batch_size", batch)
     if config.get("gradient_accumulation_steps") != k or not 1 <= batch == asked or config.get("auto_find_batch_size"):

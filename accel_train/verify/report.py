@@ -42,7 +42,8 @@ def figure(name: str, result: Result) -> str:
     if name == "data_accounting":
         fed = sum(rows["fed"] for rows in measured["rows"].values())
         planned = sum(rows["planned"] for rows in measured["rows"].values())
-        return (f"{fed} of {planned} planned rows fed, {len(measured['findings'])} finding(s); compared: "
+        rows = f"{fed} of {planned} planned rows fed" if measured["rows"] else "rows not compared"
+        return (f"{rows}, {len(measured['findings'])} finding(s); compared: "
                 f"{', '.join(measured['compared'])}"
                 + (f"; not compared: {'; '.join(measured['not_compared'])}" if measured["not_compared"] else ""))
     if name == "evaluation":

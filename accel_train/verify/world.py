@@ -13,7 +13,18 @@ from __future__ import annotations
 import yaml
 
 from ..rundir.layout import CONFIG
-from .checks import FAILED, FP32_GRADIENT_RTOL, FP32_RTOL, NOT_APPLICABLE, PASSED, PROPERTY, Result, Runs, bounds
+from .checks import (
+    FAILED,
+    FP32_GRADIENT_RTOL,
+    FP32_RTOL,
+    NOT_APPLICABLE,
+    PASSED,
+    PROPERTY,
+    Result,
+    Runs,
+    bounds,
+    budget_reason,
+)
 from .crashes import DEBUG_VARIABLE
 from .diagnose import direction_cause, world_size_cause
 from .evidence import (
@@ -60,6 +71,9 @@ def world_size(runs: Runs) -> Result:
         return Result(NOT_APPLICABLE, {"reason": refused}, tolerance)
     reference = runs.finished("reference")
     config = yaml.safe_load((reference.output_dir / CONFIG).read_text()) or {}
+    budget = budget_reason(config, "1 process and 2 (a step is a round of one micro-batch per process)")
+    if budget is not None:
+        return Result(NOT_APPLICABLE, {"reason": budget}, tolerance)
     batch = int(config.get("per_device_train_batch_size", 0))
     if batch < 1 or config.get("auto_find_batch_size"):
         return Result(NOT_APPLICABLE, {"reason": "the run chooses its batch size by itself (--auto_find_batch_size, or "

@@ -110,7 +110,9 @@ def run_cli(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] 
         elif isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
             message = (f"accel_train out of memory: {err}. Lower --per_device_train_batch_size and raise "
                        "--gradient_accumulation_steps (same global batch), or use --auto_find_batch_size, "
-                       "--gradient_checkpointing or --mixed_precision bf16. Saved checkpoints are intact.")
+                       "--gradient_checkpointing or --mixed_precision bf16; under a token budget (the NLP recipes' "
+                       "default) --max_tokens_per_batch bounds a micro-batch: give a lower number (another plan: "
+                       "resume from this run's checkpoints only with its own). Saved checkpoints are intact.")
         else:
             raise
         _status(EXIT_USER_ERROR, getattr(err, "kind", "out of memory"), message)

@@ -165,9 +165,11 @@ def _even_out(batches: list[list[int]], num_processes: int, max_tokens: int) -> 
         largest = max(range(len(batches)), key=lambda b: len(batches[b]))
         batch = batches[largest]
         if len(batch) < 2:
-            raise ConfigError(f"{FLAG} {max_tokens}: every batch holds a single example and the {len(batches)} "
-                              f"examples cannot be dealt evenly to {num_processes} processes. Raise {FLAG}, or "
-                              "train on a number of examples divisible by the number of processes.")
+            raise ConfigError(f"a token budget of {max_tokens} padded tokens ({FLAG}, given or the NLP recipes' "
+                              f"default auto): every batch holds a single example and the {len(batches)} examples "
+                              f"cannot be dealt evenly to {num_processes} processes. Raise {FLAG}, give {FLAG} 0 "
+                              "(batches of --per_device_train_batch_size examples), or train on a number of examples "
+                              "divisible by the number of processes.")
         batches[largest:largest + 1] = [batch[:len(batch) // 2], batch[len(batch) // 2:]]
     return batches
 
@@ -245,15 +247,17 @@ def check_token_loader(loader, config, num_processes: int):
     in), and it must plan for the processes that run (its rounds are made for that number: Accelerate would repeat
     batches to even out another count, or pair batches of unequal tokens). ConfigError otherwise, before training."""
     sampler = budget_sampler(loader)
-    if config.max_tokens_per_batch == AUTO_TOKENS:
-        if sampler is None:
-            raise ConfigError(f"{FLAG} {AUTO_TOKENS}: the training loader is not batched by a token budget's "
-                              "plan (a loader of one's own, or a stream): build it with make_loader(dataset, config, "
-                              "train=True, lengths=...), which chooses the budget from the lengths, or give the "
-                              "budget as a number of tokens.")
-        config = config.replace(max_tokens_per_batch=sampler.max_tokens)
     if sampler is None:
+        if config.max_tokens_per_batch:  # its batches are not the budget's, which the run would claim and count in
+            raise ConfigError(f"{FLAG} {config.max_tokens_per_batch}: the training loader is not batched by a token "
+                              "budget's plan (a loader of one's own, or a stream), so the run would train on the "
+                              "loader's batches while its start-up report, config.yaml and checkpoints (the data "
+                              "position a resume skips) count in the budget's. Build it with make_loader(dataset, "
+                              f"config, train=True, lengths=...), which plans the budget, or drop {FLAG} to train on "
+                              "the loader's own batches.")
         return config
+    if config.max_tokens_per_batch == AUTO_TOKENS:
+        config = config.replace(max_tokens_per_batch=sampler.max_tokens)
     if sampler.max_tokens != config.max_tokens_per_batch:
         raise ConfigError(f"the training loader's TokenBudgetBatchSampler plans batches of {sampler.max_tokens} padded "
                           f"tokens and {FLAG} is {config.max_tokens_per_batch or '0 (off)'}: set {FLAG} "

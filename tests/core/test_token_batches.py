@@ -169,6 +169,11 @@ def test_auto_is_the_mean_padded_tokens_of_the_grouped_batches_it_replaces(tmp_p
     with pytest.raises(ConfigError, match="--max_tokens_per_batch auto: the training loader is not batched by a "
                                           "token budget's plan"):
         check_token_loader(DataLoader(list(range(300)), batch_size=8), auto, 1)
+    # a number too: before, the loader's own batches trained under a budget the report and checkpoints claimed (a
+    # resume skipped a data position counted in the budget's plan)
+    with pytest.raises(ConfigError, match="--max_tokens_per_batch 512: the training loader is not batched by a "
+                                          "token budget's plan .* drop --max_tokens_per_batch"):
+        check_token_loader(DataLoader(list(range(300)), batch_size=8), auto.replace(max_tokens_per_batch=512), 1)
 
     class Stream(IterableDataset):
         def __iter__(self):

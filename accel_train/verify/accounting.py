@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-import yaml
-
-from ..rundir.layout import CONFIG
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Result, Runs
 from .diagnose import accounting_cause
-from .evidence import Fed, read_fed
+from .evidence import Fed, read_fed, run_config
 
 # The runs it reads, by the check that runs them: (variant, processes, what it shows).
 SOURCES = (("reference", "determinism", "one process"), ("world-size", "world_size", "two processes"),
@@ -41,7 +38,7 @@ def data_accounting(runs: Runs) -> Result:
         return Result(NOT_APPLICABLE, {"reason": "the reference run recorded nothing fed (diagnostics/fed_rank0.jsonl):"
                                        " the script does not train with accel_train.train()"}, tolerance)
     measured: dict = {"compared": [], "not_compared": [], "findings": [], "rows": {}}
-    budget = (yaml.safe_load((reference.output_dir / CONFIG).read_text()) or {}).get("max_tokens_per_batch")
+    budget = run_config(reference.output_dir).get("max_tokens_per_batch")
     if budget:  # the loop counts a round's examples from the plan: a process's own rows are not recorded
         measured["not_compared"].append(f"rows: the run batches by a token budget (--max_tokens_per_batch {budget}), "
                                         "whose processes feed micro-batches of unequal rows, counted per round from "

@@ -50,10 +50,11 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # back-end -> (preset, distributed type in the start-up report, sharded checkpoint files, tolerance against DDP,
 # flags of both runs: under FSDP2 a weight average, sharded with the model, evaluated between steps, is the final
 # model). The default --optim adamw runs torch's fused AdamW kernel on CPU: on FSDP2's DTensors and on ZeRO-2's flat
-# partitions; a second FSDP2 run takes torch's loop kernel (--optim adamw_torch), and ZeRO-3 the preset JSON's AdamW,
-# told to fuse by --optim adamw_torch_fused.
+# partitions; a second FSDP2 run takes torch's loop kernel (--optim adamw_torch) and the NLP recipes' default batching,
+# a token budget (auto; the rows here are of one length, so its plan has the 12 steps of batches of 4), and ZeRO-3 the
+# preset JSON's AdamW, told to fuse by --optim adamw_torch_fused.
 EMA = ("--ema_decay", "0.8", "--save_ema_as_final", "--eval_strategy", "steps", "--eval_steps", "4")
-LOOP = ("--optim", "adamw_torch")
+LOOP = ("--optim", "adamw_torch", "--max_tokens_per_batch", "auto")
 BACKENDS = {
     "fsdp2": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, EMA),
     "fsdp2_loop_adamw": ("fsdp.yaml", "FSDP", "pytorch_model_fsdp_0/*.distcp", 1e-6, LOOP),
@@ -74,8 +75,8 @@ def data(tmp_path_factory):
 
 
 def recipe_args(tiny_bert, data, out: Path) -> list[str]:
-    """12 optimizer steps of 2 x 4 samples (batches of examples: DeepSpeed refuses a token budget, and every
-    back-end is compared with the same DDP batches); checkpoints every 6 steps."""
+    """12 optimizer steps of 2 x 4 samples (batches of examples: DeepSpeed refuses a token budget; the FSDP2 run of
+    LOOP asks for the default budget again, its DDP reference too); checkpoints every 6 steps."""
     return ["--model_name_or_path", str(tiny_bert), "--train_file", str(data["train"]), "--validation_file",
             str(data["dev"]), "--num_train_epochs", "1", "--per_device_train_batch_size", "4",
             "--max_tokens_per_batch", "0",
@@ -434,6 +435,7 @@ def test_sharded_backend_resumes_exactly_after_sigkill_equals_ddp_and_exports(ba
     average = "--ema_decay" in flags
     assert [p.name for p in list_checkpoints(run)] == [*(["step-00000004"] if average else []), "step-00000006"]
     assert ("AdamW (built from the config, fused kernel)" in killed_output) == (flags != LOOP), killed_output[-6000:]
+    assert ("padded tokens per micro-batch" in killed_output) == (flags == LOOP)  # the token budget's plan ran
     if backend == "zero3":  # the preset's JSON names the optimizer: DeepSpeed builds it, told to fuse by --optim
         assert "the optimizer is DeepSpeed's AdamW, torch's fused kernel, from its JSON config" in killed_output
     verify_checkpoint(list_checkpoints(run)[-1])

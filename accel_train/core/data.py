@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -347,6 +348,24 @@ def dataset_size(loader) -> int | None:
         return len(loader.dataset)
     except (TypeError, AttributeError):
         return None
+
+
+def data_fingerprint(loader) -> list[int]:
+    """What a checkpoint records of the training set its data position counts batches of: [its length, a checksum of
+    the example lengths a length-grouping sampler orders by (0: none)]; [] for a stream (a stream saves its own
+    position, core/stream.py)."""
+    size = dataset_size(loader)
+    if size is None or isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return []
+    todo, seen, lengths = [loader], set(), None
+    while todo and lengths is None:  # through Accelerate's wrappers: batch_sampler / sampler, a few levels
+        part = todo.pop()
+        if part is None or id(part) in seen:
+            continue
+        seen.add(id(part))
+        lengths = getattr(part, "lengths", None) if not isinstance(part, DataLoader) else None
+        todo += [getattr(part, "batch_sampler", None), getattr(part, "sampler", None)]
+    return [size, zlib.crc32(",".join(map(str, lengths)).encode()) if lengths is not None else 0]
 
 
 def _rank(process_index: int | None) -> int:

@@ -15,13 +15,14 @@ from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_step, checkpoints_dir
 from .accelerator import precision_in_effect
+from .data import data_fingerprint
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .hyperparameters import apply_hyperparameters, hyperparameter_changes, run_hyperparameters
 from .objects import inner_object
 from .state import TrainState
 from .stream import rereading_notes
-from .token_batches import check_token_plan
+from .token_batches import check_token_plan, token_plan
 
 
 @dataclass
@@ -34,6 +35,32 @@ class Resumed:
     position_restored: bool
 
 
+def fresh_state(session) -> TrainState:
+    """The state a run starts from without a checkpoint: what its data position and steps will count in."""
+    acc, config = session.accelerator, session.config
+    return TrainState(world_size=acc.num_processes, global_batch_size=session.plan.global_batch_size,
+                      per_device_batch=config.per_device_train_batch_size, precision=precision_in_effect(acc),
+                      token_plan=token_plan(config, session.train_loader), data=data_fingerprint(session.train_loader))
+
+
+def check_data(state: TrainState, loader, path: Path) -> None:
+    """A checkpoint's data position counts batches of the training set it was trained on: resuming it over another
+    (more or fewer examples, or other lengths where batches are grouped by length) would train on other examples
+    than the run it continues, silently. A checkpoint that recorded none (before 2026-12-05) is not compared."""
+    then, now = state.data, data_fingerprint(loader)
+    if not then or not now or then == now:
+        state.data = now or then
+        return
+    what = (f"{then[0]} training examples, this run has {now[0]}" if then[0] != now[0] else
+            f"{then[0]} training examples of other lengths than this run's (its batches are grouped by length)")
+    raise CheckpointError(f"{path} was trained on {what}: the data changed (another file or split, "
+                          "--max_train_samples, --max_seq_length, the tokenizer), and its data position (epoch "
+                          f"{state.epoch}, batch {state.batch_in_epoch}) counts batches of the set it was trained on, "
+                          "so the resumed run would not train on the examples the run it continues would have. "
+                          "Resume with the data it was trained with, or start a new run from its weights (a "
+                          "checkpoint's folder loads with from_pretrained).")
+
+
 def resume(session) -> Resumed:
     """--resume_from_checkpoint: load session.resume_path (the session's objects are loaded, its bookkeeping is the
     session's to set), take the data position, and start a new timeline there: newer checkpoints are moved aside,
@@ -44,6 +71,7 @@ def resume(session) -> Resumed:
     ckpt.check_compatible(path, manifest, session.shapes)
     state = TrainState(**ckpt.load_train_state(path))
     check_token_plan(state, config, acc.num_processes, path, session.train_loader)  # the same plan, the same steps
+    check_data(state, session.train_loader, path)  # the same examples
     if state.global_batch_size != plan.global_batch_size:
         raise CheckpointError(
             f"{path} was trained with a global batch of {state.global_batch_size} samples per step, this run has "

@@ -35,7 +35,7 @@ from ..rundir.metrics_log import RunLog, json_safe
 from ..rundir.outdir import check_output_dir, resume_target, start_run_dir
 from ..rundir.run_files import end_attempt
 from ..testing import faults
-from .accelerator import build_accelerator, precision_in_effect, startup_report
+from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
 from .data import dataset_size, own_generator_notes, random_item_notes
@@ -48,12 +48,12 @@ from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
 from .objects import check_interval, report_lines, split_schedulers, what_ran
 from .optim import batches_per_process, build_optimizer, current_lr, make_plan, run_schedule, steps_on_evaluation
-from .restore import exclusions_after, load_saved_state, restore_in_place, resume, session_hyperparameters
+from .restore import exclusions_after, fresh_state, load_saved_state, restore_in_place, resume, session_hyperparameters
 from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
 from .stream import StreamPosition, end_loader_workers, idle_worker_notes, stateful_loaders
-from .token_batches import check_token_loader, token_plan
+from .token_batches import check_token_loader
 
 
 @dataclass(frozen=True)
@@ -173,10 +173,7 @@ class Session:
             self.notes += resumed.notes
             self.verified.add(self.resume_path.name)
         else:
-            state = TrainState(world_size=acc.num_processes, global_batch_size=self.plan.global_batch_size,
-                               per_device_batch=self.config.per_device_train_batch_size,
-                               token_plan=token_plan(self.config, self.train_loader),
-                               precision=precision_in_effect(acc))
+            state = fresh_state(self)
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)
         self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,

@@ -20,6 +20,7 @@ class TrainState:
     per_device_batch: int = 0  # the micro-batch size batch_in_epoch counts in (0: a checkpoint from before it was kept)
     # --max_tokens_per_batch and the accumulation it ran with ([] without): its plan is what batch_in_epoch counts in
     token_plan: list[int] = field(default_factory=list)
+    data: list[int] = field(default_factory=list)  # the training set batch_in_epoch counts in (data.data_fingerprint)
     samples_seen: int = 0  # examples consumed, all processes
     samples_in_epoch: int = 0  # examples consumed in this epoch, all processes (what samples/s counts)
     train_seconds: float = 0.0  # training seconds of the logged intervals, evaluations and saves excluded

@@ -157,6 +157,36 @@ def refused_resume(capsys, out, first: list[str], then: list[str]) -> str:
     return err
 
 
+def test_a_resume_over_another_training_set_is_refused_by_name(tmp_path, capsys, tiny_bert):
+    """A checkpoint's data position (epoch, batch) counts batches of the set it was trained on: before, a resume over
+    more examples, or over examples of other lengths where batches are grouped by length, went on at that position
+    of another order, silently. Refused, naming both; the same data resumes."""
+    err = refused_resume(capsys, tmp_path / "toy", [], ["--num_samples", "120"])
+    assert "was trained on 96 training examples, this run has 120: the data changed" in err
+    assert "(epoch 0, batch 4)" in err and "Resume with the data it was trained with" in err
+    state = json.loads((list_checkpoints(tmp_path / "toy")[-1] / "train_state.json").read_text())
+    assert state["data"] == [96, 0]  # no lengths: the points are not grouped
+    run_toy(capsys, tmp_path / "toy", "--save_strategy", "steps", "--save_steps", "2", "--max_steps", "8",
+            "--eval_strategy", "no", "--resume_from_checkpoint", "latest")  # the same data resumes
+    # the NLP recipe groups batches of examples by length: the same 64 sentences cut at 8 tokens are other lengths
+    import random
+
+    from conftest import FILLER, nlp_main
+
+    rng = random.Random(5)
+    (tmp_path / "train.txt").write_text("".join(f"{i % 2} {' '.join(rng.choices(FILLER, k=rng.randint(2, 20)))}\n"
+                                                for i in range(64)))
+    args = ["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.txt"), "--output_dir",
+            str(tmp_path / "nlp"), "--report_to", "none", "--disable_tqdm", "--max_tokens_per_batch", "0",
+            "--per_device_train_batch_size", "8", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
+            "--eval_strategy", "no", "--load_best_model_at_end", "false", "--max_seq_length", "32"]
+    nlp_main([*args, "--max_steps", "2"])
+    with pytest.raises(CheckpointError, match="was trained on 57 training examples of other lengths than this run's "
+                                              r"\(its batches are grouped by length\)"):  # 7 held out to evaluate
+        nlp_main([*args, "--max_seq_length", "8", "--resume_from_checkpoint", "latest"])
+    nlp_main([*args, "--resume_from_checkpoint", "latest"])
+
+
 def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path, capsys):
     err = refused_resume(capsys, tmp_path, ["--lr_scheduler_type", "linear"], ["--lr_scheduler_type", "cosine"])
     assert "resuming with changed lr_scheduler_type ('linear' -> 'cosine')" in err

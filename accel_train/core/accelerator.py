@@ -376,5 +376,4 @@ def _batch_line(accelerator: Accelerator, config: TrainConfig, plan, num_train_s
                 "step")
     mean = f"{num_train_samples / plan.steps_per_epoch:.1f}" if num_train_samples and plan.steps_per_epoch else "?"
     return (f"at most {config.max_tokens_per_batch} padded tokens per micro-batch (--max_tokens_per_batch; "
-            f"--per_device_train_batch_size only chooses an auto budget) x {shape} = {mean} samples per step on "
-            "average")
+            f"--per_device_train_batch_size does not bound it) x {shape} = {mean} samples per step on average")

@@ -363,7 +363,8 @@ def data_fingerprint(loader) -> list[int]:
         if part is None or id(part) in seen:
             continue
         seen.add(id(part))
-        lengths = getattr(part, "lengths", None) if not isinstance(part, DataLoader) else None
+        found = getattr(part, "lengths", None) if not isinstance(part, DataLoader) else None
+        lengths = found if isinstance(found, (list, tuple)) else None  # a sampler's list, not a method of a name
         todo += [getattr(part, "batch_sampler", None), getattr(part, "sampler", None)]
     return [size, zlib.crc32(",".join(map(str, lengths)).encode()) if lengths is not None else 0]
 

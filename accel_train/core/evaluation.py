@@ -30,7 +30,7 @@ from .loss import as_loss_output, batch_size_of, tuple_target
 from .seeding import seeded_generator
 
 MetricsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
-EVAL_DRAWS = -1  # the counter of the evaluation loaders' generator: no epoch of training uses it
+EVAL_DRAWS = -1  # the counter of the evaluation loaders' generator (a generator object of their own)
 LOSS_METRICS = ("eval_loss", "eval_perplexity", "eval_items", "eval_samples")  # what evaluate_model reports itself
 
 
@@ -100,8 +100,11 @@ def prepare_for_evaluation(accelerator: Accelerator, loader, seed: int = 0):
 
     A DataLoader without a generator of its own draws its workers' base seed from torch's global generator at every
     iter(): each evaluation would move every later dropout mask of training, so how often a run is evaluated would
-    change what it trains. Such a loader gets a generator of (seed, EVAL_DRAWS), held for the run: it still draws
-    anew at each evaluation (a second evaluation that depends on its draws gives other numbers, as verify checks)."""
+    change what it trains. Such a loader gets a generator of (seed, EVAL_DRAWS), held for the run (a shuffled one's
+    RandomSampler gets a generator of its own from accelerator.prepare): it still draws anew at each evaluation (a
+    second evaluation that depends on its draws gives other numbers, as verify checks). Not checkpointed: after a
+    resume, random transforms in evaluation workers draw other numbers than the uninterrupted run's (training's are
+    unaffected)."""
     if loader is None:
         return None
     if accelerator.num_processes > 1 and isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):

@@ -51,6 +51,12 @@ def check_data(state: TrainState, loader, path: Path) -> None:
     if not then or not now or then == now:
         state.data = now or then
         return
+    if then[0] == now[0] and 0 in (then[1], now[1]):  # the same size, batches grouped by length in one run only
+        grouped = "with" if then[1] else "without"
+        raise CheckpointError(f"{path} was trained {grouped} batches grouped by length, this run batches "
+                              f"{'without' if then[1] else 'with'} (--group_by_length, a loader's sampler): its data "
+                              f"position (epoch {state.epoch}, batch {state.batch_in_epoch}) counts batches of the "
+                              "other order. Resume with the batching it was trained with, or start a new run.")
     what = (f"{then[0]} training examples, this run has {now[0]}" if then[0] != now[0] else
             f"{then[0]} training examples of other lengths than this run's (its batches are grouped by length)")
     raise CheckpointError(f"{path} was trained on {what}: the data changed (another file or split, "
@@ -185,12 +191,13 @@ def restore_in_place(session, state: TrainState, path: Path) -> None:
     optimizer, schedule, random states, the weight average and the hooks as saved, and the checkpoint's data
     position. The session's own bookkeeping is the session's to reset (Session.roll_back). A checkpoint written before
     this run resumed with changed hyperparameters holds the old ones: they are applied again, as the resume did."""
-    current = state.hyperparameters  # this run's (Session sets them at its start)
+    current, data = state.hyperparameters, state.data  # this run's (Session sets them at its start)
     best = {name: getattr(state, name) for name in BEST_FIELDS}
     load_saved_state(session, path)
     saved = TrainState(**ckpt.load_train_state(path))  # this run's own: the same micro-batch and world size
     for item in dataclasses.fields(TrainState):
         setattr(state, item.name, getattr(saved, item.name))
+    state.data = data  # a checkpoint from before it was recorded (one this run resumed from) has none
     kept = checkpoint_step(best["best_checkpoint"] or "")
     if kept is not None and kept <= saved.step:
         # the best known now is no newer than this checkpoint, so it is still on disk and still the best: a step that

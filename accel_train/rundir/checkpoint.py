@@ -129,16 +129,25 @@ def open_checkpoint(accelerator: Accelerator, output_dir: str | Path, step: int)
 
 
 def publish(tmp: Path, final: Path) -> OSError | None:
-    """Rename the written `tmp` into place (replacing a checkpoint of the same step: step and epoch intervals can
-    coincide); the OSError where that failed, the written folder then removed."""
+    """Rename the written `tmp` into place; the OSError where that failed, the written folder then removed and the
+    folders before it as they were. A checkpoint of the same step (step and epoch intervals can coincide) is moved
+    aside first and deleted only once `tmp` is in its place (put back where that failed)."""
+    aside = final.with_name(f".old-{final.name}")
     try:
         if final.is_dir():
-            shutil.rmtree(final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
-        fsync_dir(final.parent)
     except OSError as err:
+        if aside.is_dir() and not final.exists():
+            os.replace(aside, final)
         shutil.rmtree(tmp, ignore_errors=True)
         return err
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        fsync_dir(final.parent)
+    except OSError:  # the rename is done; only its durability on a crash of the machine is not confirmed
+        pass
     return None
 
 

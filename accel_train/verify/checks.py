@@ -29,6 +29,7 @@ from .evidence import (
     optimizer_tensors,
     random_states,
     relative_difference,
+    run_config,
     step_examples,
     tensor_differences,
     train_records,
@@ -245,10 +246,15 @@ def accumulation(runs: Runs) -> Result:
     if said is not None:
         return Result(NOT_APPLICABLE, {"reason": f"the script refuses --gradient_accumulation_steps {k}: {said}"},
                       tolerance, ["accumulation-micro"])
+    compared = f"{k} micro-batches of B and one batch of kB"
+    reference = runs.done.get("reference")  # its config says a budget before any run of this check's own
+    if reference is not None and reference.returncode == 0 and budget_reason(run_config(reference.output_dir), ""):
+        return Result(NOT_APPLICABLE, {"reason": budget_reason(run_config(reference.output_dir), compared)},
+                      tolerance, ["reference"])
     micro_flags, shared = accumulation_sides(runs)
     micro = runs.finished("accumulation-micro", own, **micro_flags)
     config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}
-    budget = budget_reason(config, f"{k} micro-batches of B and one batch of kB")
+    budget = budget_reason(config, compared)
     if budget is not None:
         return Result(NOT_APPLICABLE, {"reason": budget}, tolerance, ["accumulation-micro"])
     batch = int(config.get("per_device_train_batch_size", 0))

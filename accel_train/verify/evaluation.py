@@ -153,6 +153,10 @@ def _two_processes(runs: Runs, config: dict, resumed: dict):
     refused = launch_refused(runs.verify.launch_args)
     if refused:
         return refused
+    if config.get("max_tokens_per_batch"):
+        return (f"the run batches by a token budget (--max_tokens_per_batch {config['max_tokens_per_batch']}): its "
+                "checkpoint resumes on the number of processes it trained on only (the plan is dealt in rounds of one "
+                "micro-batch per process), so no 2-process evaluation can start from it")
     batch = int(config.get("per_device_train_batch_size") or 0)
     if batch % 2 or config.get("auto_find_batch_size"):
         return (f"the per-device training batch ({batch}) cannot be halved, and resuming the checkpoint on 2 "

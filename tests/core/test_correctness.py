@@ -187,6 +187,58 @@ def test_a_resume_over_another_training_set_is_refused_by_name(tmp_path, capsys,
     nlp_main([*args, "--resume_from_checkpoint", "latest"])
 
 
+def test_the_data_check_names_a_changed_batching_and_takes_only_a_samplers_list_of_lengths(tmp_path):
+    from accel_train.core.data import LengthGroupedSampler, data_fingerprint
+    from accel_train.core.restore import check_data
+    from accel_train.core.state import TrainState
+
+    grouped = DataLoader(list(range(10)), batch_size=2, sampler=LengthGroupedSampler(list(range(3, 13)), 2))
+    plain = DataLoader(list(range(10)), batch_size=2)
+    assert data_fingerprint(grouped)[0] == 10 and data_fingerprint(grouped)[1] != 0
+    assert data_fingerprint(plain) == [10, 0]
+    with pytest.raises(CheckpointError, match="was trained without batches grouped by length, this run batches with "
+                                              r"\(--group_by_length"):
+        check_data(TrainState(data=data_fingerprint(plain), epoch=0, batch_in_epoch=3), grouped, tmp_path)
+
+    class Named(LengthGroupedSampler):
+        def lengths(self):  # a method of that name is no list of lengths
+            return []
+
+    named = DataLoader(list(range(10)), batch_size=2)
+    named.batch_sampler.sampler = Named.__new__(Named)
+    assert data_fingerprint(named) == [10, 0]
+
+
+def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """publish() moves a checkpoint of the same step aside and deletes it only once the new one is in its place: a
+    rename that fails leaves the old one where it was (before, it was deleted first, and the new one with it)."""
+    import os
+
+    from accel_train.rundir import checkpoint as ckpt
+
+    final, tmp = tmp_path / "step-00000004", tmp_path / ".tmp-step-00000004"
+    for folder, text in ((final, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(src) == tmp:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", failing)
+    assert isinstance(ckpt.publish(tmp, final), OSError)
+    assert (final / "model.safetensors").read_text() == "old" and not tmp.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    monkeypatch.undo()
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("new")
+    assert ckpt.publish(tmp, final) is None
+    assert (final / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+
+
 def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path, capsys):
     err = refused_resume(capsys, tmp_path, ["--lr_scheduler_type", "linear"], ["--lr_scheduler_type", "cosine"])
     assert "resuming with changed lr_scheduler_type ('linear' -> 'cosine')" in err

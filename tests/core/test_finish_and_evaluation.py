@@ -112,13 +112,15 @@ def test_evaluations_leave_the_training_draws_alone(tmp_path):
     # each iter() of a DataLoader without a generator of its own draws its worker base seed from torch's global
     # generator: an evaluation every step moved every later dropout mask, so how often a run was evaluated changed
     # what it trained (the main job evaluated per epoch ended 1 point off the same run evaluated every 32 steps)
-    def dropout_run(out, **changes):
+    def dropout_run(out, shuffled=False, **changes):
         reset_accelerate()
         model = token_train.tiny_lm()
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.3
         train_loader, eval_loader = token_loaders()
+        if shuffled:  # its RandomSampler's order: a generator of its own from accelerator.prepare
+            eval_loader = DataLoader(eval_loader.dataset, batch_size=4, shuffle=True, collate_fn=eval_loader.collate_fn)
         result = train(model, train_loader, eval_loader=eval_loader,
                        config=token_config(out, max_steps=4, num_train_epochs=2, **changes))
         return dict(result.model.named_parameters()), [r["loss"] for r in read_jsonl(out / "metrics.jsonl")
@@ -128,6 +130,9 @@ def test_evaluations_leave_the_training_draws_alone(tmp_path):
     evaluated, evaluated_losses = dropout_run(tmp_path / "evaluated", eval_strategy="steps", eval_steps=1)
     assert evaluated_losses == plain_losses and len(plain_losses) == 4
     assert all(torch.equal(plain[name], value) for name, value in evaluated.items())
+    shuffled, shuffled_losses = dropout_run(tmp_path / "shuffled", True, eval_strategy="steps", eval_steps=1)
+    assert shuffled_losses == plain_losses
+    assert all(torch.equal(plain[name], value) for name, value in shuffled.items())
 
 
 def test_the_overfit_check_judges_the_unsmoothed_loss(tmp_path):

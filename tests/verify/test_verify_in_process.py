@@ -435,4 +435,9 @@ def test_a_token_budget_run_is_not_compared_across_batch_sizes_or_process_counts
         assert "token budget (--max_tokens_per_batch 1104)" in check["measured"]["reason"]
         assert "--max_tokens_per_batch 0" in check["measured"]["reason"]
     assert sorted(planned["asked"]) == ["accumulation-micro", "reference"]  # no batch of kB, no 2-process run
+    # the evaluation check's 2-process evaluation resumes the checkpoint on 2: a budget's plan cannot move there
+    from accel_train.verify.evaluation import _two_processes
+
+    runs = Runs(parse_args(["--output_dir", str(tmp_path / "evaluation"), "--", str(EVAL_BUGS)]), None)
+    assert "resumes on the number of processes it trained on only" in _two_processes(runs, config, {})
     assert "world_size      NOT APPLICABLE" in capsys.readouterr().out

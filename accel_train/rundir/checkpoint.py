@@ -300,10 +300,17 @@ def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | 
 
     `verified`: names already known good (written or verified by this process); rotation adds the ones it
     verifies, so each checkpoint is hashed at most once per run. Main process only. Stale temporary directories
-    of interrupted saves are removed too."""
+    of interrupted saves are removed too, and a same-step checkpoint that publish() had moved aside goes back into
+    its place where a crash came before the new one took it (else it is removed)."""
     root = checkpoints_dir(output_dir)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(".old-*"):
+        final = root / aside.name.removeprefix(".old-")
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
     if keep is None:
         return []
     verified = set() if verified is None else verified

@@ -237,6 +237,14 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tm
     assert ckpt.publish(tmp, final) is None
     assert (final / "model.safetensors").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    # a crash between the two renames leaves the old one aside: the next rotation puts it back (or, where the new
+    # one took its place, removes it)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / ".old-step-00000006").mkdir(parents=True)
+    (checkpoints / ".old-step-00000004").mkdir()
+    (checkpoints / "step-00000004").mkdir()
+    ckpt.rotate_checkpoints(tmp_path / "run", None, None)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000006"]
 
 
 def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path, capsys):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import os
 import random
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from .seeding import data_seed, seeded_generator
 from .token_batches import FLAG as TOKEN_FLAG
-from .token_batches import TokenBudgetBatchSampler, resolve_token_budget
+from .token_batches import TokenBudgetBatchSampler, lengths_checksum, resolve_token_budget
 
 # A packed batch (several sequences per row, told apart by position ids restarting at 0, no attention mask) carries
 # its count of non-padding tokens under this key: nothing else in it says where the row-end padding is.
@@ -357,16 +357,23 @@ def data_fingerprint(loader) -> list[int]:
     size = dataset_size(loader)
     if size is None or isinstance(getattr(loader, "dataset", None), IterableDataset):
         return []
-    todo, seen, lengths = [loader], set(), None
-    while todo and lengths is None:  # through Accelerate's wrappers: batch_sampler / sampler, a few levels
-        part = todo.pop()
-        if part is None or id(part) in seen:
+    lengths = next((part.lengths for part in sampler_chain(loader.batch_sampler)
+                    if isinstance(getattr(part, "lengths", None), (list, tuple))), None)  # a list, not a method
+    return [size, lengths_checksum(lengths) if lengths is not None else 0]
+
+
+def sampler_chain(batch_sampler: Any) -> list[Any]:
+    """`batch_sampler` and every sampler inside it, through Accelerate's sharding and skipping wrappers (their
+    `batch_sampler` / `sampler`), each once."""
+    found, todo, seen = [], [batch_sampler], set()
+    while todo:
+        sampler = todo.pop()
+        if sampler is None or id(sampler) in seen:
             continue
-        seen.add(id(part))
-        found = getattr(part, "lengths", None) if not isinstance(part, DataLoader) else None
-        lengths = found if isinstance(found, (list, tuple)) else None  # a sampler's list, not a method of a name
-        todo += [getattr(part, "batch_sampler", None), getattr(part, "sampler", None)]
-    return [size, zlib.crc32(",".join(map(str, lengths)).encode()) if lengths is not None else 0]
+        seen.add(id(sampler))
+        found.append(sampler)
+        todo += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
+    return found
 
 
 def _rank(process_index: int | None) -> int:

@@ -180,8 +180,13 @@ def token_plan(config, loader=None) -> list[int]:
     if not config.max_tokens_per_batch:
         return []
     sampler = budget_sampler(loader)
-    shape = [len(sampler), zlib.crc32(",".join(map(str, sampler.lengths)).encode())] if sampler is not None else []
+    shape = [len(sampler), lengths_checksum(sampler.lengths)] if sampler is not None else []
     return [config.max_tokens_per_batch, config.gradient_accumulation_steps, *shape]
+
+
+def lengths_checksum(lengths: Sequence[int]) -> int:
+    """A checksum of example lengths (in order): what a checkpoint keeps of the lengths its batches were made from."""
+    return zlib.crc32(",".join(map(str, lengths)).encode())
 
 
 def budget_sampler(loader) -> TokenBudgetBatchSampler | None:

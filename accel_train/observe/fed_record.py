@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from ..core.data import sampler_chain
 from ..rundir.layout import DIAGNOSTICS_DIR
 
 VARIABLE = "ACCEL_TRAIN_RECORD_FED"
@@ -134,16 +135,7 @@ def replay_epoch(loader: Any, epoch: int) -> list[list[int]] | None:
 
 def _sampler_chain(batch_sampler: Any) -> list[Any]:
     """The samplers inside a (sharded) batch sampler that keep an integer epoch."""
-    found, todo, seen = [], [batch_sampler], set()
-    while todo:
-        sampler = todo.pop()
-        if sampler is None or id(sampler) in seen:
-            continue
-        seen.add(id(sampler))
-        if isinstance(getattr(sampler, "epoch", None), int):
-            found.append(sampler)
-        todo += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
-    return found
+    return [sampler for sampler in sampler_chain(batch_sampler) if isinstance(getattr(sampler, "epoch", None), int)]
 
 
 @contextlib.contextmanager

@@ -248,9 +248,10 @@ def accumulation(runs: Runs) -> Result:
                       tolerance, ["accumulation-micro"])
     compared = f"{k} micro-batches of B and one batch of kB"
     reference = runs.done.get("reference")  # its config says a budget before any run of this check's own
-    if reference is not None and reference.returncode == 0 and budget_reason(run_config(reference.output_dir), ""):
-        return Result(NOT_APPLICABLE, {"reason": budget_reason(run_config(reference.output_dir), compared)},
-                      tolerance, ["reference"])
+    budget = budget_reason(run_config(reference.output_dir), compared) if reference and not reference.returncode \
+        else None
+    if budget is not None:
+        return Result(NOT_APPLICABLE, {"reason": budget}, tolerance, ["reference"])
     micro_flags, shared = accumulation_sides(runs)
     micro = runs.finished("accumulation-micro", own, **micro_flags)
     config = yaml.safe_load((micro.output_dir / CONFIG).read_text()) or {}

@@ -34,6 +34,7 @@ from .layout import SUPERSEDED_DIR, checkpoint_name, checkpoint_step, checkpoint
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 FORMAT_VERSION = 1
+ASIDE = ".old-"  # publish() moves a same-step checkpoint aside under this prefix until the new one is in place
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -132,7 +133,7 @@ def publish(tmp: Path, final: Path) -> OSError | None:
     """Rename the written `tmp` into place; the OSError where that failed, the written folder then removed and the
     folders before it as they were. A checkpoint of the same step (step and epoch intervals can coincide) is moved
     aside first and deleted only once `tmp` is in its place (put back where that failed)."""
-    aside = final.with_name(f".old-{final.name}")
+    aside = final.with_name(f"{ASIDE}{final.name}")
     try:
         if final.is_dir():
             shutil.rmtree(aside, ignore_errors=True)
@@ -201,13 +202,22 @@ def verify_checkpoint(path: Path) -> dict:
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints of the current timeline (named step-<8 digits>, manifest present), oldest first.
-    Other directories (step-00000012.bak, superseded/) are not checkpoints of this run and are left alone."""
+    Other directories (step-00000012.bak, superseded/) are not checkpoints of this run and are left alone. A
+    same-step checkpoint that publish() moved aside (.old-step-<8 digits>) counts where a crash came before the new
+    one took its place: it is that step's checkpoint until the next rotation puts it back (read only here, as
+    every rank may list)."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()
-             if p.is_dir() and checkpoint_step(p.name) is not None and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: checkpoint_step(p.name))
+    found = {}
+    for path in root.iterdir():
+        name = path.name.removeprefix(ASIDE)
+        step = checkpoint_step(name)
+        if step is None or not path.is_dir() or not (path / MANIFEST).is_file():
+            continue
+        if name == path.name or not (root / name).exists():
+            found[step] = path
+    return [found[step] for step in sorted(found)]
 
 
 def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
@@ -305,8 +315,8 @@ def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | 
     root = checkpoints_dir(output_dir)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    for aside in root.glob(".old-*"):
-        final = root / aside.name.removeprefix(".old-")
+    for aside in root.glob(f"{ASIDE}*"):
+        final = root / aside.name.removeprefix(ASIDE)
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
         else:

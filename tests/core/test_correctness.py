@@ -247,6 +247,29 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tm
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000006"]
 
 
+def test_latest_resumes_from_a_checkpoint_a_crash_left_aside(tmp_path):
+    """A crash between publish()'s two renames leaves the same-step checkpoint as .old-step-*, its replacement not in
+    place: `latest` resumes from it (before, from the checkpoint before it, training those steps again) and ends
+    bitwise as the uninterrupted run; the resumed run's first rotation puts the folder back under its name."""
+    import os
+
+    flags = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no",
+             "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "4", "--max_steps", "12"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    toy_main(["--output_dir", str(full), *flags])
+    toy_main(["--output_dir", str(cut), *flags, "--stop_at_step", "8"])
+    checkpoints = cut / "checkpoints"
+    os.replace(checkpoints / "step-00000008", checkpoints / ".old-step-00000008")
+    assert [p.name for p in list_checkpoints(cut)] == ["step-00000004", ".old-step-00000008"]
+    assert resolve_checkpoint(cut, "latest") == checkpoints / ".old-step-00000008"
+    toy_main(["--output_dir", str(cut), *flags, "--resume_from_checkpoint", "latest"])
+    steps = [r["step"] for r in read_jsonl(cut / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 13)), steps  # resumed at 8: no step trained twice
+    assert [p.name for p in list_checkpoints(cut)] == [f"step-{s:08d}" for s in (4, 8, 12)]
+    full_weights, cut_weights = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert all(torch.equal(full_weights[k], cut_weights[k]) for k in full_weights)
+
+
 def test_a_change_the_loaded_schedule_cannot_follow_is_refused_by_name(tmp_path, capsys):
     err = refused_resume(capsys, tmp_path, ["--lr_scheduler_type", "linear"], ["--lr_scheduler_type", "cosine"])
     assert "resuming with changed lr_scheduler_type ('linear' -> 'cosine')" in err

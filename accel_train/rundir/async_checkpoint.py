@@ -21,6 +21,7 @@ import dataclasses
 import json
 import shutil
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +63,31 @@ def refuse_async(accelerator: Accelerator) -> None:
                           "drop --async_save, or the hook.")
 
 
-def copied(tree: Any, into: Any = None) -> Any:
+def copied(tree: Any, into: Any = None, memo: dict | None = None) -> Any:
     """A copy of a nested state (dicts, lists, tuples, tensors, plain values). A tensor is copied into `into`'s tensor
     at the same place when that has its shape, dtype and device (the previous save's copy, written and released by
     now): memory that is already mapped, which a fresh copy would first have to fault in (measured on MiniLM: most of
-    the step's copy time)."""
+    the step's copy time). Tensors that are one view of the same memory (tied weights: a language model's embedding
+    and its head) stay one tensor in the copy, so that Accelerate's writer keeps one name of them, as it does
+    writing the live state (an OrderedDict, as a state dict is: the type its writer looks for tied names in; two
+    separate copies would both be written, and load_state refuses the second)."""
+    memo = {} if memo is None else memo
     if torch.is_tensor(tree):
-        same = torch.is_tensor(into) and (into.shape, into.dtype, into.device) == (tree.shape, tree.dtype, tree.device)
-        return into.copy_(tree.detach()) if same else tree.detach().clone()
+        dense = tree.layout == torch.strided and tree.numel() > 0 and tree.device.type != "meta"
+        view = (tree.device, tree.untyped_storage().data_ptr(), tree.storage_offset(), tree.shape, tree.stride(),
+                tree.dtype) if dense else id(tree)
+        if view not in memo:
+            same = torch.is_tensor(into) and (into.shape, into.dtype, into.device) == (tree.shape, tree.dtype,
+                                                                                        tree.device)
+            memo[view] = into.copy_(tree.detach()) if same else tree.detach().clone()
+        return memo[view]
     if isinstance(tree, dict):
         into = into if isinstance(into, dict) else {}
-        return {k: copied(v, into.get(k)) for k, v in tree.items()}
+        items = {k: copied(v, into.get(k), memo) for k, v in tree.items()}
+        return OrderedDict(items) if isinstance(tree, OrderedDict) else items  # a state dict, as Accelerate reads it
     if isinstance(tree, (list, tuple)):
         into = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
-        items = [copied(v, w) for v, w in zip(tree, into, strict=True)]
+        items = [copied(v, w, memo) for v, w in zip(tree, into, strict=True)]
         if isinstance(tree, list):
             return items
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)  # a namedtuple, or a tuple
@@ -120,7 +132,8 @@ class CheckpointWriter:
 
     def extra_files(self, folder: Path) -> None:
         if self.model is not None:
-            write_pretrained_files(self.accelerator, self.model, folder, self.processing_class)
+            write_pretrained_files(self.accelerator, self.model, folder, self.processing_class,
+                                   weights_follow=self.asynchronous)
 
     def rank_files(self, folder: Path) -> None:
         for part in self.rank_parts:

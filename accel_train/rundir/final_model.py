@@ -53,7 +53,7 @@ def final_model_names(model: torch.nn.Module, processing_class=None) -> list[str
 
 
 def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, folder: str | Path,
-                           processing_class=None) -> bool:
+                           processing_class=None, weights_follow: bool = False) -> bool:
     """Make a checkpoint folder a model folder for transformers: write config.json (and generation_config.json,
     the tokenizer / processor files) beside the model.safetensors Accelerate saved there, whose names are the bare
     model's, so `AutoModel*.from_pretrained(checkpoint)` and `pipeline(model=checkpoint)` load it. Only for
@@ -61,10 +61,12 @@ def write_pretrained_files(accelerator: Accelerator, model: torch.nn.Module, fol
     A LoRA (peft) model writes its adapter instead (adapter_config.json, adapter_model.safetensors): the checkpoint
     then loads with `peft.PeftModel.from_pretrained(base_model, checkpoint)`; no config.json is written, so that
     `AutoModel*.from_pretrained(checkpoint)` never builds a model with fresh weights from it.
-    Main process only; call it before the checkpoint's manifest is written, so the files are covered by it."""
+    Main process only; call it before the checkpoint's manifest is written, so the files are covered by it.
+    `weights_follow`: the whole model.safetensors is written into `folder` later (a background save: its copy is
+    being written; a LoRA adapter is written here, at the step)."""
     folder = Path(folder)
     bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if not (folder / WEIGHTS).is_file():
+    if not weights_follow and not (folder / WEIGHTS).is_file():
         return False
     if is_adapter_model(bare):  # a LoRA (peft) run: the checkpoint loads with PeftModel.from_pretrained(base, it)
         bare.save_pretrained(folder)  # adapter_config.json + adapter_model.safetensors; the base config untouched

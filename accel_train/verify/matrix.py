@@ -127,6 +127,10 @@ FEATURES: dict[str, Feature] = {
     "async save + stream": Feature(("--max_steps", "20", "--async_save", "true"), {"async_save": True}),
     "async save + weight averaging + SIGTERM": Feature(("--async_save", "true", "--ema_decay", "0.9"),
                                                        {"async_save": True, "ema_decay": 0.9}),
+    # the recipes' default batches (a token budget) with the optimizer and the saves a user turns on beside them
+    "token budget + Muon + async save + SIGTERM": Feature(
+        ("--max_tokens_per_batch", "64", "--optim", "muon", "--async_save", "true"),
+        {"max_tokens_per_batch": 64, "optim": "muon", "async_save": True}, ("token budget", "Muon", "async save")),
 }
 # Cells that test_matrix.py does not prove itself: (status, reason or the test that proves it elsewhere).
 ELSEWHERE = "tests/core/test_spike_guard.py::test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch"
@@ -151,6 +155,8 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
     ("token budget + accumulation + bf16 + weight averaging", "2 processes"): (
         "n/a", "as for a token budget: the plan deals whole batches, not halves of one process's"),
     ("rollback + token budget", "2 processes"): ("n/a", "the spiked micro-batch is found by content on 1 process"),
+    ("token budget + Muon + async save + SIGTERM", "2 processes"): (
+        "n/a", "as for a token budget: the plan deals whole batches, not halves of one process's"),
     ("spike skip", "2 processes"): ("proven", "tests/core/test_spike_guard.py::test_the_guard_agrees_across_ranks_"
                                               "and_resumes_with_its_window_bitwise"),
     ("packing", "model FLOPs"): ("n/a", "packed rows are longer sequences: attention FLOPs per token differ"),

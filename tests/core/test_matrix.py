@@ -106,6 +106,7 @@ HOW: dict[str, Run] = {
     "async save": Run("toy", 7),
     "async save + stream": Run("toy", 7, stream=True),
     "async save + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
+    "token budget + Muon + async save + SIGTERM": Run("token", 3, sigterm=True),
 }
 FEATURES: dict[str, Feature] = {name: Feature(**asdict(HOW[name]), flags=row.flags, record=row.record)
                                 for name, row in matrix.FEATURES.items() if name in HOW}

@@ -16,6 +16,7 @@ import pytest
 import text_generation
 import torch
 from conftest import ACCELERATE_CONFIGS, RECIPES, SCRIPTS, read_jsonl
+from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, ExportError, FinishError, ModelError, load_metric
 from accel_train.tasks.text.generation import (
@@ -670,6 +671,17 @@ def test_lora_checkpoints_load_with_peft_and_merge_lora_writes_a_plain_model_tha
     assert not (out / "adapter_config.json").exists()
     [result] = export_run(out, "torchscript")
     assert result.verified and result.max_abs_diff < 1e-4
+    # written in the background: the adapter files too (written at the step; they were skipped), the same adapter
+    text_generation.main([*data_flags(dates, "--prompt_suffix", " ="), "--model_name_or_path", str(llama_base),
+                          "--lora_r", "4", *QUIET, "--output_dir", str(tmp_path / "async"), "--max_steps", "4",
+                          "--learning_rate", "1e-2", "--max_generate_samples", "0", "--save_strategy", "steps",
+                          "--save_steps", "4", "--async_save"])
+    background = list_checkpoints(tmp_path / "async")[-1]
+    assert load_file(background / "adapter_model.safetensors").keys() == load_file(
+        checkpoint / "adapter_model.safetensors").keys()
+    from_background = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_base), background)
+    with torch.no_grad():
+        assert torch.equal(from_background.eval()(input_ids=ids).logits, logits[0])
 
 
 def test_lora_is_refused_where_its_adapter_could_not_be_loaded_or_exported(tmp_path, dates, llama_base):

@@ -157,6 +157,7 @@ class CheckpointWriter:
             save_accelerator_state(str(tmp), [], [], [], acc._dataloaders, acc.process_index, acc.step, None)
             self.rank_files(tmp)
             if acc.is_main_process:
+                train_state = json.dumps(dataclasses.asdict(state), indent=2)  # a state JSON cannot hold: agreed
                 self.extra_files(tmp)
                 copies = snapshot_state(acc, self.buffers)
                 self.buffers = copies["raw"]  # reused by the next save, once this write is done
@@ -168,7 +169,6 @@ class CheckpointWriter:
             raise CheckpointError(f"could not write checkpoint {final}: {ckpt.why_not_written(error)}") from error
         snapshot = dataclasses.replace(state)
         if acc.is_main_process:
-            train_state = json.dumps(dataclasses.asdict(state), indent=2)
             self.thread = threading.Thread(target=self._background, name=f"accel_train-save-{step}", args=(
                 tmp, final, step, copies, train_state, shapes, acc.num_processes, acc.step))
             self.thread.start()

@@ -222,10 +222,16 @@ class Step:
     step: int
 
 
+@dataclasses.dataclass
+class Unwritable:
+    step: int
+    hooks: set  # a hook's state JSON cannot hold
+
+
 def write_over_a_blocked_path(out: str, asynchronous: bool) -> None:
     """[on each rank] Checkpoint step 1 and then step 2 of a one-layer model into `out`, where the parent put a
     file at the checkpoints folder's path (step 1) and at step 2's (step 2): the main process cannot make the
-    folder, nor rename the written checkpoint into place."""
+    folder, nor rename the written checkpoint into place; then step 3 with a state JSON cannot hold."""
     from pathlib import Path
 
     from accelerate import Accelerator
@@ -248,6 +254,10 @@ def write_over_a_blocked_path(out: str, asynchronous: bool) -> None:
     accelerator.wait_for_everyone()
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000002"):
         writer.write(out, 2, state, {})
+        writer.settle()
+    # a training state JSON cannot hold: the main process raised a bare TypeError alone in the background path
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000003"):
+        writer.write(out, 3, Unwritable(3, {1}), {})
         writer.settle()
 
 

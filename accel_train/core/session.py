@@ -28,7 +28,7 @@ from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_lis
 from ..config import TrainConfig
 from ..errors import ConfigError, FinishError, MetricsError, Preempted
 from ..rundir import checkpoint as ckpt
-from ..rundir.async_checkpoint import CheckpointWriter
+from ..rundir.async_checkpoint import CheckpointWriter, refuse_async
 from ..rundir.final_model import final_model_names, save_final_model
 from ..rundir.layout import RESULTS, checkpoint_name, checkpoints_dir
 from ..rundir.metrics_log import RunLog, json_safe
@@ -166,6 +166,8 @@ class Session:
         declared = [h for h in loss_hooks(self.loss_fn, self.declared_metrics) if not any(h is g for g in hooks)]
         self.hooks = [*declared, *hooks]  # a loss's clock first: it must know the step before other hooks act
         self.control = attach_hooks(self)  # attach(run) before a resume's load_state_dict: hooks may build there
+        if self.config.async_save:  # again: a hook may have registered a save_state pre-hook as it attached
+            refuse_async(acc)
         self.resume_path = resume_target(acc, self.config, self.extra_configs)  # None: a fresh start
         if self.resume_path:
             resumed = resume(self)

@@ -203,6 +203,28 @@ def test_the_best_checkpoint_survives_a_failed_background_write_of_a_new_best(tm
     assert result.state.best_checkpoint == "step-00000006" and result.state.best_metric == 0.7
 
 
+def test_a_pre_hook_registered_as_a_hook_attaches_is_refused_too(tmp_path):
+    """Hooks attach after the writer is built: a save_state pre-hook registered there went unseen, and the background
+    writer never ran it (its checkpoints differed from synchronous ones without a word)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel_train import TrainConfig, train
+
+    class Registers:
+        def attach(self, run):
+            run.accelerator.register_save_state_pre_hook(lambda models, weights, folder: None)
+
+    reset_accelerate()
+    x = torch.randn(8, 2)
+    config = TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, max_steps=2, save_strategy="steps", save_steps=1,
+                         async_save=True)
+    with pytest.raises(ConfigError, match="pre-hook"):
+        train(torch.nn.Linear(2, 1), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4),
+              config=config, loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), hooks=[Registers()])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_sharded_engines_save_on_each_node_and_pre_hooks_are_refused_with_the_reason():
     for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         fake = SimpleNamespace(distributed_type=engine, project_configuration=SimpleNamespace(save_on_each_node=False))

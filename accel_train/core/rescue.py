@@ -140,13 +140,12 @@ class StepBoundary:
                 or session.stream is not None):
             return None
         path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
-        if session.last_save == state.step:  # that checkpoint is this boundary already
-            return path
-        state.batch_in_epoch, state.samples_in_epoch, state.samples_seen = self.position
-        set_random_states(self.random)
-        for name, value in self.figures.items():
-            setattr(self.meter, name, value)
-        session.optimizer.zero_grad(set_to_none=True)  # the failed window's partial gradients are not the state
-        session.keep_interval(state, self.meter)
-        session.save(state)
-        return path
+        if session.last_save != state.step:  # else that checkpoint is this boundary already
+            state.batch_in_epoch, state.samples_in_epoch, state.samples_seen = self.position
+            set_random_states(self.random)
+            for name, value in self.figures.items():
+                setattr(self.meter, name, value)
+            session.optimizer.zero_grad(set_to_none=True)  # the failed window's partial gradients are not the state
+            session.keep_interval(state, self.meter)
+            session.save(state)
+        return None if session.writer.wait_alone() else path  # --async_save: once its write landed

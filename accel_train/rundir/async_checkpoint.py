@@ -195,6 +195,19 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             self.error = err
 
+    def wait_alone(self) -> str | None:
+        """On an error's way out: let the pending background write finish on this process, without settle()'s
+        collective (a peer may be gone), so that a checkpoint an error's message names is on disk before the process
+        ends; None where it landed (or none was pending), else what to tell the user. It can be asked again."""
+        if self.pending is None:
+            return None
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is None:
+            return None
+        return (f"accel_train: checkpoint {self.pending[0]}, written in the background (--async_save), was not "
+                f"written: {ckpt.why_not_written(self.error)}")
+
     def settle(self) -> list[tuple[Path, Any]]:
         """Wait for the pending write (every process calls it); raise its error, agreed by every process; return
         the checkpoints that landed since the last call, with the states they were written from."""

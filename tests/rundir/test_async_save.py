@@ -203,6 +203,46 @@ def test_the_best_checkpoint_survives_a_failed_background_write_of_a_new_best(tm
     assert result.state.best_checkpoint == "step-00000006" and result.state.best_metric == 0.7
 
 
+def test_an_error_after_a_background_save_leaves_that_checkpoint_written(tmp_path, slow_disk, monkeypatch):
+    """An error while step 4's checkpoint is still being written (a slow disk): train() raised at once and the write
+    went on in a thread nobody waited for (a launcher's SIGTERM to the rest of a failed job killed it half written,
+    and a failure of it was never said). Now the error waits for it: step 4 is on disk when the error arrives."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel_train import TrainConfig, train
+
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("a bad batch")
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    reset_accelerate()
+    x = torch.randn(32, 2)
+    config = TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, max_steps=8, save_strategy="steps", save_steps=4,
+                         async_save=True, eval_strategy="no")
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        train(torch.nn.Linear(2, 1), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4),
+              config=config, loss_fn=loss_fn)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004"]
+    verify_checkpoint(list_checkpoints(tmp_path / "run")[0])
+    # where that write fails, the error says so (it was dropped)
+    full_disk_at(monkeypatch, 4)
+    calls.clear()
+    reset_accelerate()
+    config = dataclasses.replace(config, output_dir=str(tmp_path / "full"))
+    with pytest.raises(RuntimeError, match="a bad batch") as raised:
+        train(torch.nn.Linear(2, 1), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4),
+              config=config, loss_fn=loss_fn)
+    notes = "".join(raised.value.__notes__)
+    assert "step-00000004, written in the background (--async_save), was not written: [Errno 28] No space" in notes
+    assert not any("saved first" in note for note in raised.value.__notes__)  # it was not
+    assert not list_checkpoints(tmp_path / "full")
+
+
 def test_a_pre_hook_registered_as_a_hook_attaches_is_refused_too(tmp_path):
     """Hooks attach after the writer is built: a save_state pre-hook registered there went unseen, and the background
     writer never ran it (its checkpoints differed from synchronous ones without a word)."""

@@ -79,9 +79,11 @@ def _validate_token_budget(cfg) -> None:
            "dataloader_drop_last": "drops an incomplete batch of --per_device_train_batch_size examples; the token "
                                    "budget's plan trains every example once per epoch",
            "scale_lr": "scales the learning rate with a fixed global batch of examples; a token budget's batches hold "
-                       "varying numbers of examples"}
+                       "varying numbers of examples",
+           "overfit_batches": "repeats the first few batches of --per_device_train_batch_size examples; a token "
+                              "budget plans batches of every example of the epoch"}
     for name, reason in why.items():
-        if getattr(cfg, name) not in (False, "none"):
+        if getattr(cfg, name) not in (False, "none", 0):
             raise ConfigError(f"--{name} and --max_tokens_per_batch {budget}: --{name} {reason}. Drop one of them.")
 
 

@@ -287,8 +287,9 @@ def token_budget_sampler(dataset, config: TrainConfig, lengths: Sequence[int] | 
     if lengths is None:
         raise ConfigError(f"{budget}: the training loader was built without the examples' lengths "
                           "(make_loader(..., lengths=None)), and the batches are planned from them. Pass lengths= (a "
-                          "recipe: drop --no_group_by_length); a packed training set (--packing) fills rows to a "
-                          f"token budget already: drop {TOKEN_FLAG} or --packing.")
+                          "text recipe: drop --no_group_by_length); a packed training set (--packing) fills rows to a "
+                          f"token budget already: drop {TOKEN_FLAG} or --packing; images, boxes and image-text pairs "
+                          f"(the vision and multimodal recipes) have no token lengths: drop {TOKEN_FLAG}.")
     if len(lengths) != len(dataset):
         raise ConfigError(f"{budget}: {len(lengths)} lengths for a training set of {len(dataset)} examples: pass one "
                           "length per example.")

@@ -111,13 +111,14 @@ def test_refused_where_it_cannot_hold(tmp_path):
         make_loader([[1], [2]], config, train=True)
     with pytest.raises(ConfigError, match="3 lengths for a training set of 2 examples"):
         make_loader([[1], [2]], config, train=True, lengths=[1, 1, 1])
-    for flag, value in (("auto_find_batch_size", True), ("dataloader_drop_last", True), ("scale_lr", "linear")):
+    for flag, value in (("auto_find_batch_size", True), ("dataloader_drop_last", True), ("scale_lr", "linear"),
+                        ("overfit_batches", 2)):  # --overfit_batches: before, an error about the loader's batch_size
         with pytest.raises(ConfigError, match=f"--{flag} and --max_tokens_per_batch 64"):
             TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=64, **{flag: value})
     with pytest.raises(ConfigError, match="--max_tokens_per_batch=-1"):
         TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=-1)
     assert make_loader([[1], [2]], config, train=False).batch_size == 8  # evaluation: batches of examples still
-    with pytest.raises(ConfigError, match="--overfit_batches needs a training loader with a batch_size"):
+    with pytest.raises(ConfigError, match="--overfit_batches and --max_tokens_per_batch 64: --overfit_batches repeats"):
         run_tokens(tmp_path / "overfit", "--max_tokens_per_batch", "64", "--overfit_batches", "2")
     budget = TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=64, gradient_accumulation_steps=2)
     check_token_plan(TrainState(token_plan=[64, 2], world_size=2), budget, 2, "ckpt")

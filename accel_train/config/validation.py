@@ -52,6 +52,11 @@ def _validate_sizes(cfg) -> None:
 # --max_tokens_per_batch auto (TrainConfig(max_tokens_per_batch="auto")): replaced by its number of tokens once the
 # training examples' lengths are known (core/token_batches.py: resolve_token_budget)
 AUTO_TOKENS = "auto"
+# why a resume can find another number under auto (said where a resume is refused over the budget)
+AUTO_TOKENS_VARY = ("--max_tokens_per_batch auto chooses its number from the widths the collator pads examples to: "
+                    "a multiple of 8 under fp16 / bf16 on a GPU, the lengths themselves elsewhere, so a resume on "
+                    "another kind of device or in another precision (--mixed_precision auto follows the hardware) "
+                    "finds another number and another plan")
 
 
 def parse_tokens(text: str) -> int | str:

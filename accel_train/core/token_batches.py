@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Sampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from ..config.validation import AUTO_TOKENS
+from ..config.validation import AUTO_TOKENS, AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError
 from ..rundir.checkpoint import list_checkpoints, load_train_state
 from .seeding import data_seed, seeded_generator
@@ -231,7 +231,8 @@ def check_token_plan(state, config, num_processes: int, path, loader=None) -> No
     if then[:2] != now[:2]:
         raise CheckpointError(f"{path} was trained with {_batching(then)}, this run asks for {_batching(now)}: its "
                               "data position counts the micro-batches of its own plan, and its steps windows of "
-                              "them. Resume with the flags it was trained with, or start a new run.")
+                              "them. Resume with the flags it was trained with, or start a new run."
+                              + (f" ({AUTO_TOKENS_VARY}.)" if then and now else ""))
     if now and state.world_size not in (0, num_processes):
         raise CheckpointError(f"{path} was trained on {state.world_size} process(es) with {FLAG} {now[0]}, this run "
                               f"has {num_processes}: the plan of batches is dealt in rounds of one batch per process, "

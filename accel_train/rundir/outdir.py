@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ..config import TrainConfig, save_config
+from ..config.validation import AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError, RunFinished, UserError
 from . import run_files
 from .checkpoint import resolve_checkpoint
@@ -110,7 +111,8 @@ def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=(
             f"--resume_from_checkpoint auto: {config.output_dir} holds a run with another config ("
             + ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in value.items())
             + "). auto restarts the same job; to continue that run with changes use --resume_from_checkpoint "
-            "latest, or choose another --output_dir.")
+            "latest, or choose another --output_dir."
+            + (f" ({AUTO_TOKENS_VARY}.)" if "max_tokens_per_batch" in value else ""))
     return None if value is None else Path(value)
 
 

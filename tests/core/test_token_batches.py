@@ -128,6 +128,22 @@ def test_refused_where_it_cannot_hold(tmp_path):
     with pytest.raises(CheckpointError, match="this run asks for --max_tokens_per_batch 64 and --gradient_"
                                               "accumulation_steps 2"):
         check_token_plan(TrainState(token_plan=[64, 1], world_size=1), budget, 1, "ckpt")
+    # auto's number follows the hardware's pad multiple: a resume elsewhere is told so (it blamed the flags only)
+    with pytest.raises(CheckpointError, match=r"trained with --max_tokens_per_batch 1102.*this run asks for "
+                                              r"--max_tokens_per_batch 1115.*a multiple of 8 under fp16 / bf16"):
+        check_token_plan(TrainState(token_plan=[1102, 1], world_size=1),
+                         TrainConfig(output_dir=str(tmp_path), max_tokens_per_batch=1115), 1, "ckpt")
+    from accelerate import Accelerator
+
+    from accel_train.config import save_config
+    from accel_train.rundir.outdir import resume_target
+
+    reset_accelerate()
+    save_config([TrainConfig(output_dir=str(tmp_path / "moved"), max_tokens_per_batch=1102)],
+                tmp_path / "moved" / "config.yaml")
+    with pytest.raises(ConfigError, match=r"max_tokens_per_batch: 1102 there, 1115 now.*a multiple of 8 under fp16"):
+        resume_target(Accelerator(cpu=True), TrainConfig(output_dir=str(tmp_path / "moved"), max_tokens_per_batch=1115,
+                                                         resume_from_checkpoint="auto"))
     with pytest.raises(CheckpointError, match="trained on 2 process.* this run has 1.*Resume on 2"):
         check_token_plan(TrainState(token_plan=[64, 2], world_size=2), budget, 1, "ckpt")
 

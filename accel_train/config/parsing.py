@@ -228,5 +228,7 @@ def save_config(configs: Sequence[Any], path: Path, record: dict[str, Any] | Non
     if record is not None:
         merged[RECORD_KEY] = record
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    written = path.with_name(f".{path.name}.tmp")  # replaced at once: a kill mid-write leaves the old one, which
+    written.write_text(yaml.safe_dump(merged, sort_keys=False))  # `auto` compares the next attempt's flags with
+    os.replace(written, path)
 

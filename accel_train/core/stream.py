@@ -76,15 +76,17 @@ class StreamPosition:
     def restore(self, folder: Path, num_processes: int, batch_in_epoch: int) -> bool:
         """Load the position saved with checkpoint `folder`; False when the checkpoint is at an epoch's start
         (a new epoch starts from the beginning anyway) or holds no position (saved before: re-read instead)."""
-        path = folder / stream_position_file(self.process_index)
-        if batch_in_epoch == 0 or not path.is_file():
+        if batch_in_epoch == 0:
             return False
-        saved = len(list(folder.glob(stream_position_file("*"))))
-        if saved != num_processes:
+        saved = len(list(folder.glob(stream_position_file("*"))))  # counted by every process, which all see them
+        if saved and saved != num_processes:  # (a process without a file of its own went on alone before: a hang)
             raise CheckpointError(
                 f"{folder} holds the stream positions of {saved} process(es), this run has {num_processes}: each "
                 f"process reads its own shards of the stream, so the position cannot carry over. Resume on "
                 f"{saved} process(es), or from a checkpoint at an epoch's end.")
+        path = folder / stream_position_file(self.process_index)
+        if not path.is_file():
+            return False
         self.loader.load_state_dict(_load_position(path))
         return True
 

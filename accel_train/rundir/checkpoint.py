@@ -77,8 +77,8 @@ def save_checkpoint(
         accelerator.save_state(str(tmp), safe_serialization=True)
         if rank_files is not None:
             rank_files(tmp)
-    except OSError as err:  # full disk, permissions: keep the previous checkpoints, say what happened
-        error = err
+    except Exception as err:  # noqa: BLE001 - full disk, permissions (torch.save says so with a RuntimeError,
+        error = err  # safetensors with its own error): agreed below, the other ranks must not wait for this one
     failed = any_rank(accelerator, error is not None)  # also the barrier before the manifest
     faults.kill_point("kill_during_save", step, accelerator.is_main_process)
     if not failed and accelerator.is_main_process:
@@ -301,6 +301,18 @@ def load_train_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {TRAIN_STATE} ({err}).") from None
 
 
+def put_back_aside(output_dir: str | Path) -> None:
+    """A same-step checkpoint publish() moved aside goes back into its place where a crash came before the new one
+    took it (else it is removed): at a resume's start and at each rotation. Main process only."""
+    root = checkpoints_dir(output_dir)
+    for aside in root.glob(f"{ASIDE}*") if root.is_dir() else ():
+        final = root / aside.name.removeprefix(ASIDE)
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+
+
 def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | set | None,
                        verified: set[str] | None = None) -> list[Path]:
     """Keep the newest `keep` checkpoints that verify against their manifest and the `protect`ed (best) one(s: the
@@ -315,12 +327,7 @@ def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | 
     root = checkpoints_dir(output_dir)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    for aside in root.glob(f"{ASIDE}*"):
-        final = root / aside.name.removeprefix(ASIDE)
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(aside, final)
+    put_back_aside(output_dir)
     if keep is None:
         return []
     verified = set() if verified is None else verified

@@ -177,10 +177,19 @@ def _number(value: float) -> str:
 
 
 def truncate_history(path: Path, step: int) -> None:
-    """On resume, drop records the interrupted run wrote after the checkpoint it resumes from."""
+    """On resume, drop records the interrupted run wrote after the checkpoint it resumes from, and a last line a
+    crash cut short (a killed process or machine mid-write: it raised on the main process alone, and every restart
+    hung the others)."""
     if not path.exists() or step == 0:
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_text().splitlines() if line]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        records += [json.loads(lines[-1])] if lines else []
+    except json.JSONDecodeError:
+        pass
+    # a torn last line has no record: zip leaves it out
+    kept = [line for line, record in zip(lines, records, strict=False) if record.get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in kept))
 
 

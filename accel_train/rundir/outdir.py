@@ -21,7 +21,7 @@ from ..config import TrainConfig, save_config
 from ..config.validation import AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError, RunFinished, UserError
 from . import run_files
-from .checkpoint import resolve_checkpoint
+from .checkpoint import put_back_aside, resolve_checkpoint
 from .layout import CONFIG, CRASH_GLOB, FINAL_WEIGHTS, PACKAGE_NAMES, RESULTS, RUN_FILES, checkpoint_step, crash_file
 
 
@@ -87,6 +87,9 @@ def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=(
     spec = config.resume_from_checkpoint
     if not spec:
         return None
+    if accelerator.is_main_process:  # a checkpoint a crash left aside is resumed under its own name
+        put_back_aside(config.output_dir)
+    accelerator.wait_for_everyone()
     if spec != "auto":
         return resolve_checkpoint(config.output_dir, spec)
     decision: list = [None]
@@ -133,16 +136,20 @@ def changed_fields(config: TrainConfig, extra_configs=()) -> dict[str, tuple]:
 def finished_run(config: TrainConfig, checkpoint: Path | None) -> str | None:
     """`auto` on a run that finished (run_files.json says so, all_results.json is there) with nothing to continue
     (no checkpoint, or the last one is where it finished after all its steps): the message saying so, else None.
-    A run a hook stopped early continues from its checkpoint, as a clean interruption does."""
+    A run a hook stopped early continues from its checkpoint, as a clean interruption does, but for one that early
+    stopping ended (run_files records `ended_by`): a restart trained on to its next evaluation and replaced the
+    model and results."""
     out = Path(config.output_dir)
     record = run_files.read(out)
     done = record.finished if record is not None else None
     if not done or not (out / RESULTS).is_file():
         return None
+    ended = done.get("ended_by")  # early stopping: finished for good, not interrupted
     if checkpoint is not None and (checkpoint_step(checkpoint.name) != done["step"]
-                                   or done["step"] < done["total_steps"]):
+                                   or (done["step"] < done["total_steps"] and not ended)):
         return None
-    early = f" (stopped early by a hook; {done['total_steps']} planned)" if done["step"] < done["total_steps"] else ""
+    early = f" (stopped early by {ended or 'a hook'}; {done['total_steps']} planned)" \
+        if done["step"] < done["total_steps"] else ""
     return (f"{out} holds a run that already finished at step {done['step']}{early}: there is nothing to resume, so "
             f"nothing was trained or deleted. Its results are in {out / RESULTS}, its model in {out}. To train it "
             f"again, add {config.setting('overwrite_output_dir', True)} (deletes that run's files) or choose "

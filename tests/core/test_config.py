@@ -129,3 +129,24 @@ def test_a_launcher_flag_given_to_the_script_says_where_it_belongs(flag):
     with pytest.raises(ConfigError, match=f"{flag} is a flag of the launcher, not of the training script: give it "
                                           f"to `accelerate launch {flag} ... SCRIPT`"):
         parse_config(argv=[flag])
+
+
+def test_config_yaml_is_replaced_at_once(tmp_path, monkeypatch):
+    """A kill while config.yaml is written (each attempt writes it at its start) left half a file, and `auto` then
+    refused every later attempt over "changed" fields it could not read. It is written aside and renamed."""
+    from pathlib import Path
+
+    path = tmp_path / "config.yaml"
+    save_config([TrainConfig(output_dir=str(tmp_path), learning_rate=0.1)], path)
+    whole = path.read_text()
+    real = Path.write_text
+
+    def killed_midway(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", killed_midway)
+    with pytest.raises(OSError):
+        save_config([TrainConfig(output_dir=str(tmp_path), learning_rate=0.2)], path)
+    assert path.read_text() == whole
+

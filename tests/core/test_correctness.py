@@ -247,10 +247,10 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tm
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000006"]
 
 
-def test_latest_resumes_from_a_checkpoint_a_crash_left_aside(tmp_path):
+def test_latest_resumes_from_a_checkpoint_a_crash_left_aside(tmp_path, capsys):
     """A crash between publish()'s two renames leaves the same-step checkpoint as .old-step-*, its replacement not in
     place: `latest` resumes from it (before, from the checkpoint before it, training those steps again) and ends
-    bitwise as the uninterrupted run; the resumed run's first rotation puts the folder back under its name."""
+    bitwise as the uninterrupted run; the resume puts the folder back under its name first."""
     import os
 
     flags = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--eval_strategy", "no",
@@ -262,7 +262,10 @@ def test_latest_resumes_from_a_checkpoint_a_crash_left_aside(tmp_path):
     os.replace(checkpoints / "step-00000008", checkpoints / ".old-step-00000008")
     assert [p.name for p in list_checkpoints(cut)] == ["step-00000004", ".old-step-00000008"]
     assert resolve_checkpoint(cut, "latest") == checkpoints / ".old-step-00000008"
+    capsys.readouterr()
     toy_main(["--output_dir", str(cut), *flags, "--resume_from_checkpoint", "latest"])
+    # put back under its own name first (a step read from the name, the best checkpoint named by it)
+    assert f"resumed from {checkpoints / 'step-00000008'} at step 8" in capsys.readouterr().out
     steps = [r["step"] for r in read_jsonl(cut / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 13)), steps  # resumed at 8: no step trained twice
     assert [p.name for p in list_checkpoints(cut)] == [f"step-{s:08d}" for s in (4, 8, 12)]

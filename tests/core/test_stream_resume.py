@@ -78,6 +78,23 @@ def test_a_stream_resumes_bitwise_on_two_processes_each_at_its_own_position(tmp_
     assert "stream positions of 2 process(es), this run has 1" in resumed_on_one.err
 
 
+def test_a_stream_position_for_another_number_of_processes_is_refused_by_every_process(tmp_path):
+    """A checkpoint of 1 process resumed on 2: the process with a position file of its own raised, the other (none
+    of its own) went on alone into its next collective and waited there for ever. Each process now counts them."""
+    import torch
+
+    from accel_train.core.stream import StreamPosition
+    from accel_train.errors import CheckpointError
+
+    torch.save({}, tmp_path / "stream_position_rank0.pt")
+    for rank in (0, 1):
+        position = StreamPosition.__new__(StreamPosition)
+        position.process_index = rank
+        with pytest.raises(CheckpointError, match="stream positions of 1 process"):
+            position.restore(tmp_path, 2, batch_in_epoch=3)
+    assert StreamPosition.__new__(StreamPosition).restore(tmp_path, 2, batch_in_epoch=0) is False  # an epoch's start
+
+
 def test_a_run_that_ends_mid_epoch_ends_its_loader_workers_with_it(tmp_path):
     """30 steps end inside the second epoch: the stateful loader still holds its iterator, and the 2 workers would
     live on until the garbage collector reached it (whose shutdown waits 5 s per worker); they end with the run."""

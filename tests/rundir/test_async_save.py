@@ -321,6 +321,14 @@ def write_over_a_blocked_path(out: str, asynchronous: bool) -> None:
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000003"):
         writer.write(out, 3, Unwritable(3, {1}), {})
         writer.settle()
+    if not asynchronous and accelerator.is_main_process:  # a full disk as torch.save reports it: not an OSError
+        def full(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file")
+
+        accelerator.save_state = full
+    if not asynchronous:  # the main process raised it alone, the other waited at the barrier for ever
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step-00000004"):
+            writer.write(out, 4, state, {})
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])

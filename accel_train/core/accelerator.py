@@ -250,6 +250,14 @@ def check_world_size(accelerator: Accelerator, explicit: int | None = None) -> N
         )
 
 
+def loop_steps_schedulers(accelerator: Accelerator) -> None:
+    """After prepare: the prepared schedulers step once at each of the loop's calls (once per optimizer step), as
+    build_accelerator's do. An Accelerator of the user's own (Accelerate's default step_scheduler_with_optimizer)
+    would step each once per process at every call: warmup, decay and a plateau's patience run N times as fast."""
+    for prepared in accelerator._schedulers:
+        prepared.step_with_optimizer = False
+
+
 def resolve_precision(requested: str | None) -> str | None:
     """--mixed_precision auto: the launcher's precision when it asked for one (ACCELERATE_MIXED_PRECISION other than
     "no"), else bf16 where this machine computes bf16 natively (`native_bf16`), else "no" (fp32). Other values are

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..config import TrainConfig
@@ -139,16 +139,6 @@ def random_item_notes(loader) -> list[str]:
             "item 0): their random augmentation depends on the loader's workers and on what was drawn before, so a "
             "resumed run, a rollback or another number of processes is not bitwise the uninterrupted run. Wrap the "
             "dataset in accel_train.SeededItems(dataset, seed) to draw each item's numbers from (seed, epoch, index)"]
-
-
-def own_generator_notes(loader, config: TrainConfig) -> list[str]:
-    """What the start-up report says of a shuffled training DataLoader built with a generator of the user's:
-    Accelerate's seedable sampler (which lets a resume replay the order) draws the order from the run's seed."""
-    if getattr(loader, "generator", None) is None or not isinstance(getattr(loader, "sampler", None), RandomSampler):
-        return []
-    seed, flag = (config.data_seed, "--data_seed") if config.data_seed is not None else (config.seed, "--seed")
-    return [f"the training DataLoader's own generator is not used: its shuffled order comes from {flag} {seed} and "
-            "the epoch (a seedable sampler, so that a resume replays it); change the order with --data_seed"]
 
 
 def _same_numpy_state(a, b) -> bool:

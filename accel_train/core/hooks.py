@@ -146,3 +146,11 @@ class EarlyStopping:
         self.best = state["best"]
         self.bad_evaluations = state["bad_evaluations"]
         self.stopped_at = state["stopped_at"]
+
+
+def ended(hooks, step: int) -> dict[str, str]:
+    """{"ended_by": "EarlyStopping"} where early stopping ended the run at `step`, for run_files' record of a
+    finished run: `auto` leaves such a run finished, where another hook's stop (a pause) is continued."""
+    if any(isinstance(hook, EarlyStopping) and hook.stopped_at == step for hook in hooks):
+        return {"ended_by": "EarlyStopping"}
+    return {}

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from accelerate.data_loader import SeedableRandomSampler
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import RandomSampler
+
 from ..config import TrainConfig
 from ..errors import ConfigError
+from .accelerator import loop_steps_schedulers
+from .data import random_item_notes
 from .hyperparameters import group_peaks
 from .optim import steps_on_evaluation
+from .stream import idle_worker_notes
 
 
 def check_interval(config: TrainConfig, own_scheduler: bool) -> None:
@@ -40,11 +48,32 @@ def drives(driven, optimizer) -> bool:
     return bool(groups) and all(id(group) in trained for group in groups)
 
 
+def take_schedules(accelerator, scheduler, config: TrainConfig) -> None:
+    """After prepare: each prepared schedule steps once at each of the loop's calls (loop_steps_schedulers). A clock
+    scheduler of the user's that is no torch LRScheduler (a class of one's own with step()) is not one Accelerate's
+    prepare takes in, so no checkpoint held it (a resume started its warmup again, a rollback left it ahead of the
+    weights): with state_dict / load_state_dict it is registered for checkpointing (saved, resumed and rolled back
+    with the rest); without them it is refused where checkpoints are written or read."""
+    loop_steps_schedulers(accelerator)
+    if scheduler is None or isinstance(scheduler, LRScheduler) or hasattr(scheduler, "scheduler"):  # Accelerate's
+        return
+    if callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None)):
+        accelerator.register_for_checkpointing(scheduler)
+    elif config.save_strategy != "no" or config.resume_from_checkpoint:
+        raise ConfigError(f"train(scheduler=...): the {type(scheduler).__name__} has no state_dict() and "
+                          "load_state_dict(), so a checkpoint cannot hold where its schedule stands: a resume would "
+                          "start it again. Give it both (returning and taking the counters it steps), use a "
+                          "torch.optim.lr_scheduler scheduler, or train with --save_strategy no.")
+
+
 def split_schedulers(given, optimizer=None, own_optimizer: bool = True) -> tuple[Any, list]:
     """train(scheduler=...): one scheduler, or several as a tutorial has them (a StepLR beside a ReduceLROnPlateau):
     (the schedule on the clock or None, [the plateau stepped at evaluations beside it]). More than one of either is
     refused with what to do, and so is a scheduler built on another optimizer than `optimizer`, the one that trains
     (it would step the other's rates and leave the trained one's constant)."""
+    if isinstance(given, (list, tuple)) and not given:  # built and named "yours" before
+        raise ConfigError("train(scheduler=[]): an empty list. Pass scheduler=None for the schedule --lr_scheduler_"
+                          "type builds (constant: a constant rate), or the scheduler(s) of your own.")
     for scheduler in given if isinstance(given, (list, tuple)) else [given]:
         driven = getattr(scheduler, "optimizer", None)
         if not drives(driven, optimizer):
@@ -156,3 +185,91 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
         given = " (the default; --max_grad_norm 0 turns it off)" if config.max_grad_norm == 1.0 else ""
         lines.append(f"  clipping         global grad norm clipped to {clip:g}{given}")
     return schedule, lines
+
+
+# where a torch scheduler (or plateau) stands, not how it was built; and what of an optimizer's param group is its
+# rates (compared and followed on resume: hyperparameters.py) or its tensors
+PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial", "base_lrs", "best",
+            "num_bad_epochs", "cooldown_counter", "verbose"}
+GROUP_RATES = {"params", "lr", "initial_lr", "weight_decay"}
+
+
+def own_settings(session) -> dict[str, dict[str, Any]]:
+    """How the user's own optimizer, scheduler and plateau are built, as their state dicts hold it ({what: {key path:
+    value}}, without where they stand): taken before a resume loads the checkpoint's (own_setting_notes)."""
+    found: dict[str, dict[str, Any]] = {}
+    if session.own_optimizer:
+        groups = inner_object(session.optimizer).param_groups
+        found["optimizer"] = {f"param_groups[{i}].{k}": v for i, g in enumerate(groups) for k, v in g.items()
+                              if k not in GROUP_RATES}
+    owned = {"scheduler": None if session.scheduler_built_here else session.scheduler, "plateau": session.plateau}
+    for what, obj in owned.items():
+        state = getattr(inner_object(obj), "state_dict", None) if obj is not None else None
+        if callable(state):
+            found[what] = _settings(state())
+    return found
+
+
+def _settings(state: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() if key not in PROGRESS
+                for k, v in _settings(value, f"{path}.{key}" if path else str(key)).items()}
+    if isinstance(state, (list, tuple)) and any(isinstance(item, dict) for item in state):
+        return {k: v for i, item in enumerate(state) for k, v in _settings(item, f"{path}[{i}]").items()}
+    return {path: state}
+
+
+def own_setting_notes(session, before: dict[str, dict[str, Any]]) -> list[str]:
+    """What a resume's load put back over the user's own objects as their code builds them now: torch's
+    load_state_dict restores a scheduler's settings (a CosineAnnealingLR's T_max) and an optimizer's param groups
+    (betas, momentum) as the checkpoint holds them; said, with where to set them instead."""
+    after, notes = own_settings(session), []
+    for what, built in before.items():
+        loaded = after.get(what, {})
+        changed = [key for key in built if key in loaded and not _same(built[key], loaded[key])]
+        if changed:
+            settings = ", ".join(f"{key} {loaded[key]!r} (your code: {built[key]!r})" for key in changed[:4])
+            notes.append(f"your {what}'s settings as the checkpoint holds them run, not as your code built them now: "
+                         f"{settings}; torch's load_state_dict restores them (set them in a hook's "
+                         "on_train_start to change them)")
+    return notes
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError):  # tensors of other shapes, arrays
+        return a is b
+
+
+def own_generator_notes(loader, config: TrainConfig, accelerator=None) -> list[str]:
+    """What the start-up report says of a shuffled training DataLoader built with a generator of the user's:
+    Accelerate's seedable sampler (which lets a resume replay the order) draws the order from the run's seed. A
+    sampler of the user's that subclasses RandomSampler is refused: that sampler takes its place (Accelerate replaces
+    every RandomSampler), so its own sampling would never run. Nothing is said under an Accelerator of the user's
+    without the seedable sampler: the loader is then taken as it is."""
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batches, "sampler", None) or getattr(loader, "sampler", None)  # the one Accelerate looks at
+    seedable = accelerator is None or accelerator.dataloader_config.use_seedable_sampler
+    if not seedable or not isinstance(sampler, RandomSampler):
+        return []
+    if type(sampler) not in (RandomSampler, SeedableRandomSampler):  # Accelerate's own takes its own place
+        name = type(sampler).__name__
+        raise ConfigError(f"the training DataLoader's sampler, {name}, subclasses torch's RandomSampler: "
+                          "Accelerate's seedable sampler (which lets a resume replay the order) replaces every "
+                          f"RandomSampler with its own, so the {name}'s sampling would never run. Subclass "
+                          "torch.utils.data.Sampler instead (its order is then yours: give it a set_epoch(epoch) "
+                          "that reseeds it, for an exact resume), or use a RandomSampler itself.")
+    if getattr(loader, "generator", None) is None:
+        return []
+    seed, flag = (config.data_seed, "--data_seed") if config.data_seed is not None else (config.seed, "--seed")
+    return [f"the training DataLoader's own generator is not used: its shuffled order comes from {flag} {seed} and "
+            "the epoch (a seedable sampler, so that a resume replays it); change the order with --data_seed"]
+
+
+def loader_notes(loader, config: TrainConfig, accelerator) -> list[str]:
+    """What the start-up report says of the user's training DataLoader: its items' random draws, idle workers, its
+    own generator (a sampler of its own that Accelerate would replace is refused)."""
+    return random_item_notes(loader) + idle_worker_notes(loader) + own_generator_notes(loader, config, accelerator)

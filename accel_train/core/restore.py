@@ -19,7 +19,7 @@ from .data import data_fingerprint
 from .guard import window_batches
 from .hooks import hook_keys, saved_hook_state
 from .hyperparameters import apply_hyperparameters, hyperparameter_changes, run_hyperparameters
-from .objects import inner_object
+from .objects import inner_object, own_setting_notes, own_settings
 from .state import TrainState
 from .stream import rereading_notes
 from .token_batches import check_token_plan, token_plan
@@ -91,8 +91,10 @@ def resume(session) -> Resumed:
     engine_owned = acc.distributed_type.value == "DEEPSPEED"
     current = session_hyperparameters(session)
     hyperparameter_changes(session.scheduler, state.hyperparameters, current, engine_owned)  # before torch loads it
+    settings = own_settings(session)  # the user's own objects as their code built them now
     load_saved_state(session, path)
     notes = apply_hyperparameters(session.optimizer, session.scheduler, state.hyperparameters, current, engine_owned)
+    notes += own_setting_notes(session, settings)
     # a stream that saves its position: the loader starts there, nothing re-read
     restored = session.stream is not None and session.stream.restore(path, acc.num_processes, state.batch_in_epoch)
     notes += rereading_notes(session.train_loader, state.batch_in_epoch, restored)

@@ -38,21 +38,21 @@ from ..testing import faults
 from .accelerator import build_accelerator, startup_report
 from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
-from .data import dataset_size, own_generator_notes, random_item_notes
+from .data import dataset_size
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
-from .hooks import call_hooks, hook_keys
+from .hooks import call_hooks, ended, hook_keys
 from .hyperparameters import group_peaks
 from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
-from .objects import check_interval, report_lines, split_schedulers, what_ran
+from .objects import check_interval, loader_notes, report_lines, split_schedulers, take_schedules, what_ran
 from .optim import batches_per_process, build_optimizer, current_lr, make_plan, run_schedule, steps_on_evaluation
 from .restore import exclusions_after, fresh_state, load_saved_state, restore_in_place, resume, session_hyperparameters
 from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
 from .state import TrainResult, TrainState
-from .stream import StreamPosition, end_loader_workers, idle_worker_notes, stateful_loaders
+from .stream import StreamPosition, end_loader_workers, stateful_loaders
 from .token_batches import check_token_loader
 
 
@@ -106,9 +106,11 @@ class Session:
         refuse_rollback_on_a_stream(config, train_loader)
         self.stream = StreamPosition.of(train_loader, config, acc.num_processes)  # None: a stream it cannot save
         # One prepare call: DeepSpeed needs the model, optimizer, scheduler and loader together.
+        notes = loader_notes(spec.train_loader, config, acc)  # before prepare, which replaces a RandomSampler in it
         with stateful_loaders(acc, self.stream is not None):
             model, optimizer, train_loader, scheduler, *plateau = acc.prepare(model, optimizer, train_loader, scheduler,
                                                                               *plateau)
+        take_schedules(acc, scheduler, config)  # once per optimizer step; one of yours checkpointed, or refused
         if plan.batches_per_epoch is not None and len(train_loader) != plan.batches_per_epoch:
             raise RuntimeError(f"planned {plan.batches_per_epoch} batches per epoch, the prepared loader has "
                                f"{len(train_loader)}")
@@ -134,9 +136,7 @@ class Session:
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.writer = CheckpointWriter(acc, config.async_save, model, spec.processing_class, self.stream, self.average)
-        self.notes: list[str] = engine_notes(acc)  # what the start-up report must add to the plan
-        self.notes += random_item_notes(spec.train_loader) + idle_worker_notes(spec.train_loader)
-        self.notes += own_generator_notes(spec.train_loader, self.config)
+        self.notes: list[str] = engine_notes(acc) + notes  # what the start-up report must add to the plan
         self.unlogged: dict[str, float] = {}  # the final evaluation's numbers, until finish() logs them
         self.throughput: list[tuple[float, float]] = []  # (model FLOP/s, MFU) of each logged interval
 
@@ -361,7 +361,8 @@ class Session:
             metrics = broadcast_object_list([metrics])[0]
         self.write_results(metrics)
         if acc.is_main_process:  # `auto` leaves a finished run alone
-            end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps})
+            end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps,
+                                         **ended(self.hooks, state.step)})
         end_loader_workers(self.train_loader)
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import Sampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
@@ -99,7 +100,7 @@ def default_budget(config, accelerator, refused: str | None = None):
     if os.environ.get(FIXED_BATCHES_VARIABLE) == "1":
         fixed.append("accel-train verify compares runs of other micro-batch sizes and numbers of processes, which a "
                      "budget chosen per micro-batch would batch differently")
-    why = refused or (fixed[0] if fixed else None) or _resumed_with_fixed_batches(config)
+    why = refused or (fixed[0] if fixed else None) or _resumed_with_fixed_batches(config, accelerator)
     if why:
         return config.replace(max_tokens_per_batch=0), (
             f"batches: {config.per_device_train_batch_size} examples each (--per_device_train_batch_size), not the "
@@ -110,17 +111,24 @@ def default_budget(config, accelerator, refused: str | None = None):
         "batches of examples)")
 
 
-def _resumed_with_fixed_batches(config) -> str | None:
-    """Why a resume keeps batches of examples: its checkpoint was trained with them (its data position counts them)."""
+def _resumed_with_fixed_batches(config, accelerator=None) -> str | None:
+    """Why a resume keeps batches of examples: its checkpoint was trained with them (its data position counts them).
+    The main process looks and tells the others (as resume_target decides), so that every rank batches alike."""
     spec = config.resume_from_checkpoint
     if not spec:
         return None
-    paths = list_checkpoints(config.output_dir)[-1:] if spec in ("latest", "auto") else [Path(spec)]
-    try:
-        plan = load_train_state(paths[0]).get("token_plan") if paths else [0]
-    except CheckpointError:  # the resume itself says what is wrong with it
-        return None
-    return None if plan else f"the checkpoint it resumes ({paths[0].name}) was trained with batches of examples"
+    why: list = [None]
+    if getattr(accelerator, "is_main_process", True):
+        paths = list_checkpoints(config.output_dir)[-1:] if spec in ("latest", "auto") else [Path(spec)]
+        try:
+            plan = load_train_state(paths[0]).get("token_plan") if paths else [0]
+            why = [None if plan else f"the checkpoint it resumes ({paths[0].name}) was trained with batches of "
+                                     "examples"]
+        except CheckpointError:  # the resume itself says what is wrong with it
+            pass
+    if getattr(accelerator, "num_processes", 1) > 1:
+        broadcast_object_list(why)
+    return why[0]
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int, num_processes: int = 1, seed: int = 0,

@@ -35,16 +35,18 @@ class StopOnSave:
 
 
 def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1, plateau: bool = False,
-                 **overrides):
+                 make_schedule=None, **overrides):
     """The PyTorch tutorial's objects: SGD at 0.1 and StepLR(step_size=1, gamma=0.1), meant per epoch (no scheduler
     for step_size None); `used` gets the learning rate each training step ran with (read in the loss, before the
     optimizer steps). `plateau`: a ReduceLROnPlateau beside it, on eval_loss at each epoch's evaluation (mode max:
-    every evaluation after the first, whose loss went down, halves the rate)."""
+    every evaluation after the first, whose loss went down, halves the rate). `make_schedule(optimizer)`: another
+    scheduler in the StepLR's place."""
     reset_accelerate()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size, gamma=0.1) if step_size else None
+    schedule = make_schedule(optimizer) if make_schedule else schedule
     if plateau:
         schedule = [schedule, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5,
                                                                          patience=0)]
@@ -131,6 +133,102 @@ def test_an_epoch_schedule_resumes_mid_epoch_bitwise(tmp_path):
     assert cut + resumed == pytest.approx(whole)  # the epoch's rate comes back with the scheduler's state
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class WarmupThenHalving:
+    """A schedule of one's own that is no torch LRScheduler: a third of the rate, two thirds, the rate, then halved
+    at every step."""
+
+    def __init__(self, optimizer, stateful: bool = True):
+        self.optimizer, self.count = optimizer, 0
+        self.base = [group["lr"] for group in optimizer.param_groups]
+        if stateful:
+            self.state_dict = lambda: {"count": self.count}
+            self.load_state_dict = self.load
+        self.apply()
+
+    def apply(self):
+        factor = (self.count + 1) / 3 if self.count < 2 else 0.5 ** (self.count - 2)
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
+            group["lr"] = base * factor
+
+    def step(self):
+        self.count += 1
+        self.apply()
+
+    def load(self, state):
+        self.count = state["count"]
+        self.apply()
+
+
+def test_a_scheduler_of_your_own_that_is_no_torch_scheduler_is_checkpointed_or_refused(tmp_path):
+    """Accelerate's prepare takes in only torch LRSchedulers: such a scheduler was in no checkpoint, and a resume
+    started its warmup again. Now registered for checkpointing (a resume continues it), or refused without a
+    state_dict where checkpoints are written; scheduler=[] is refused (a built schedule was named yours)."""
+    whole: list[float] = []
+    tutorial_run(tmp_path / "whole", whole, make_schedule=WarmupThenHalving)
+    assert whole[:4] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.05])
+    cut: list[float] = []
+    tutorial_run(tmp_path / "cut", cut, make_schedule=WarmupThenHalving, hooks=[StopOnSave(6)])
+    resumed: list[float] = []
+    tutorial_run(tmp_path / "cut", resumed, make_schedule=WarmupThenHalving, resume_from_checkpoint="latest")
+    assert len(cut) == 6 and cut + resumed == pytest.approx(whole)
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="the WarmupThenHalving has no state_dict"):
+        tutorial_run(tmp_path / "stateless", [], make_schedule=lambda o: WarmupThenHalving(o, stateful=False))
+    tutorial_run(tmp_path / "unsaved", [], make_schedule=lambda o: WarmupThenHalving(o, stateful=False),
+                 save_strategy="no")
+    with pytest.raises(ConfigError, match=r"train\(scheduler=\[\]\): an empty list"):
+        tutorial_run(tmp_path / "empty", [], make_schedule=lambda o: [])
+
+
+def test_a_random_sampler_of_your_own_is_refused_where_the_seedable_sampler_would_replace_it(tmp_path):
+    """Accelerate's seedable sampler replaces every RandomSampler, subclasses too: a sampler of one's own built on
+    RandomSampler never sampled (its __iter__ never ran), without a word. Under an Accelerator of the user's without
+    the seedable sampler the loader is taken as it is."""
+    from accelerate import Accelerator
+
+    drawn: list[int] = []
+
+    class EvensFirst(torch.utils.data.RandomSampler):
+        def __iter__(self):
+            order = sorted(range(len(self.data_source)), key=lambda i: i % 2)
+            drawn.extend(order)
+            return iter(order)
+
+    dataset = data().dataset
+
+    def run(own_accelerator: bool = False):
+        reset_accelerate()
+        kwargs = {"accelerator": Accelerator(cpu=True)} if own_accelerator else {}
+        model = torch.nn.Linear(4, 1)
+        config = TrainConfig(output_dir=str(tmp_path / str(len(drawn))), max_steps=2, report_to=["none"],
+                             disable_tqdm=True, run_report=False, per_device_train_batch_size=4, save_strategy="no")
+        train(model, DataLoader(dataset, batch_size=4, sampler=EvensFirst(dataset)), config=config,
+              loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]).squeeze(-1), b[1]), **kwargs)
+
+    with pytest.raises(ConfigError, match="sampler, EvensFirst, subclasses torch's RandomSampler"):
+        run()
+    run(own_accelerator=True)
+    assert drawn[:2] == [0, 2]  # its own order ran
+
+
+def test_a_resume_says_which_settings_of_your_objects_the_checkpoint_put_back(tmp_path, capsys):
+    """torch's load_state_dict restores a scheduler's settings and an optimizer's param groups as the checkpoint
+    holds them: a CosineAnnealingLR rebuilt with another T_max (more epochs) ran the old one without a word."""
+    cosine = {"make_schedule": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=16)}
+    tutorial_run(tmp_path / "run", [], hooks=[StopOnSave(6)], **cosine)
+    capsys.readouterr()
+    tutorial_run(tmp_path / "run", [], resume_from_checkpoint="latest", num_train_epochs=4,
+                 make_schedule=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=32))
+    out = capsys.readouterr().out
+    assert "your scheduler's settings as the checkpoint holds them run, not as your code built them now: T_max 16 " \
+           "(your code: 32)" in out, out[-3000:]
+    tutorial_run(tmp_path / "same", [], hooks=[StopOnSave(6)], **cosine)
+    capsys.readouterr()
+    tutorial_run(tmp_path / "same", [], resume_from_checkpoint="latest", **cosine)
+    assert "settings as the checkpoint holds them" not in capsys.readouterr().out  # nothing changed: nothing said
 
 
 def test_a_resume_never_applies_the_flags_that_built_none_of_your_objects(tmp_path, capsys):
@@ -294,6 +392,37 @@ def test_a_steplr_beside_a_plateau_steps_each_on_its_own_clock_and_resumes_bitwi
 
 
 # ------------------------------------------------------------------ errors that name the culprit (what a port met)
+
+
+def own_accelerator_run(out: str) -> None:
+    """[on each rank] SGD at 0.1 and a StepLR halving it at every optimizer step, under an Accelerator of the user's
+    own with Accelerate's defaults, whose prepared schedulers step once per process at each call: the loop's one
+    call per optimizer step stepped the schedule twice on 2 processes (0.1, 0.025, ...). Also a plateau scheduler
+    beside it (mode max): stepped twice with step 2's evaluation, its second call saw no improvement and halved."""
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    used: list[float] = []
+
+    def loss_fn(m, batch):
+        if m.training:
+            used.append(optimizer.param_groups[0]["lr"])
+        return torch.nn.functional.mse_loss(m(batch[0]).squeeze(-1), batch[1])
+
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
+    config = TrainConfig(output_dir=out, max_steps=4, report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, save_strategy="no", mixed_precision="no", seed=0,
+                         eval_strategy="steps", eval_steps=2)
+    train(model, data(), config=config, loss_fn=loss_fn, optimizer=optimizer, accelerator=Accelerator(cpu=True),
+          scheduler=[torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), plateau], eval_loader=data())
+    assert used == pytest.approx([0.1, 0.05, 0.025, 0.0125]), used  # the plateau's first evaluation sets its best
+
+
+def test_an_accelerator_of_yours_steps_the_schedules_once_per_optimizer_step_on_two_processes(ranks, tmp_path):
+    ranks.run(own_accelerator_run, str(tmp_path / "run"))
 
 
 def tiny_train(tmp_path, loader, **kwargs):

@@ -551,3 +551,36 @@ def test_the_recipes_plan_from_the_widths_they_pad_to_and_refuse_what_batches_ot
     assert f"max_tokens_per_batch: {budget}\n" in (tmp_path / "gen" / "config.yaml").read_text()
     steps = int(printed.split("steps            ")[1].split(" per epoch")[0])
     assert json.loads((tmp_path / "gen" / "all_results.json").read_text())["train_steps"] == steps <= 6  # 20 rows
+
+
+def fixed_batch_checkpoint_seen_by_the_main_process_only(out: str) -> None:
+    """[on each rank] A checkpoint trained with batches of examples, which only the main process sees (a node-local
+    disk): every rank must take batches of examples, as the main process decides (each rank looked itself before,
+    and the other took the budget: loaders of other lengths, and a hang at the first collective)."""
+    import json
+    from pathlib import Path
+
+    from accelerate import Accelerator
+
+    from accel_train.core import token_batches
+
+    accelerator = Accelerator(cpu=True)
+    step = Path(out) / "checkpoints" / "step-00000004"
+    if accelerator.is_main_process:
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text("{}")
+        (step / "train_state.json").write_text(json.dumps({"step": 4, "token_plan": []}))
+    real = token_batches.list_checkpoints
+    if not accelerator.is_main_process:  # this rank's processes live on: put it back after
+        token_batches.list_checkpoints = lambda output_dir: []
+    accelerator.wait_for_everyone()
+    try:
+        why = token_batches._resumed_with_fixed_batches(TrainConfig(output_dir=out, resume_from_checkpoint="latest"),
+                                                        accelerator)
+    finally:
+        token_batches.list_checkpoints = real
+    assert why == "the checkpoint it resumes (step-00000004) was trained with batches of examples", why
+
+
+def test_every_rank_keeps_batches_of_examples_as_the_main_process_decides(tmp_path, ranks):
+    ranks.run(fixed_batch_checkpoint_seen_by_the_main_process_only, str(tmp_path / "run"))

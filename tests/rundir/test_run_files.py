@@ -101,6 +101,32 @@ def test_auto_on_a_finished_run_says_so_exits_0_and_touches_nothing(tmp_path, ca
         assert snapshot(out) == before  # no training: all_results.json, the model, the toy's records unchanged
 
 
+def test_auto_leaves_a_run_early_stopping_ended_finished(tmp_path, capsys):
+    """Early stopping ends a run for good: `auto` (a requeue, the same command again) restarted it from its last
+    checkpoint, trained on to the next evaluation, stopped again and replaced the model and the results. A stop
+    asked by another hook is still a clean interruption that `auto` continues (test_restarts.py)."""
+    out = tmp_path / "run"
+    argv = ["--output_dir", str(out), *QUIET, "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy",
+            "steps", "--eval_steps", "2", "--learning_rate", "0", "--metric_for_best_model", "eval_loss",
+            "--early_stopping_patience", "1", "--resume_from_checkpoint", "auto"]
+    run_toy(capsys, argv)  # a rate of 0: the second evaluation is no better than the first, and the run stops
+    before = snapshot(out)
+    io = run_toy(capsys, argv, code=0)
+    assert f"{out} holds a run that already finished at step 4 (stopped early by EarlyStopping; 12 planned)" in io.out
+    assert snapshot(out) == before
+
+
+def test_a_resume_drops_a_history_line_a_crash_cut_short(tmp_path):
+    """A process or machine killed mid-write leaves metrics.jsonl's last line cut: the resume's truncation raised on
+    it (on the main process alone: every restart hung the other ranks). The records up to the checkpoint stay."""
+    from accel_train.rundir.metrics_log import truncate_history
+
+    history = tmp_path / "metrics.jsonl"
+    history.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "loss": 0.8}\n{"step": 4, "lo')
+    truncate_history(history, 2)
+    assert history.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n'
+
+
 def test_what_no_attempt_recorded_is_classified_by_name(tmp_path):
     out = tmp_path / "run"
     plant(out, {"config.json": b"base", "notes.txt": b"mine"})

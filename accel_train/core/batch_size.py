@@ -101,7 +101,9 @@ def with_micro_batch(config: TrainConfig, loader: DataLoader, micro: int) -> tup
         loader.dataset, batch_size=micro, sampler=loader.sampler, collate_fn=loader.collate_fn,
         drop_last=loader.drop_last, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
         persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
-        generator=loader.generator,
+        generator=loader.generator, timeout=loader.timeout, multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        pin_memory_device=loader.pin_memory_device, in_order=getattr(loader, "in_order", True),
     )
     return derived, rebuilt
 
@@ -109,7 +111,14 @@ def with_micro_batch(config: TrainConfig, loader: DataLoader, micro: int) -> tup
 def fit_micro_batch(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader, loss_fn: Callable,
                     config: TrainConfig, optimizer: torch.optim.Optimizer) -> tuple[TrainConfig, DataLoader]:
     """--auto_find_batch_size: the config and loader of the same run at the largest micro-batch that fits on every
-    rank (accumulation raised to keep the global batch and schedule); unchanged when the configured one fits."""
+    rank (accumulation raised to keep the global batch and schedule); unchanged when the configured one fits. A
+    loader batched by a batch_sampler of one's own is refused: that sampler, not a batch size, makes its batches (a
+    smaller micro-batch rebuilt the loader without it: another order, without a word)."""
+    if loader.batch_size is None:
+        raise ConfigError(f"--auto_find_batch_size: the training DataLoader is batched by a batch_sampler of your own "
+                          f"({type(loader.batch_sampler).__name__}), which decides its batches itself, so a smaller "
+                          "micro-batch cannot be set on it. Give the loader a batch_size (and a sampler) instead, or "
+                          "drop --auto_find_batch_size and size the batch_sampler's batches yourself.")
     micro = find_micro_batch(accelerator, model, loader, loss_fn, config, optimizer)
     if micro == config.per_device_train_batch_size:
         return config, loader

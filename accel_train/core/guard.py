@@ -26,6 +26,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, TrainingDiverged
 from ..rundir.checkpoint import list_checkpoints
 from .accelerator import holds_whole_model
+from .control import any_rank
 from .loss import as_loss_output
 
 
@@ -243,6 +244,7 @@ class Rollback:
 
     checkpoint: Path
     record: dict[str, Any]
+    stop: bool = False  # a hook asked to stop when that checkpoint landed (--async_save): the run stops there
 
 
 def on_spike(session, state, verdict: Verdict) -> Rollback | None:
@@ -261,7 +263,10 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
         log.log({"spike_skipped_step": step, **record, "spike_skips": state.spike_skips}, step)
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
         return None
-    session.settle_writes(state)  # a checkpoint still being written (--async_save) lands first: it may be the last
+    # a checkpoint still being written (--async_save) lands first: it may be the last; a stop its on_save hooks ask
+    # for is kept (the rollback drops the requests of the dropped step): a synchronous run stopped at that checkpoint
+    landed_stop = session.settle_writes(state) or "stop" in session.control.pending
+    landed_stop = any_rank(session.accelerator, landed_stop)
     latest = list_checkpoints(cfg.output_dir)
     if cfg.on_spike == "rollback":  # every rank goes back to the checkpoint the main process sees (as `auto` does)
         latest = [Path(p) for p in broadcast_object_list([[str(p) for p in latest]])[0]]
@@ -269,7 +274,7 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
         log.write(f"{what}: back to {latest[-1].name}, to replay without the step's micro-batches "
                   f"({state.spike_rollbacks + 1}/{cfg.max_spike_skips})")
         return Rollback(latest[-1], {"spike_rollback_step": step, **record, "rolled_back_to": latest[-1].name,
-                                     "spike_rollbacks": state.spike_rollbacks + 1})
+                                     "spike_rollbacks": state.spike_rollbacks + 1}, landed_stop)
     indices = [micro_batch_indices(session.train_loader, b) for b in window_batches(state, cfg)]
     why = ""  # why skip or rollback did not apply here
     if cfg.on_spike == "skip":

@@ -67,6 +67,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
                     if back_to is not None:  # --on_spike rollback: re-enter the epoch at the checkpoint's position
                         session.roll_back(state, back_to)
+                        stop = back_to.stop  # asked when its checkpoint landed: the run ends there
                         meter.resume_interval(state.pending_loss)  # the checkpoint's unlogged interval
                         if spike is not None:
                             spike.losses = state.spike_losses  # the checkpoint's window

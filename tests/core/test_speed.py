@@ -43,6 +43,31 @@ def test_auto_batch_size_gives_up_with_a_message(tmp_path, monkeypatch, capsys):
     assert "even the smallest micro-batch" in capsys.readouterr().err
 
 
+def test_auto_batch_size_refuses_a_batch_sampler_of_yours_and_keeps_the_loaders_settings(tmp_path):
+    """A smaller micro-batch rebuilt the loader from its dataset and sampler: a batch_sampler of one's own was dropped
+    (the run trained in another order, without a word), and so were the loader's timeout, prefetch factor,
+    multiprocessing context and pin-memory device."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+    from accel_train import TrainConfig, train
+    from accel_train.core.batch_size import with_micro_batch
+
+    data = TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    config = TrainConfig(output_dir=str(tmp_path), report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, auto_find_batch_size=True, max_steps=1, save_strategy="no")
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"batched by a batch_sampler of your own \(BatchSampler\)"):
+        train(torch.nn.Linear(2, 1), DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, False)),
+              config=config, loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=1, timeout=30, prefetch_factor=3,
+                        multiprocessing_context="spawn")
+    derived, rebuilt = with_micro_batch(config, loader, 2)
+    assert (rebuilt.batch_size, derived.gradient_accumulation_steps, rebuilt.sampler) == (2, 2, loader.sampler)
+    assert (rebuilt.timeout, rebuilt.prefetch_factor, rebuilt.multiprocessing_context) == (
+        30, 3, loader.multiprocessing_context)
+
+
 def test_gradient_checkpointing_changes_memory_not_results(tiny_bert, sst_like, tmp_path, capsys):
 
     import nlp_finetune

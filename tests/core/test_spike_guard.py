@@ -216,3 +216,28 @@ def test_bad_guard_settings_are_refused(tmp_path, capsys):
         assert exit_info.value.code == 2
         message = capsys.readouterr().err
         assert fragment in message and "Traceback" not in message, message
+
+
+class StopOnSave:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, state, path):
+        return state.step == self.step
+
+
+def test_a_stop_asked_as_a_background_checkpoint_lands_in_a_rollback_ends_the_run_there(tmp_path):
+    """--async_save: step 4's checkpoint lands (and its on_save runs) only at the next settle, here the spike at step
+    6's rollback, which dropped the stop a hook asked for then with the dropped step's requests: the run trained on to
+    its end. A synchronous run stops at step 4; the background one now rolls back to step 4 and stops there too."""
+    flags = [*QUIET, "--on_spike", "rollback", *ROLLBACK, "--per_device_train_batch_size", "8", "--spike_index",
+             str(SPIKE), "--spike_scale", "1e4"]
+    for name, extra in (("sync", []), ("async", ["--async_save"])):
+        reset_accelerate()
+        run_cli(lambda argv: toy_train.main(argv, hooks=[StopOnSave(4)]),
+                ["--output_dir", str(tmp_path / name), *flags, *extra])
+    a, b = load_file(tmp_path / "sync" / "model.safetensors"), load_file(tmp_path / "async" / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)
+    rolled = [r for r in read_jsonl(tmp_path / "async" / "metrics.jsonl") if "spike_rollback_step" in r]
+    assert [(r["spike_rollback_step"], r["rolled_back_to"]) for r in rolled] == [(6, "step-00000004")]
+

@@ -190,7 +190,7 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
 # where a torch scheduler (or plateau) stands, not how it was built; and what of an optimizer's param group is its
 # rates (compared and followed on resume: hyperparameters.py) or its tensors
 PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial", "base_lrs", "best",
-            "num_bad_epochs", "cooldown_counter", "verbose"}
+            "num_bad_epochs", "cooldown_counter", "verbose", "T_cur", "T_i"}
 GROUP_RATES = {"params", "lr", "initial_lr", "weight_decay"}
 
 
@@ -200,13 +200,14 @@ def own_settings(session) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     if session.own_optimizer:
         groups = inner_object(session.optimizer).param_groups
+        cycled = getattr(inner_object(session.scheduler), "cycle_momentum", False)  # OneCycleLR, CyclicLR step them
+        skipped = GROUP_RATES | ({"momentum", "betas"} if cycled else set())
         found["optimizer"] = {f"param_groups[{i}].{k}": v for i, g in enumerate(groups) for k, v in g.items()
-                              if k not in GROUP_RATES}
+                              if k not in skipped}
     owned = {"scheduler": None if session.scheduler_built_here else session.scheduler, "plateau": session.plateau}
-    for what, obj in owned.items():
-        state = getattr(inner_object(obj), "state_dict", None) if obj is not None else None
-        if callable(state):
-            found[what] = _settings(state())
+    for what, obj in owned.items():  # torch's schedulers, whose keys of progress are known (PROGRESS)
+        if isinstance(inner_object(obj), LRScheduler):
+            found[what] = _settings(inner_object(obj).state_dict())
     return found
 
 

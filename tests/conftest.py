@@ -393,6 +393,16 @@ def stop_then_resume(run, full: Path, cut: Path, step: int, resume_at: int) -> N
     run(cut, "--resume_from_checkpoint", "latest")
 
 
+class StopOnSave:
+    """A hook that asks the loop to stop when the checkpoint of `step` lands (its on_save)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, state, checkpoint_dir):
+        return state.step == self.step
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

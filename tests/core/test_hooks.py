@@ -16,7 +16,7 @@ import re
 
 import pytest
 import toy_train
-from conftest import ROOT, read_jsonl, reset_accelerate, toy_records
+from conftest import ROOT, StopOnSave, read_jsonl, reset_accelerate, toy_records
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, FinishError, TrainConfig, train
@@ -247,14 +247,6 @@ def regression_run(out, lrs: list[float], *, hooks=(), native_plateau=None, eval
                     eval_strategy="steps" if evaluate else "no", eval_steps=2)
     return train(model, data(), config=TrainConfig(**{**settings, **overrides}), loss_fn=loss_fn, optimizer=optimizer,
                  scheduler=schedule, hooks=list(hooks), eval_loader=data() if evaluate else None)
-
-
-class StopOnSave:
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_save(self, state, checkpoint_dir):
-        return state.step == self.step
 
 
 def test_docs_plateau_hook_beside_a_per_step_schedule_equals_the_native_pair_and_resumes(tmp_path):

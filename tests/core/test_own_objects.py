@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import reset_accelerate, toy_main
+from conftest import StopOnSave, reset_accelerate, toy_main
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,14 +24,6 @@ def data() -> DataLoader:
     x = torch.randn(32, 4, generator=g)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(32, generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
-
-
-class StopOnSave:
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_save(self, state, checkpoint_dir):
-        return state.step == self.step
 
 
 def tutorial_run(out, used: list[float], *, hooks=(), step_size: int | None = 1, plateau: bool = False,

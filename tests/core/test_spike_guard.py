@@ -8,7 +8,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
+from conftest import StopOnSave, read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
 from safetensors.torch import load_file
 
 from accel_train import run_cli
@@ -216,14 +216,6 @@ def test_bad_guard_settings_are_refused(tmp_path, capsys):
         assert exit_info.value.code == 2
         message = capsys.readouterr().err
         assert fragment in message and "Traceback" not in message, message
-
-
-class StopOnSave:
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_save(self, state, path):
-        return state.step == self.step
 
 
 def test_a_stop_asked_as_a_background_checkpoint_lands_in_a_rollback_ends_the_run_there(tmp_path):

@@ -167,6 +167,29 @@ def test_a_rollback_after_a_resume_with_another_learning_rate_keeps_the_new_rate
     assert len(rates[1]) == 33 and all(rates[0][s] == rates[1][s] for s in range(5, 34))
 
 
+def test_a_rollback_to_a_checkpoint_without_the_data_fingerprint_keeps_the_runs(tmp_path):
+    """A run resumed from a checkpoint written before checkpoints recorded their data (TrainState.data) rolls back to
+    it: the rolled-back state keeps this run's fingerprint, so the checkpoints after it still record what they were
+    trained on (without it, every later checkpoint would have had none, and a resume over other data gone unchecked)."""
+    from accel_train.rundir.checkpoint import TRAIN_STATE, read_manifest, write_manifest
+
+    flags = ["--on_spike", "rollback", *ROLLBACK, "--per_device_train_batch_size", "8", "--spike_index", str(SPIKE),
+             "--spike_scale", "1e4"]
+    out = tmp_path / "run"
+    run(["--output_dir", str(out), *QUIET, *flags, "--stop_at_step", "4", "--logging_steps", "1"])
+    old = out / "checkpoints" / "step-00000004"
+    state = json.loads((old / TRAIN_STATE).read_text())
+    fingerprint = state.pop("data")
+    (old / TRAIN_STATE).write_text(json.dumps(state))  # as a checkpoint of before 2026-12-05
+    manifest = read_manifest(old)
+    write_manifest(old, manifest["step"], manifest["shapes"], manifest["world_size"])
+    run(["--output_dir", str(out), *QUIET, *flags, "--resume_from_checkpoint", "latest"])
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "spike_rollback_step" in r]
+    assert rows[0]["rolled_back_to"] == "step-00000004"
+    later = json.loads((list_checkpoints(out)[-1] / TRAIN_STATE).read_text())
+    assert later["step"] > 4 and later["data"] == fingerprint
+
+
 def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. With a clock
     that reads one second later at each reading, each logged interval is one second; the rolled-back run logged 4

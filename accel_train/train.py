@@ -118,7 +118,7 @@ def train(
     except BaseException as error:  # the cause stays in the run directory, for `accel-train report`
         acc, out = session.accelerator, session.config.output_dir
         failed_write = session.writer.wait_alone()  # --async_save: a pending checkpoint lands before the process ends
-        if failed_write and failed_write not in [str(error), *getattr(error, "__notes__", [])]:
+        if failed_write:
             error.add_note(failed_write)
         record_crash(out, acc.process_index, state.step, error)
         if acc.num_processes > 1 and is_collective_timeout(error):  # a hung or dead peer: say which, and how long

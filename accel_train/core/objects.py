@@ -55,7 +55,7 @@ def take_schedules(accelerator, scheduler, config: TrainConfig) -> None:
     weights): with state_dict / load_state_dict it is registered for checkpointing (saved, resumed and rolled back
     with the rest); without them it is refused where checkpoints are written or read."""
     loop_steps_schedulers(accelerator)
-    if scheduler is None or isinstance(scheduler, LRScheduler) or hasattr(scheduler, "scheduler"):  # Accelerate's
+    if scheduler is None or isinstance(inner_object(scheduler), LRScheduler):  # prepared (wrapped) by Accelerate
         return
     if callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None)):
         accelerator.register_for_checkpointing(scheduler)
@@ -206,8 +206,9 @@ def own_settings(session) -> dict[str, dict[str, Any]]:
                               if k not in skipped}
     owned = {"scheduler": None if session.scheduler_built_here else session.scheduler, "plateau": session.plateau}
     for what, obj in owned.items():  # torch's schedulers, whose keys of progress are known (PROGRESS)
-        if isinstance(inner_object(obj), LRScheduler):
-            found[what] = _settings(inner_object(obj).state_dict())
+        inner = inner_object(obj)
+        if isinstance(inner, LRScheduler):
+            found[what] = _settings(inner.state_dict())
     return found
 
 

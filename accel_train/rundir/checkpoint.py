@@ -204,8 +204,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints of the current timeline (named step-<8 digits>, manifest present), oldest first.
     Other directories (step-00000012.bak, superseded/) are not checkpoints of this run and are left alone. A
     same-step checkpoint that publish() moved aside (.old-step-<8 digits>) counts where a crash came before the new
-    one took its place: it is that step's checkpoint until the next rotation puts it back (read only here, as
-    every rank may list)."""
+    one took its place: it is that step's checkpoint until a resume's start or the next rotation puts it back
+    (put_back_aside; read only here, as every rank may list)."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []

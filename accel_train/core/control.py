@@ -153,17 +153,20 @@ def any_rank(accelerator: Any, flag: bool) -> bool:
     return bool(total.item() > 0)
 
 
-def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool) -> bool:
+def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool, preempt: bool = False) -> bool:
     """The end of a step boundary, after the due log / evaluation / save: agree the ranks' requests and the hooks'
     returned stop, carry out an agreed evaluation or save this step has not done yet (their hooks may ask again: agreed
-    again), and return whether every rank stops here. Without a steering hook and with nothing due, no collective."""
+    again), and return whether every rank stops here. Without a steering hook and with nothing due, no collective.
+    `preempt` (SIGTERM): an asked evaluation is left pending, for the resumed run, as a due one (Session.after_step)."""
     control: RunControl = session.control
     if not (acted or control.steering):
         return False
     asked = control.agree(stop)
     while asked & {"save", "evaluate"}:
         started, stop, best = time.perf_counter(), False, False
-        if "evaluate" in asked and session.last_eval[0] != state.step:
+        if "evaluate" in asked and session.last_eval[0] != state.step and preempt:
+            state.evaluation_pending = True
+        elif "evaluate" in asked and session.last_eval[0] != state.step:
             metrics, improved = session.evaluate(state)
             stop |= call_hooks(session.hooks, "on_evaluate", state, metrics)
             best = improved and session.config.save_strategy != "no"  # as a due evaluation: the best is saved

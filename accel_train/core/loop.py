@@ -78,7 +78,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     epoch_end = acc.gradient_state.end_of_dataloader  # the loader's real end, whatever its __len__
                     if epoch_end:
                         _next_epoch(session, state)
-                    stop = boundary.after_step(epoch_end, grad_norm)  # session.after_step: log, evaluate, save
+                    # session.after_step: log, evaluate, save (SIGTERM: the evaluation left to the resumed run)
+                    stop = boundary.after_step(epoch_end, grad_norm, verdict.preempt)
                     if verdict.preempt:
                         session.preempt(state, meter)
                     if stop or state.step >= plan.total_steps:

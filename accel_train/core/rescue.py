@@ -107,14 +107,14 @@ class StepBoundary:
         # references, not copies: the meter replaces its tensors (x = x + loss), it never adds in place
         self.figures = {name: getattr(meter, name) for name in self.METER} | {"terms": dict(meter.terms)}
 
-    def after_step(self, epoch_end: bool, grad_norm=None) -> bool:
+    def after_step(self, epoch_end: bool, grad_norm=None, preempt: bool = False) -> bool:
         """`session.after_step`; a MetricsError there saves this step's training state first, as it was before the
         evaluation (module docstring). True when the run should stop."""
         session, state = self.session, self.state
         state.evaluation_pending = False  # a rollback to a checkpoint a failed evaluation saved must not carry it on
         before = random_states() if session.eval_loader is not None else None  # the evaluation draws from them
         try:
-            stop = session.after_step(state, self.meter, epoch_end, grad_norm)
+            stop = session.after_step(state, self.meter, epoch_end, grad_norm, preempt)
         except MetricsError as error:
             raise saved_before(session, state, self.meter, before, error) from error
         self.take()

@@ -191,9 +191,10 @@ class Session:
         return state
 
     # --------------------------------------------------------------------------------------- between steps
-    def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None) -> bool:
+    def after_step(self, state: TrainState, meter: StepMeter, epoch_end: bool, grad_norm=None, preempt=False) -> bool:
         """Log, evaluate, save and call the hooks at their intervals, then what the hooks asked (control.py); True
-        when the run should stop (agreed by every rank)."""
+        when the run should stop (agreed by every rank). `preempt` (SIGTERM, agreed): an evaluation due or asked here
+        is saved as pending (rescue.pending_evaluation: the resumed run's first work), the checkpoint written first."""
         faults.kill_point("kill_after_step", state.step, self.accelerator.is_main_process)
         faults.signal_point(state.step)
         faults.peer_fault_point(state.step, self.accelerator.process_index)
@@ -206,8 +207,10 @@ class Session:
             stop |= self.log_train(state, meter, grad_norm)
             acted = True
         improved, started = False, time.perf_counter()
-        if self.eval_loader is not None and _due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps, state.step,
-                                                 epoch_end):
+        due = self.eval_loader is not None and _due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps,
+                                                    state.step, epoch_end)
+        state.evaluation_pending = due and preempt
+        if due and not preempt:
             metrics, improved = self.evaluate(state)
             stop |= call_hooks(self.hooks, "on_evaluate", state, metrics)
             acted = True
@@ -216,7 +219,7 @@ class Session:
             stop |= self.save(state, best=improved, wait=False)
             acted = True
         meter.pause(time.perf_counter() - started)
-        return settle(self, state, meter, stop, acted)  # the ranks' requests and stops agreed, the requested work done
+        return settle(self, state, meter, stop, acted, preempt)  # the ranks' requests agreed, the asked work done
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
         record = meter.record(state)
@@ -260,9 +263,7 @@ class Session:
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         for schedule in plateau:
             schedule.step(metrics[self.config.monitored_metric])
-        if name is None:
-            return metrics, False
-        return metrics, state.update_best(name, self.config.best_is_greater, float(metrics[name]))
+        return metrics, name is not None and state.update_best(name, self.config.best_is_greater, float(metrics[name]))
 
     def save(self, state: TrainState, best: bool = False, wait: bool = True) -> bool:
         """Checkpoint this step (collective), rotate old checkpoints, call on_save; True if a hook asks to stop.

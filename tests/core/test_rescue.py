@@ -16,7 +16,7 @@ from conftest import read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_train import MetricsError, TrainConfig, train
+from accel_train import MetricsError, Preempted, TrainConfig, train
 from accel_train.rundir.layout import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,6 +94,47 @@ def test_a_metric_that_fails_once_costs_nothing_after_a_resume(tmp_path, accumul
     assert [s for s, *_ in evaluations(tmp_path / "whole")] == [2, 4, 6, 8]
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+
+
+class EvaluateAt:
+    """Asks for an evaluation at step `step`, from on_log."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def attach(self, run):
+        self.run = run
+
+    def on_log(self, state, logs):
+        if state.step == self.step:
+            self.run.request_evaluate()
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_by_a_hook"])
+def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluates_it(tmp_path, monkeypatch, asked):
+    """A SIGTERM agreed at a step that is to be evaluated (due, or asked by a hook): the checkpoint is written at
+    once, the evaluation marked pending (an evaluation first can outlast the grace period a scheduler gives, SLURM's
+    KillWait, and the steps since the last checkpoint were lost), and the resumed run evaluates that step first:
+    bitwise the uninterrupted run's weights and evaluations."""
+    changes = {"eval_strategy": "no"} if asked else {}
+
+    def hooks():
+        return [EvaluateAt(4)] if asked else []
+
+    run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:3")  # received after step 3, agreed at step 4's verdict
+    metric = Accuracy()
+    with pytest.raises(Preempted, match="stopped at step 4"):
+        run(tmp_path / "cut", metric, hooks=hooks(), **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    assert metric.calls == (0 if asked else 1)  # step 2's only: step 4's was not run before its checkpoint
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(4) / "train_state.json").read_text())
+    assert saved["step"] == 4 and saved["evaluation_pending"] is True
+    run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+    assert 4 in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
 class EvaluateAfterFirstSave:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import DataError
+from .control import any_rank
 from .data import take_examples, take_real_tokens
 from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of, weigh_by_examples
@@ -84,6 +85,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         session.preempt(state, meter)
                     if stop or state.step >= plan.total_steps:
                         break
+        if state.step >= plan.total_steps and not stop and any_rank(acc, guard.sigterm):
+            session.preempt(state, meter)  # received after the last step's verdict: the finish is the resumed run's
     session.control.close()  # no step boundary is left: a request from now on (on_finish, on_train_end) is refused
 
 

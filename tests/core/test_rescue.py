@@ -137,6 +137,25 @@ def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluat
     assert 4 in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
+def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finishes(tmp_path, monkeypatch):
+    """A SIGTERM received while the last step is logged, evaluated and saved (after its verdict, the last the loop
+    agrees) was dropped: the run went on into the final evaluation and the finish, which a scheduler's SIGKILL cuts
+    short. It stops there with the last step saved; the resumed run has no step left and finishes as the
+    uninterrupted run does."""
+    run(tmp_path / "whole", Accuracy())
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:8")
+    with pytest.raises(Preempted, match="stopped at step 8"):
+        run(tmp_path / "cut", Accuracy())
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    assert not (tmp_path / "cut" / "all_results.json").exists()
+    run(tmp_path / "cut", Accuracy(), resume=True)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+
+
 class EvaluateAfterFirstSave:
     """Asks for an evaluation at the step boundary of the first checkpoint, after it was written."""
 

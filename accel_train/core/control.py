@@ -164,9 +164,9 @@ def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool, preemp
     asked = control.agree(stop)
     while asked & {"save", "evaluate"}:
         started, stop, best = time.perf_counter(), False, False
-        if "evaluate" in asked and session.last_eval[0] != state.step and preempt:
+        if "evaluate" in asked and state.last_eval[0] != state.step and preempt:
             state.evaluation_pending = True
-        elif "evaluate" in asked and session.last_eval[0] != state.step:
+        elif "evaluate" in asked and state.last_eval[0] != state.step:
             metrics, improved = session.evaluate(state)
             stop |= call_hooks(session.hooks, "on_evaluate", state, metrics)
             best = improved and session.config.save_strategy != "no"  # as a due evaluation: the best is saved

@@ -38,7 +38,7 @@ def _final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float]
     metrics: dict[str, float] = {}
     fresh: dict[str, float] = {}
     if session.eval_loader is not None:
-        step, metrics = session.last_eval
+        step, metrics = state.last_eval
         if step != state.step:
             metrics = evaluate_with_average(session.accelerator, session.model, session.eval_loader,
                                             session.eval_loss_fn, session.metrics_fn, session.average)

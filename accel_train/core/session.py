@@ -132,7 +132,6 @@ class Session:
         self.log = RunLog(acc, config.output_dir, plan.total_steps, config.run_name or "accel_train",
                           disable_bar=config.disable_tqdm)
         # Bookkeeping between steps; start() sets it from the state it starts at.
-        self.last_eval: tuple[int, dict[str, float]] = (-1, {})
         self.last_save = self.last_log_step = self.start_samples = 0
         self.verified: set[str] = set()  # checkpoints known to match their manifest (written or checked here)
         self.writer = CheckpointWriter(acc, config.async_save, model, spec.processing_class, self.stream, self.average)
@@ -259,7 +258,7 @@ class Session:
             raise MetricsError(f"--metric_for_best_model {watched}: the evaluation returned only {sorted(metrics)} "
                                "(best model, early stopping and a plateau schedule watch it). Set "
                                "--metric_for_best_model to one of them, or return it from the metrics function.")
-        self.last_eval = (state.step, metrics)
+        state.last_eval = [state.step, metrics]
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         for schedule in plateau:
             schedule.step(metrics[self.config.monitored_metric])
@@ -305,8 +304,6 @@ class Session:
         self.control.forget()  # requests made during the dropped step go with it
         state.excluded_batches, state.spike_rollbacks, state.train_seconds = excluded, rollbacks, seconds
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
-        if self.last_eval[0] > state.step:
-            self.last_eval = (-1, {})
         self.log.rewind(state.step, rollback.record)
 
     def keep_interval(self, state: TrainState, meter: StepMeter) -> None:
@@ -345,7 +342,7 @@ class Session:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
             load_saved_state(self, best)
             self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
-            self.last_eval = (-1, {})
+            state.last_eval = [-1, {}]
         metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet
         metrics.update(training_figures(self, state, meter, runtime))
         if cfg.save_ema_as_final:  # the average is the final model, and the finish seam runs on it

@@ -33,6 +33,9 @@ class TrainState:
     # Saved True only in the checkpoint written because this step's evaluation failed (core/rescue.py): a run resumed
     # from it runs that evaluation before its first step, as the run that never failed did after this step.
     evaluation_pending: bool = False
+    # [step, metrics] of the last evaluation during training: the final evaluation reuses it at that step, also in a
+    # run resumed from a checkpoint of the last step (its evaluation ran before the checkpoint: logged once, not twice)
+    last_eval: list = field(default_factory=lambda: [-1, {}])
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)
     spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)

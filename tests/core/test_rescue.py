@@ -154,6 +154,9 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+    # step 8's evaluation ran before its checkpoint (which records it): the resumed finish reuses it, not logs it again
+    finals = [[r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r.get("final")] for d in ("whole", "cut")]
+    assert finals == [[], []]
 
 
 class EvaluateAfterFirstSave:

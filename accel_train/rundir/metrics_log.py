@@ -177,9 +177,10 @@ def _number(value: float) -> str:
 
 
 def truncate_history(path: Path, step: int) -> None:
-    """On resume, drop records the interrupted run wrote after the checkpoint it resumes from, and a last line a
-    crash cut short (a killed process or machine mid-write: it raised on the main process alone, and every restart
-    hung the others)."""
+    """On resume (and a rollback), drop records the interrupted run wrote after the checkpoint it resumes from, and a
+    last line a crash cut short (a killed process or machine mid-write: it raised on the main process alone, and every
+    restart hung the others). Written aside and renamed into place: a kill mid-rewrite loses no history, and a reader
+    that follows the file (a sweep's pruner) sees another file, not a shorter one under its read position."""
     if not path.exists() or step == 0:
         return
     lines = [line for line in path.read_text().splitlines() if line]
@@ -190,7 +191,9 @@ def truncate_history(path: Path, step: int) -> None:
         pass
     # a torn last line has no record: zip leaves it out
     kept = [line for line, record in zip(lines, records, strict=False) if record.get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    aside = path.with_name(f".{path.name}.tmp")
+    aside.write_text("".join(line + "\n" for line in kept))
+    os.replace(aside, path)
 
 
 def _flat_hparams(config: dict[str, Any]) -> dict[str, Any]:

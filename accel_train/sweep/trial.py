@@ -143,6 +143,7 @@ class TrialWatch:
         self.metric = metric
         self.out = out
         self.offset = 0  # what of metrics.jsonl was read: each poll reads only the complete lines appended since
+        self.inode = None  # ... of that file: a resume's or a rollback's truncation renames a shorter one into place
         self.reported = -1  # the last percent reported
         self.latest = math.nan  # the value of the latest evaluation
         self.schedule: Schedule | None = None  # read at the first evaluation (config.yaml is written before it)
@@ -152,6 +153,9 @@ class TrialWatch:
         if not history.is_file():
             return None
         with open(history, "rb") as fh:
+            inode = os.fstat(fh.fileno()).st_ino
+            if inode != self.inode:  # its history was cut back (--on_spike rollback): read it again from the start;
+                self.inode, self.offset = inode, 0  # percents reported already are not reported twice (report())
             fh.seek(self.offset)
             appended = fh.read()
         complete = appended if ended else appended[:appended.rfind(b"\n") + 1]  # a last line may be half written

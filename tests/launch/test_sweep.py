@@ -70,6 +70,47 @@ def test_launch_args_may_start_with_dashes(tmp_path, monkeypatch):
     assert planned[-1].trials == 2  # the flag after the launch arguments is the sweep's own
 
 
+class Reports:
+    """An optuna trial as the pruner's watch sees it: what it was told, never pruned."""
+
+    def __init__(self):
+        self.values: dict[int, float] = {}
+
+    def report(self, value, step):
+        self.values[step] = value
+
+    def should_prune(self):
+        return False
+
+
+def test_the_pruner_follows_a_history_a_rollback_cut_back(tmp_path):
+    """--on_spike rollback cuts metrics.jsonl back to its checkpoint and the replay grows it again: the watch read on
+    from its old byte position, mid-line (a JSONDecodeError ended the whole sweep), and saw none of the replay's
+    evaluations until the file outgrew that position. It reads the new file from its start: the replay's later
+    evaluations reach the pruner, each percent once."""
+    from accel_train.rundir.metrics_log import truncate_history
+    from accel_train.sweep.trial import TrialWatch
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"max_steps": 10, "num_train_epochs": 1}))
+    history = tmp_path / "metrics.jsonl"
+
+    def append(*records):
+        with open(history, "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+
+    append(*({"step": s, "loss": 1.0, "learning_rate": 0.1} for s in range(1, 9)),
+           *({"step": s, "eval_loss": 2.0 - s / 10, "epoch": s / 10} for s in (2, 4, 6, 8)))
+    trial = Reports()
+    watch = TrialWatch(trial, tmp_path, "eval_loss")
+    assert watch.poll(False) is None and trial.values[80] == pytest.approx(1.2)
+    truncate_history(history, 4)  # the rollback to step 4's checkpoint
+    append({"step": 4, "rollback": True}, *({"step": s, "eval_loss": 3.0 - s / 10, "epoch": s / 10} for s in (6, 8)),
+           *({"step": s, "loss": 1.0, "learning_rate": 0.1} for s in range(5, 11)),
+           {"step": 10, "eval_loss": 0.5, "epoch": 1.0})
+    assert watch.poll(True) is None
+    assert trial.values[80] == pytest.approx(1.2) and trial.values[100] == 0.5  # 80% was reported before the cut
+
+
 @pytest.mark.slow
 def test_a_sweep_runs_its_trials_in_their_own_runs_resumes_its_study_and_writes_the_best(tmp_path, trial_env):
     out = tmp_path / "sweep"

@@ -16,7 +16,7 @@ from conftest import RECIPES, launch, reset_accelerate
 from PIL import Image
 
 from accel_train import DataError
-from accel_train.tasks.vision.dense.annotated import load_mask_pairs
+from accel_train.tasks.vision.dense.annotated import IGNORE_MASK_VALUE, load_mask_pairs
 from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.dense.segmentation import (
@@ -93,10 +93,27 @@ def test_augmentation_moves_masks_with_the_pixels():
     torch.manual_seed(0)
     images, _, _, mask = augment(batch["pixel_values"], mask=batch["mask"])
     assert not torch.equal(mask, batch["mask"])
-    assert set(mask.unique().tolist()) <= set(batch["mask"].unique().tolist())  # class ids stay class ids
+    # class ids stay class ids; what the map brought in from outside the image is ignored
+    assert set(mask.unique().tolist()) <= set(batch["mask"].unique().tolist()) | {IGNORE_MASK_VALUE}
     stroke = images[:, 0] >= 0.5  # moved pixels (mean 0, std 1: the stroke threshold is 128/255)
-    agree = (stroke == (mask > 0)).float().mean().item()
+    inside = mask != IGNORE_MASK_VALUE
+    agree = (stroke == (mask > 0))[inside].float().mean().item()
     assert agree > 0.98, agree  # the edges differ a little: bilinear pixels, nearest-neighbour masks
+
+
+def test_pixels_the_augmentation_brings_in_from_outside_the_image_are_ignored_not_class_0():
+    """The warp fills what it brings in from outside the frame with 0: the masks called it class 0 (a user's
+    classes.txt whose class 0 is sky trained on borders as sky; the canvases' class 0 is the background, which hid
+    it). Those pixels are ignored now (IGNORE_MASK_VALUE, left out of the loss and the metrics); a pixel ignored
+    before stays ignored."""
+    mask = torch.ones(4, 32, 32, dtype=torch.long)  # class 1 everywhere: no class 0 in the data
+    mask[:, 14:18, 14:18] = IGNORE_MASK_VALUE
+    images = torch.full((4, 3, 32, 32), 200, dtype=torch.uint8)
+    torch.manual_seed(0)
+    _, _, _, moved = BoxMaskAugmentation([0.0] * 3, [1.0] * 3, scale=(0.5, 0.5), translate=0.0)(images, mask=mask)
+    assert not (moved == 0).any()
+    assert (moved == IGNORE_MASK_VALUE).float().mean() > 0.5  # a zoom out to half: three quarters are borders
+    assert (moved[:, 15:17, 15:17] == IGNORE_MASK_VALUE).all()  # the centre stays where it was, ignored
 
 
 # ---------------------------------------------------------------------------------- image + mask folders

@@ -1,7 +1,8 @@
 """Training augmentation that moves boxes and masks with the image, batched on the training device (kornia).
 
 A random affine map (scale about the centre, translation, optionally rotation) is drawn per image and applied
-to the pixels (bilinear), the semantic mask (nearest: class ids stay class ids) and the box corners; a box is
+to the pixels (bilinear), the semantic mask (nearest: class ids stay class ids; a pixel the map brings in from
+outside the image is ignored, IGNORE_MASK_VALUE, not class 0: it shows nothing) and the box corners; a box is
 then clipped to the image, and one that lost more than `min_visible` of its area is dropped (class -1), since
 its object is mostly gone. Rotation makes a rotated box's enclosing box looser than the object's, so it is
 off by default for detection.
@@ -16,6 +17,7 @@ import torch
 
 from ....errors import ConfigError
 from ..transforms import normalize
+from .annotated import IGNORE_MASK_VALUE
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class BoxMaskAugmentation(torch.nn.Module):
             inputs.append(boxes - 0.5)
             keys.append("bbox_xyxy")
         if mask is not None:
-            inputs.append(mask[:, None].float())
+            inputs.append(mask[:, None].float() + 1)  # the warp fills what comes from outside the image with 0
             keys.append("mask")
         out = self.affine(*inputs, data_keys=keys)
         out = out if isinstance(out, (list, tuple)) else [out]
@@ -76,7 +78,8 @@ class BoxMaskAugmentation(torch.nn.Module):
         if boxes is not None:
             boxes, classes = self.clip(out[1] + 0.5, boxes, classes, images.shape[-1], images.shape[-2])
         if mask is not None:
-            mask = out[-1][:, 0].round().long()
+            moved = out[-1][:, 0].round().long() - 1
+            mask = torch.where(moved < 0, torch.full_like(moved, IGNORE_MASK_VALUE), moved)
         return images, boxes, classes, mask
 
     def clip(self, moved: torch.Tensor, original: torch.Tensor, classes: torch.Tensor, width: int, height: int):

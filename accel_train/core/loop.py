@@ -73,6 +73,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         if spike is not None:
                             spike.losses = state.spike_losses  # the checkpoint's window
                         break
+                    if verdict.drops_update:  # skipped: the update, and its losses in the log, are dropped
+                        boundary.drop_window()
                     state.step += 1
                     if probe is not None:
                         probe.after_step(state.step)  # profiler step, memory snapshot

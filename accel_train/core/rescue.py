@@ -120,6 +120,14 @@ class StepBoundary:
         self.take()
         return stop
 
+    def drop_window(self) -> None:
+        """A skipped step (--on_nonfinite skip, --on_spike skip): its micro-batches' losses leave the logging interval
+        (a non-finite one made the interval's loss NaN, and train_loss left its steps out; a spike's dominated it, where
+        a rollback drops it), as its update left the weights. Its examples, tokens and wait stay: they were fed."""
+        for name in ("loss_sum", "items", "micro_batches"):
+            setattr(self.meter, name, self.figures[name])
+        self.meter.terms = dict(self.figures["terms"])
+
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
         """Around a micro-batch's loss and backward: an error there saves the last step boundary first."""

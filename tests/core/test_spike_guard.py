@@ -76,6 +76,32 @@ def test_skip_drops_exactly_the_spiked_updates_and_the_guard_changes_nothing_els
     assert not any("spike_skipped_step" in r for r in read_jsonl(guarded / "metrics.jsonl"))
 
 
+@pytest.mark.parametrize("skipped", ["nonfinite", "spike"])
+def test_a_skipped_steps_loss_leaves_the_logged_interval_with_its_update(tmp_path, skipped):
+    """Logged every 4 steps: a skipped step's micro-batch stayed in its interval's loss. A non-finite one made the
+    whole interval's loss null and train_loss left its 4 steps out; a spike (100x) dominated the interval's mean while
+    its update was dropped (a rollback drops it from the log too). Its loss leaves the log with its update: each
+    interval logs the mean of its kept steps' losses (the same run logged every step: a skipped step logs none),
+    and train_loss is the step-weighted mean of the intervals."""
+    flags = [*QUIET, "--num_train_epochs", "3", *(["--poison_index", "13", "--on_nonfinite", "skip"]
+                                                  if skipped == "nonfinite" else
+                                                  [*GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE)])]
+    run(["--output_dir", str(tmp_path / "every"), *flags, "--logging_steps", "1"])
+    run(["--output_dir", str(tmp_path / "fourth"), *flags, "--logging_steps", "4"])
+    every = read_jsonl(tmp_path / "every" / "metrics.jsonl")
+    skips = {r["step"] for r in every if f"{skipped}_skipped_step" in r}
+    kept = {r["step"]: r["loss"] for r in every if "loss" in r and r["step"] not in skips}
+    assert len(skips) >= 2 and all(r["loss"] is None for r in every if "loss" in r and r["step"] in skips)
+    logged = [r for r in read_jsonl(tmp_path / "fourth" / "metrics.jsonl") if "loss" in r]
+    for before, record in zip([{"step": 0}, *logged], logged, strict=False):
+        losses = [kept[s] for s in range(before["step"] + 1, record["step"] + 1) if s in kept]
+        assert record["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5), record
+    weights = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *logged], logged, strict=False)]
+    results = json.loads((tmp_path / "fourth" / "all_results.json").read_text())
+    assert results["train_loss"] == pytest.approx(sum(w * r["loss"] for w, r in zip(weights, logged, strict=True))
+                                                  / sum(weights))
+
+
 def skipping(out, processes, *extra):
     """toy_train's flags: skipping spikes, checkpointing every 4 steps, logging every step (so that --stop_at_step can
     cut at any step), the same global batch of 8 on 1 process and on 2."""

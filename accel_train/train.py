@@ -102,11 +102,11 @@ def train(
                            *compiled, *fed_recorder(session), *evaluate_again(session)])
     meter = StepMeter(session.accelerator)
     meter.flops.restore(state.flop_count)  # resumed: the count of the first run's first micro-batch
-    meter.resume_interval(state.pending_loss)  # resumed: the logging interval its checkpoint fell inside
     try:
         # set-up, not training time: what hooks do before the first step (the observer's run facts, schedule plot)
         # agreed: a stop asked on one rank only would leave the others training into their first collective
         stop = any_rank(session.accelerator, call_hooks(session.hooks, "on_train_start", state))
+        meter.resume_interval(state.pending_loss)  # its clock starts here; resumed: the interval it fell inside
         started = time.perf_counter()
         with observer.probe(state.step) as probe:
             # ACCEL_TRAIN_RECORD_GRADIENT=1: step 1's gradient, what verify's accumulation and world-size checks compare

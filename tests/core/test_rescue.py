@@ -159,6 +159,58 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
+class Clock:
+    """A training clock in the loop's modules that reads one second later at each reading; `now` moved on by hand is
+    time spent elsewhere."""
+
+    def __init__(self, monkeypatch):
+        import importlib
+        from types import SimpleNamespace
+
+        from accel_train.core import control, loop, meter, session
+
+        train_module = importlib.import_module("accel_train.train")  # the package's `train` is the function
+
+        self.now = 0.0
+        for module in (train_module, control, loop, meter, session):
+            monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=self.read))
+
+    def read(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class SlowSetUp:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_train_start(self, state):
+        self.clock.now += 1000.0  # a hook's set-up (the observer's schedule plot, a user's)
+
+
+def test_set_up_and_a_resumed_pending_evaluation_are_not_training_time(tmp_path, monkeypatch):
+    """train_seconds (and the first interval's samples/s and MFU) counted the hooks' on_train_start (the meter's
+    clock started before it) and, on a resume, the pending evaluation the run does first. 1000 s in each, on a clock
+    that otherwise moves a second a reading: neither is in the logged training seconds."""
+    clock = Clock(monkeypatch)
+    run(tmp_path, Accuracy(), hooks=[SlowSetUp(clock)])
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["train_seconds"] < 1000
+
+    class SlowAccuracy(Accuracy):
+        def __call__(self, outputs):
+            clock.now += 1000.0
+            return super().__call__(outputs)
+
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:3")  # step 4's evaluation is left pending
+    with pytest.raises(Preempted):
+        run(tmp_path / "cut", Accuracy())
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    run(tmp_path / "cut", SlowAccuracy(), resume=True)
+    seconds = {r["step"]: r["train_seconds"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")
+               if "train_seconds" in r}
+    assert seconds[5] - seconds[4] < 1000, seconds
+
+
 class EvaluateAfterFirstSave:
     """Asks for an evaluation at the step boundary of the first checkpoint, after it was written."""
 

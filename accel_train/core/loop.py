@@ -69,9 +69,10 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                         continue
                     grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
                     if back_to is not None:  # --on_spike rollback: re-enter the epoch at the checkpoint's position
+                        state.train_seconds += meter.running()  # the clock goes on: the dropped steps were paid
                         session.roll_back(state, back_to)
                         stop = back_to.stop  # asked when its checkpoint landed: the run ends there
-                        meter.resume_interval(state.pending_loss)  # the checkpoint's unlogged interval
+                        meter.resume_interval(state.pending_loss, clock=False)  # the checkpoint's unlogged interval
                         if spike is not None:
                             spike.losses = state.spike_losses  # the checkpoint's window
                         break

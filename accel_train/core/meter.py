@@ -43,24 +43,31 @@ class StepMeter:
         self.tokens = 0
         self.data_wait = 0.0
         self.paused = 0.0  # evaluation and checkpoint time inside the interval: not training throughput
+        self.carried = 0.0  # training seconds of the interval spent before the checkpoint it resumed from
         self.started = time.perf_counter()
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
+
+    def running(self) -> float:
+        """The interval's training seconds so far (its pauses excluded)."""
+        return max(time.perf_counter() - self.started - self.paused, 0.0) + self.carried
 
     def pending(self) -> dict[str, Any]:
         """This process's loss figures of the interval not logged yet, saved with a checkpoint (TrainState.pending_loss)
         so that a resumed run logs that interval, and its train_loss, as the uninterrupted run does."""
         return {"loss_sum": None if self.loss_sum is None else float(self.loss_sum),
                 "items": None if self.items is None else float(self.items), "micro_batches": self.micro_batches,
-                "terms": {name: float(value) for name, value in self.terms.items()}}
+                "terms": {name: float(value) for name, value in self.terms.items()}, "seconds": self.running()}
 
-    def resume_interval(self, saved: list[dict[str, Any]]) -> None:
+    def resume_interval(self, saved: list[dict[str, Any]], clock: bool = True) -> None:
         """Start the interval a checkpoint left unlogged: `saved` holds each rank's `pending()` (empty: a fresh
-        interval). On another world size the main process takes the whole of it: the sums stay, their rounding not."""
+        interval). On another world size the main process takes the whole of it: the sums stay, their rounding not.
+        `clock`: its training seconds go on in train_seconds (a resume; a rollback's clock kept them already)."""
         self.reset()
         acc = self.accelerator
         mine = [saved[acc.process_index]] if len(saved) == acc.num_processes else saved if acc.is_main_process else []
+        self.carried = max([part.get("seconds", 0.0) for part in mine] or [0.0]) if clock else 0.0
         for part in mine:
             if part["loss_sum"] is not None:
                 value = torch.tensor(part["loss_sum"], dtype=torch.float32, device=acc.device)
@@ -91,7 +98,7 @@ class StepMeter:
         """Reduce across processes and return the interval's numbers (collective). With the loop's TrainState, also
         "train_seconds": the run's training seconds up to this record, evaluations and checkpoint writes excluded
         (kept in the state, so a resumed run goes on counting: time to a target quality, as MLPerf measures it)."""
-        elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
+        elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)  # this session's: its throughput
         acc = self.accelerator
         names = sorted(self.terms)
         sums = [0.0 if self.loss_sum is None else self.loss_sum, *(self.terms[n] for n in names)]
@@ -104,11 +111,9 @@ class StepMeter:
             loss = total[0] / items if items > 0 else math.nan
         else:
             loss = total[0] / micro if micro else math.nan
-        record = {
-            "loss": loss,
-            "samples_per_second": samples / elapsed,
-            "data_wait_fraction": self.data_wait / elapsed,
-        }
+        record = {"loss": loss}
+        if samples:  # an interval that fed nothing (a resumed run with no step left) has no throughput, not 0
+            record.update(samples_per_second=samples / elapsed, data_wait_fraction=self.data_wait / elapsed)
         record.update({name: value / micro for name, value in zip(names, total[1:-4], strict=True)} if micro else {})
         if self.items is not None:
             record["num_items"] = items
@@ -116,13 +121,13 @@ class StepMeter:
             record["tokens_per_second"] = tokens / elapsed
         devices = max(acc.num_processes, 1)
         flops = self.flops.model_flops(samples / elapsed / devices, tokens / elapsed / devices)  # per device
-        if flops is not None and self.flops.peak:
+        if flops is not None and self.flops.peak and samples:
             record["model_tflops"] = flops / 1e12
             if self.flops.within_peak(flops):
                 record["mfu"] = flops / self.flops.peak
         record.update(peak_memory(acc.device))
         if state is not None:
-            state.train_seconds += elapsed
+            state.train_seconds += elapsed + self.carried
             record["train_seconds"] = round(state.train_seconds, 3)
         self.reset()
         return record

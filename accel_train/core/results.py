@@ -52,13 +52,17 @@ def _final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float]
 
 
 def training_figures(session: Any, state: TrainState, meter: StepMeter, runtime: float) -> dict[str, float]:
-    """train_loss, runtime, steps, this session's samples/s (not a resumed run's), epoch, peak memory, skipped
-    steps (fp16 overflow, non-finite, spikes), and the model FLOP/s and MFU as means over the logged intervals
-    (evaluations excluded; none where an interval proved the peak stale, meter.FlopCount.within_peak)."""
+    """train_loss, runtime (this session's loop), the whole run's training seconds (train_seconds: its sessions'
+    logged intervals, evaluations, checkpoints and set-up excluded), steps, this session's samples/s (not a resumed
+    run's; none where it trained nothing), epoch, peak memory, skipped steps (fp16 overflow, non-finite, spikes), and
+    the model FLOP/s and MFU as means over the logged intervals (evaluations excluded; none where an interval proved
+    the peak stale, meter.FlopCount.within_peak)."""
     samples = state.samples_seen - session.start_samples
     figures: dict[str, float] = dict(
-        train_loss=state.train_loss, train_runtime=round(runtime, 3), train_steps=state.step,
-        train_samples_per_second=round(samples / runtime, 3) if runtime else 0.0, epoch=session.epoch_float(state))
+        train_loss=state.train_loss, train_runtime=round(runtime, 3), train_seconds=round(state.train_seconds, 3),
+        train_steps=state.step, epoch=session.epoch_float(state))
+    if samples > 0 and runtime:
+        figures["train_samples_per_second"] = round(samples / runtime, 3)
     figures.update({f"train_{k}": v for k, v in peak_memory(session.accelerator.device).items()})
     if state.skipped_steps:
         figures["train_skipped_steps"] = state.skipped_steps

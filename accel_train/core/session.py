@@ -220,7 +220,7 @@ class Session:
         meter.pause(time.perf_counter() - started)
         return settle(self, state, meter, stop, acted, preempt)  # the ranks' requests agreed, the asked work done
 
-    def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None) -> bool:
+    def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None, write: bool = True) -> bool:
         record = meter.record(state)
         if "mfu" in record:
             self.throughput.append((record["model_tflops"], record["mfu"]))
@@ -238,6 +238,8 @@ class Session:
             record["skipped_steps"] = state.skipped_steps
         if state.nonfinite_skips:
             record["nonfinite_skips"] = state.nonfinite_skips
+        if not write:  # --logging_strategy no: measured for train_loss and the MFU, not logged
+            return False
         self.log.log(record, state.step)
         return call_hooks(self.hooks, "on_log", state, record)
 
@@ -332,8 +334,8 @@ class Session:
         written once. The model is written before the seam, so that an error there loses nothing trained:
         all_results.json then holds what was measured, and a FinishError says where everything is."""
         acc, cfg = self.accelerator, self.config
-        if meter.micro_batches and cfg.logging_strategy != "no":
-            self.log_train(state, meter)
+        if meter.micro_batches:
+            self.log_train(state, meter, write=cfg.logging_strategy != "no")
         if cfg.save_strategy != "no":
             self.keep_interval(state, meter)
             self.save(state)

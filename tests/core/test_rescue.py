@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl, reset_accelerate
+from conftest import Clock, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -159,27 +159,6 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
-class Clock:
-    """A training clock in the loop's modules that reads one second later at each reading; `now` moved on by hand is
-    time spent elsewhere."""
-
-    def __init__(self, monkeypatch):
-        import importlib
-        from types import SimpleNamespace
-
-        from accel_train.core import control, loop, meter, session
-
-        train_module = importlib.import_module("accel_train.train")  # the package's `train` is the function
-
-        self.now = 0.0
-        for module in (train_module, control, loop, meter, session):
-            monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=self.read))
-
-    def read(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 class SlowSetUp:
     def __init__(self, clock):
         self.clock = clock
@@ -209,6 +188,50 @@ def test_set_up_and_a_resumed_pending_evaluation_are_not_training_time(tmp_path,
     seconds = {r["step"]: r["train_seconds"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")
                if "train_seconds" in r}
     assert seconds[5] - seconds[4] < 1000, seconds
+
+
+def test_a_resumed_run_with_no_step_left_publishes_no_throughput_of_zero(tmp_path, monkeypatch):
+    """Preempted at its last step inside a logging interval (every 3 steps: 7-8 unlogged), the resumed run trains
+    nothing: its last record and all_results.json said samples/s 0.0 and MFU 0.0 (train_mfu 0.0), a throughput
+    nobody measured. They are left out; train_seconds, the whole run's training clock, is the uninterrupted run's
+    kind of number (within its seconds)."""
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:8")
+    with pytest.raises(Preempted):
+        run(tmp_path, Accuracy(), logging_steps=3)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    run(tmp_path, Accuracy(), resume=True, logging_steps=3)
+    last = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+    assert last["step"] == 8 and "samples_per_second" not in last and "mfu" not in last
+    done = json.loads((tmp_path / "all_results.json").read_text())
+    assert "train_samples_per_second" not in done and done.get("train_mfu", 1) > 0 and done["train_seconds"] > 0
+
+
+def test_no_logging_still_measures_train_loss(tmp_path):
+    """--logging_strategy no published train_loss null (the loss was summed only where a record was written): the
+    run's one interval is measured, not written."""
+    run(tmp_path / "every", Accuracy(), eval_strategy="no")
+    run(tmp_path / "none", Accuracy(), eval_strategy="no", logging_strategy="no")
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("every", "none")]
+    assert done[1]["train_loss"] == pytest.approx(done[0]["train_loss"], rel=1e-6)
+    assert not [r for r in read_jsonl(tmp_path / "none" / "metrics.jsonl") if "loss" in r]
+
+
+def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_logging_interval(tmp_path, monkeypatch):
+    """Logged every 4 steps, preempted at step 6: train_seconds (time to a quality) lost the seconds of steps 5-6,
+    spent before the checkpoint but after the last log (every preemption at another step than a log's, every
+    epoch-end checkpoint inside an interval). They are carried in the checkpoint's interval: on a clock that moves a
+    second a reading, the resumed run ends with at least the uninterrupted run's seconds (and a few readings more:
+    its start)."""
+    Clock(monkeypatch)
+    run(tmp_path / "whole", Accuracy(), logging_steps=4, eval_strategy="no")
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:5")
+    with pytest.raises(Preempted, match="stopped at step 6"):
+        run(tmp_path / "cut", Accuracy(), logging_steps=4, eval_strategy="no")
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    run(tmp_path / "cut", Accuracy(), resume=True, logging_steps=4, eval_strategy="no")
+    whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
+                  for d in ("whole", "cut"))
+    assert whole <= cut <= whole + 5, (whole, cut)
 
 
 class EvaluateAfterFirstSave:

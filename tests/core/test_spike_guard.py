@@ -8,7 +8,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import StopOnSave, read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
+from conftest import Clock, StopOnSave, read_jsonl, reset_accelerate, stop_then_resume, toy_on, toy_records
 from safetensors.torch import load_file
 
 from accel_train import run_cli
@@ -217,21 +217,16 @@ def test_a_rollback_to_a_checkpoint_without_the_data_fingerprint_keeps_the_runs(
 
 
 def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
-    """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. With a clock
-    that reads one second later at each reading, each logged interval is one second; the rolled-back run logged 4
-    steps that its rollbacks then dropped (5, and 25-27), so it ends 4 s after the run that never held the batch."""
-    from itertools import count
-    from types import SimpleNamespace
-
-    from accel_train.core import meter
-
-    ticks = count()
-    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. On a clock
+    that reads one second later at each reading (Clock), the rolled-back run trained 7 steps more than the run that
+    never held the batch (its rollbacks dropped steps 5, 25-27 and the three spiked steps; logged every step), each as
+    many readings as a step of the other run, and its clock holds them."""
+    Clock(monkeypatch)
     rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1"])
-    final = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r][-1]
-             for d in (rolled, never)]
-    # less the real seconds of the checkpoint writes, which the meter takes out of its intervals
-    assert final[1] == pytest.approx(33, abs=0.5) and final[0] - final[1] == pytest.approx(4, abs=0.5), final
+    seconds = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r] for d in
+               (rolled, never)]
+    per_step = seconds[1][-1] / len(seconds[1])  # every step logged: one record a step
+    assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step, rel=0.15), (seconds, per_step)
 
 
 def test_rollback_agrees_across_ranks_with_accumulation(tmp_path, ranks):

@@ -186,7 +186,7 @@ class Session:
         schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps, self.plan.lr_scale)
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
-                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]))
+                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]), state.tracker_offset)
         return state
 
     # --------------------------------------------------------------------------------------- between steps
@@ -306,7 +306,7 @@ class Session:
         self.control.forget()  # requests made during the dropped step go with it
         state.excluded_batches, state.spike_rollbacks, state.train_seconds = excluded, rollbacks, seconds
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
-        self.log.rewind(state.step, rollback.record)
+        state.tracker_offset = self.log.rewind(state.step, rollback.record)
 
     def keep_interval(self, state: TrainState, meter: StepMeter) -> None:
         """Before a checkpoint: the logging interval in progress goes into the state (collective)."""

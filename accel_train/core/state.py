@@ -41,6 +41,7 @@ class TrainState:
     spike_skips: int = 0  # steps skipped for a loss spike (--on_spike skip)
     spike_losses: list[float] = field(default_factory=list)  # the spike guard's window: the last steps' losses
     spike_rollbacks: int = 0  # returns to the last checkpoint for a loss spike (--on_spike rollback)
+    tracker_offset: int = 0  # steps those rollbacks abandoned: trackers get steps counted on past them (RunLog)
     # [epoch, micro-batch position in that epoch (per process)] of each batch a rollback took out of the data; the
     # loop passes over them, so the run goes on as if its data never held them.
     excluded_batches: list[list[int]] = field(default_factory=list)

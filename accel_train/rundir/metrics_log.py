@@ -38,13 +38,15 @@ class RunLog:
         # report and all_results.json keep the loop's names, which they (and accel-train report / compare) read back
         self.tracker_names: dict[str, str] = {}
 
-    def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str) -> None:
+    def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str, replayed: int = 0) -> None:
+        """`replayed`: the steps rollbacks abandoned before the checkpoint a run resumes from (TrainState)."""
         if self.main:
             truncate_history(self.path, initial_step)
+        self.replayed = replayed
         store = local_mlflow_store(self.accelerator, self.path.parent)
         if self.accelerator.log_with:
-            self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams),
-                                           init_kwargs=tracker_kwargs(self.accelerator, self.path.parent))
+            self.accelerator.init_trackers(self.project_name, config=_flat_hparams(hparams), init_kwargs=tracker_kwargs(
+                self.accelerator, self.path.parent, initial_step + replayed if initial_step else None))
         self.write(startup_report + (f"\n  mlflow           {store}" if store else ""))
         self.initial_step = initial_step
 
@@ -83,11 +85,12 @@ class RunLog:
             named[name] = value
         self.accelerator.log(named, step=step + self.replayed)
 
-    def rewind(self, step: int, record: dict[str, Any]) -> None:
+    def rewind(self, step: int, record: dict[str, Any]) -> int:
         """--on_spike rollback: the run goes on from `step`, with `record` marking where and why. metrics.jsonl keeps
         one timeline: the abandoned steps' records are dropped and the mark stands at `step`. Trackers refuse a step
         that goes back (W&B drops it), so they get the replay at steps counted on past the abandoned ones: a
-        tracker's step is the run's step plus the steps replayed so far (the mark carries both)."""
+        tracker's step is the run's step plus the steps replayed so far (the mark carries both; returned, for the
+        train state: a resumed run goes on counting from it)."""
         abandoned = max(self.last_step - step, 0)
         if self.main:
             truncate_history(self.path, step)
@@ -96,6 +99,7 @@ class RunLog:
         if self.bar is not None:  # the bar counts steps of the run, not steps taken
             self.bar.n = step
             self.bar.refresh()
+        return self.replayed
 
     def warn(self, message: str) -> None:
         """A warning: printed on the main process and kept in metrics.jsonl as {"step", "warning"} at the step last
@@ -228,11 +232,17 @@ def local_mlflow_store(accelerator: Accelerator, output_dir: Path) -> str | None
 _OWN_MLFLOW_STORES: set[str] = set()  # the stores local_mlflow_store chose in this process
 
 
-def tracker_kwargs(accelerator: Accelerator, output_dir: Path) -> dict[str, dict[str, Any]]:
+def tracker_kwargs(accelerator: Accelerator, output_dir: Path, resumed_at: int | None = None
+                   ) -> dict[str, dict[str, Any]]:
     """Accelerate's init_kwargs per tracker: W&B writes into output_dir/wandb (its default is ./wandb in the current
-    directory) unless WANDB_DIR names a place; an offline run's files are then beside the run's other records."""
+    directory) unless WANDB_DIR names a place; an offline run's files are then beside the run's other records.
+    `resumed_at` (the tracker step a resumed run starts at): TensorBoard, which reads every event file of its folder,
+    hides the earlier attempts' events after it (purge_step), as metrics.jsonl drops their records."""
     names = {str(getattr(tracker, "name", tracker)).lower() for tracker in accelerator.log_with}
+    kwargs: dict[str, dict[str, Any]] = {}
     if "wandb" in names and not os.environ.get("WANDB_DIR"):
         (Path(output_dir) / WANDB_DIR).mkdir(parents=True, exist_ok=True)
-        return {"wandb": {"dir": str(Path(output_dir).resolve())}}
-    return {}
+        kwargs["wandb"] = {"dir": str(Path(output_dir).resolve())}
+    if "tensorboard" in names and resumed_at is not None:
+        kwargs["tensorboard"] = {"purge_step": resumed_at + 1}
+    return kwargs

@@ -166,6 +166,8 @@ def assert_rolled_back_to_the_run_without_the_batch(rolled, never, positions):
     assert not any("spike_rollback_step" in r for r in read_jsonl(never / "metrics.jsonl"))
     final = json.loads(sorted((rolled / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
     assert final["excluded_batches"] == [[epoch, p] for epoch in range(3) for p in positions]
+    # the trackers' steps count on past the abandoned ones, in the checkpoints too: a resumed run goes on from there
+    assert final["tracker_offset"] == sum(r["rollback_replays_steps"] for r in rows)
 
 
 def test_rollback_gives_bitwise_the_run_whose_data_never_held_the_spiked_batch(tmp_path):
@@ -226,6 +228,8 @@ def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     seconds = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r] for d in
                (rolled, never)]
     per_step = seconds[1][-1] / len(seconds[1])  # every step logged: one record a step
+    last = json.loads(sorted((rolled / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
+    assert last["tracker_offset"] == 4  # logged every step: the trackers' steps count on past steps 5, 25-27
     assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step, rel=0.15), (seconds, per_step)
 
 

@@ -106,6 +106,29 @@ def test_tensorboard_gets_the_logged_numbers_offline(tracked):
         assert [(e.step, e.value) for e in events.Scalars(name)] == approx([(last, value)]), name
 
 
+@needs("tensorboard")
+def test_a_resumed_run_leaves_tensorboard_one_timeline(tmp_path):
+    """TensorBoard reads every event file of the run's folder: the steps an interrupted attempt logged after the
+    checkpoint a run resumes from stayed beside the resumed run's own (loss at steps 5-8 twice), where metrics.jsonl
+    drops them. The resumed run hides them (purge_step): one value per step, the resumed run's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    flags = ["--output_dir", str(out), "--disable_tqdm", "--run_report", "false", "--report_to", "tensorboard",
+             "--max_steps", "8", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "4",
+             "--eval_strategy", "no"]
+    reset_accelerate()
+    run_cli(toy_train.main, flags)
+    reset_accelerate()
+    run_cli(toy_train.main, [*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step-00000004")])
+    folder = sorted((out / "runs").rglob("events.out.tfevents.*"), key=lambda path: len(path.parts))[0].parent
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    assert steps == list(range(1, 9)), steps
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == approx(expected(out, "loss"))
+
+
 # ------------------------------------------------------------------------------------------------ MLflow
 
 

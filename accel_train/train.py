@@ -36,7 +36,7 @@ from .observe.fed_record import fed_recorder
 from .observe.gradient_record import record_gradient
 from .observe.observer import ConfusionRecorder, Observer
 from .observe.overfit import overfit_setup
-from .rundir.metrics_log import end_training_safely
+from .rundir.metrics_log import end_training_safely, fail_trackers
 from .rundir.outdir import is_collective_timeout, peer_timeout_message, record_crash
 
 
@@ -121,6 +121,7 @@ def train(
         if failed_write:
             error.add_note(failed_write)
         record_crash(out, acc.process_index, state.step, error)
+        fail_trackers(acc)  # finished as failed, not left open (MLflow's exit handler would mark the run FINISHED)
         if acc.num_processes > 1 and is_collective_timeout(error):  # a hung or dead peer: say which, and how long
             raise PeerTimeout(peer_timeout_message(out, acc.num_processes, acc.process_index, state.step,
                                                    session.config.ddp_timeout, error)) from error

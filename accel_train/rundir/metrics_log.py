@@ -3,6 +3,7 @@ Files are written on the main process only; the trackers are Accelerate's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -128,6 +129,26 @@ class RunLog:
             end_training_safely(self.accelerator)
         elif self.main:
             for tracker in self.accelerator.trackers:
+                tracker.finish()
+
+
+def fail_trackers(accelerator) -> None:
+    """A run that failed: its trackers are finished as failed (MLflow's run FAILED, where its exit handler would end
+    it FINISHED and a next run in this process could not start its own; W&B's with exit code 1; TensorBoard's events
+    flushed), on the main process, without a collective (a peer may be gone). Never raises: the run's error is the
+    one to see."""
+    if not accelerator.is_main_process:
+        return
+    for tracker in accelerator.trackers:
+        with contextlib.suppress(Exception):
+            name = str(getattr(tracker, "name", "")).lower()
+            if name == "mlflow":
+                import mlflow
+
+                mlflow.end_run(status="FAILED")
+            elif name == "wandb":
+                tracker.run.finish(exit_code=1)
+            else:
                 tracker.finish()
 
 

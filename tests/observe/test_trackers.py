@@ -173,6 +173,19 @@ def test_mlflow_logs_the_run_into_its_own_sqlite_store(tmp_path, monkeypatch, ca
                              "--learning_rate", "5e-05"])
     assert_same_as_the_log(tmp_path / "second")
     assert_same_as_the_log(out)
+    # a run that fails ends its MLflow run as FAILED (left open, MLflow's exit handler marked it FINISHED, and the
+    # next run in this process could not start its own: "Run ... is already active")
+    reset_accelerate()
+    with pytest.raises(SystemExit) as failed:
+        run_cli(toy_train.main, ["--output_dir", str(tmp_path / "failed"), *QUIET, "--report_to", "mlflow",
+                                 "--poison_index", "13"])
+    assert failed.value.code == 2
+    client, runs = mlflow_runs(tmp_path / "failed")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    reset_accelerate()
+    run_cli(toy_train.main, ["--output_dir", str(tmp_path / "after"), *QUIET, "--report_to", "mlflow",
+                             "--learning_rate", "5e-05"])
+    assert_same_as_the_log(tmp_path / "after")
 
 
 @needs("mlflow")

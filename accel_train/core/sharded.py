@@ -98,7 +98,9 @@ def _machine_has_accelerator() -> bool:
 
 def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: TrainConfig, plan) -> None:
     """Adapt the Accelerate plugin of a sharded run to `model`, `config` and `plan` (module docstring). Call it
-    before `accelerator.prepare`; nothing happens for DDP or a single device."""
+    before `accelerator.prepare`; for DDP or a single device it only checks the accumulation count
+    (`check_accumulation_count`: an Accelerator of the user's own meets it here first)."""
+    check_accumulation_count(accelerator, config)
     running = accelerator.distributed_type.value
     if running == "FSDP" and accelerator.is_fsdp2:
         carve_out_embedding(accelerator.state.fsdp_plugin, model)
@@ -127,6 +129,42 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
         use_json_optimizer(ds["optimizer"], config.optim)
     if "scheduler" in ds:
         use_json_scheduler(ds["scheduler"], config)
+
+
+def check_accumulation_count(accelerator: Accelerator, config: TrainConfig) -> None:
+    """Refuse an accumulation count other than --gradient_accumulation_steps: the plan (steps per epoch, schedule,
+    global batch, the start-up report) counts the flag's, and the loop steps on the accelerator's. Accelerate takes
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the count it is given (`accelerate launch` exports it for DeepSpeed,
+    from its --gradient_accumulation_steps or the YAML's), an Accelerator of the user's own has its own, and under
+    DeepSpeed an explicit value in the JSON replaces the accelerator's at `prepare` (a JSON without the key counts as
+    1): the run would train another number of epochs at another global batch than planned and reported."""
+    asked = config.gradient_accumulation_steps
+    running = accelerator.gradient_accumulation_steps
+    env = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if running != asked:
+        source = (f"the launcher set ACCELERATE_GRADIENT_ACCUMULATION_STEPS={env} (`accelerate launch "
+                  "--gradient_accumulation_steps`, or a DeepSpeed section's gradient_accumulation_steps in its YAML), "
+                  f"which Accelerate takes over the script's" if env is not None and str(running) == env.strip() else
+                  f"the Accelerator passed to train() accumulates {running} micro-batches")
+        fix = ("drop --gradient_accumulation_steps from `accelerate launch` (and from its YAML) and give the count as "
+               "the script's flag" if "launcher" in source else
+               f"build it with Accelerator(gradient_accumulation_steps={asked}), or pass the count as the flag")
+        raise ConfigError(f"--gradient_accumulation_steps {asked}, but {source}: the loop's plan (steps, schedule, "
+                          f"global batch) would count {asked} micro-batch(es) a step and the loop step every "
+                          f"{running}. Give the count in one place: {fix}.")
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    ds = plugin.deepspeed_config if plugin is not None else {}
+    json_count = ds.get("gradient_accumulation_steps", 1)  # Accelerate writes 1 into a JSON without the key
+    if json_count != "auto" and json_count != asked:
+        says = (f"says {json_count}" if "gradient_accumulation_steps" in ds else
+                "has no \"gradient_accumulation_steps\", which Accelerate reads as 1")
+        raise ConfigError(
+            f"--gradient_accumulation_steps {asked}, but the DeepSpeed JSON config {says}, and DeepSpeed's count "
+            "replaces the accelerator's at prepare: the loop's plan and the engine would disagree (another number "
+            "of epochs, at another global batch than reported). Set \"gradient_accumulation_steps\": \"auto\" in "
+            "the JSON and give the count as the script's flag.")
 
 
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:

@@ -239,44 +239,99 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     assert ds == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
 
 
-def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
-    """An --optim or a schedule that a DeepSpeed JSON would replace, a token budget and Muon are refused by
-    build_accelerator, which a recipe calls before it loads data or builds a model (the refusals need only the config
-    and the JSON), with nothing written; `adamw_torch_fused` is passed on there. Accelerate runs DeepSpeed only on
-    GPU-like devices: here a CPU accelerator reports DEEPSPEED, with the preset's JSON and a scheduler added, once
-    check_engine has returned (for Muon, a JSON without an optimizer: with one, the JSON's refusal comes first)."""
+def built_as(out: Path, json_config: dict | None = None, kind: str = "DEEPSPEED", **flags):
+    """build_accelerator(TrainConfig(output_dir=out, **flags)) as under DeepSpeed with `json_config` as its JSON (or
+    FSDP: `kind`). Accelerate runs both only on GPU-like devices: here a CPU accelerator reports `kind`, and the JSON
+    as its DeepSpeed config, once check_engine has returned."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    from accel_train import ConfigError
     from accel_train.core import accelerator as module
 
-    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
-    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}
     check = module.check_engine
+    with pytest.MonkeyPatch.context() as patch:
+        def then_sharded(accelerator) -> None:
+            check(accelerator)
+            patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType[kind]))
+            patch.setattr(AcceleratorState, "deepspeed_plugin",
+                          property(lambda _: SimpleNamespace(deepspeed_config=json_config or {})))
 
-    def build(json_config=ds, **flags) -> None:
-        with pytest.MonkeyPatch.context() as patch:
-            def then_deepspeed(accelerator) -> None:
-                check(accelerator)
-                patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
-                patch.setattr(AcceleratorState, "deepspeed_plugin",
-                              property(lambda _: SimpleNamespace(deepspeed_config=json_config)))
+        patch.setattr(module, "check_engine", then_sharded)
+        return build_accelerator(TrainConfig(output_dir=str(out), report_to=["none"], **flags))
 
-            patch.setattr(module, "check_engine", then_deepspeed)
-            build_accelerator(TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], **flags))
 
+def zero3_json(**changes) -> dict:
+    """The shipped ZeRO-3 preset's JSON, with `changes` (a value None: the key left out)."""
+    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
+    ds.update(changes)
+    return {key: value for key, value in ds.items() if value is not None}
+
+
+def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
+    """An --optim or a schedule that a DeepSpeed JSON would replace, a token budget and Muon are refused by
+    build_accelerator, which a recipe calls before it loads data or builds a model (the refusals need only the config
+    and the JSON), with nothing written; `adamw_torch_fused` is passed on there (`built_as`: the preset's JSON with a
+    scheduler added; for Muon, a JSON without an optimizer: with one, the JSON's refusal comes first)."""
+    from accel_train import ConfigError
+
+    ds = zero3_json(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}})
+    out = tmp_path / "run"
     for flags, refusal in (({"optim": "sgd"}, "--optim sgd asks for another update than the DeepSpeed JSON"),
                            ({"lr_scheduler_type": "cosine"}, "--lr_scheduler_type cosine .* scheduler, WarmupLR"),
                            ({"max_tokens_per_batch": 64}, "--max_tokens_per_batch 64 under DeepSpeed: its micro-"),
                            ({"optim": "muon", "json_config": {}}, "--optim muon cannot run under DeepSpeed")):
         with pytest.raises(ConfigError, match=refusal):
-            build(**flags)
-        assert not (tmp_path / "run").exists()
+            built_as(out, **{"json_config": ds, **flags})
+        assert not out.exists()
     assert "fused" not in ds["optimizer"]["params"]
-    build(optim="adamw_torch_fused")
+    built_as(out, ds, optim="adamw_torch_fused")
     assert ds["optimizer"]["params"]["fused"] is True
+
+
+def test_an_accumulation_count_other_than_the_flags_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The loop plans its steps from --gradient_accumulation_steps and steps on the accelerator's count: Accelerate
+    takes the launcher's ACCELERATE_GRADIENT_ACCUMULATION_STEPS (`accelerate launch --gradient_accumulation_steps`,
+    a DeepSpeed YAML's) over the count it is given, and under DeepSpeed the JSON's explicit value (a JSON without the
+    key counts as 1). Either would train another number of epochs at another global batch than planned and reported:
+    refused when the accelerator is built, naming both counts, with nothing written; "auto" takes the flag's."""
+    from accel_train import ConfigError
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+        with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 1, but the launcher set "
+                                              r"ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4.*drop "
+                                              r"--gradient_accumulation_steps from `accelerate launch`"):
+            build_accelerator(TrainConfig(output_dir=str(out), report_to=["none"]))
+    assert not out.exists()
+    for ds, says in ((zero3_json(gradient_accumulation_steps=1), "the DeepSpeed JSON config says 1"),
+                     (zero3_json(gradient_accumulation_steps=None), r"the DeepSpeed JSON config has no "
+                                                                    r"\"gradient_accumulation_steps\", which "
+                                                                    r"Accelerate reads as 1")):
+        with pytest.raises(ConfigError, match=rf"--gradient_accumulation_steps 4, but {says}.*the loop's plan and "
+                                              r"the engine would disagree.*\"gradient_accumulation_steps\": \"auto\""):
+            built_as(out, ds, gradient_accumulation_steps=4)
+        assert not out.exists()
+    assert built_as(out, zero3_json(), gradient_accumulation_steps=4).gradient_accumulation_steps == 4  # "auto"
+    built_as(out, zero3_json(gradient_accumulation_steps=4), gradient_accumulation_steps=4)  # the same count
+
+
+def test_an_accelerator_of_ones_own_with_another_accumulation_count_is_refused(tmp_path):
+    """train(accelerator=Accelerator(gradient_accumulation_steps=4)) beside a config of 1: the plan (steps, schedule,
+    global batch) would count 1 micro-batch a step and the loop step every 4th: refused before anything is written."""
+    from accelerate import Accelerator
+
+    from accel_train import ConfigError, train
+
+    out = tmp_path / "run"
+    config = TrainConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, report_to=["none"],
+                         disable_tqdm=True, run_report=False, preflight=False, eval_strategy="no", save_strategy="no")
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 1, but the Accelerator passed to train\(\) "
+                                          r"accumulates 4 micro-batches.*Accelerator\(gradient_accumulation_steps=1\)"):
+        train(torch.nn.Linear(4, 1), torch.utils.data.DataLoader(points(), batch_size=4), config=config,
+              loss_fn=mean_loss, accelerator=Accelerator(gradient_accumulation_steps=4))
+    assert not out.exists() or not any(out.iterdir())
 
 
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:

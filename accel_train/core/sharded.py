@@ -111,7 +111,8 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
 
 def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
-    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), and --max_tokens_per_batch.
+    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), --max_tokens_per_batch and
+    --on_spike skip (the engine has applied the update when the loop judges the step).
     They need only the config and the JSON: build_accelerator calls this, before a recipe loads its data or builds
     its model."""
     if accelerator.distributed_type.value != "DEEPSPEED":
@@ -123,6 +124,12 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
             "and steps inside backward, where the loop cannot weigh a step's micro-batches by their examples or "
             "tokens. Train the token budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed "
             "batches (--per_device_train_batch_size).")
+    if config.spike_window and config.on_spike == "skip":
+        raise ConfigError(
+            "--on_spike skip under DeepSpeed: DeepSpeed applies the update inside backward, before the loop sees the "
+            "step's loss, so a spike's update would be kept in the weights and Adam's moments while the run says it "
+            "was skipped. Use --on_spike rollback (it returns to the last checkpoint, undoing the update) or stop, "
+            "or train with DDP or FSDP (a preset without DeepSpeed) to skip spikes.")
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     ds = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" in ds:

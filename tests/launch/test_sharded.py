@@ -334,6 +334,46 @@ def test_an_accelerator_of_ones_own_with_another_accumulation_count_is_refused(t
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_deepspeeds_float_grad_norm_is_judged_and_a_spike_it_has_applied_is_not_said_dropped(tmp_path):
+    """DeepSpeed steps inside backward and returns the gradient norm as a Python float (inf where its fp32/bf16
+    engine skipped a non-finite step): the guard judges that float as it judges a tensor, so --on_nonfinite applies
+    (the norm of DeepSpeed's fp16 loss scaler, which owns overflows, is left to it). The spiked update is in the
+    weights before the loop sees the step's loss: --on_spike skip, which would say it dropped it, is refused when the
+    accelerator is built, and --on_spike stop says the update was applied (rollback returns to the checkpoint)."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError, TrainingDiverged
+    from accel_train.core.guard import StepGuard, Verdict, on_spike
+
+    def judged(norm, **engine) -> Verdict:
+        guard = StepGuard(SimpleNamespace(device=torch.device("cpu"), num_processes=1, **engine), check_gradients=True)
+        guard.watch(torch.tensor(0.5))
+        return guard.verdict(norm)
+
+    assert judged(float("inf")).nonfinite_grad and judged(float("nan")).nonfinite_grad
+    assert not judged(0.5).nonfinite_grad and not judged(torch.tensor(0.5)).nonfinite_grad
+    assert judged(float("inf"), distributed_type=DistributedType.DEEPSPEED, mixed_precision="bf16").nonfinite_grad
+    assert not judged(float("inf"), distributed_type=DistributedType.DEEPSPEED, mixed_precision="fp16").nonfinite_grad
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--on_spike skip under DeepSpeed: DeepSpeed applies the update inside "
+                                          r"backward.*--on_spike rollback"):
+        built_as(out, {}, spike_window=3, spike_threshold=10, on_spike="skip")
+    assert not out.exists()
+    built_as(out, {}, spike_window=3, spike_threshold=10, on_spike="rollback", save_steps=2)
+
+    config = TrainConfig(output_dir=str(out), spike_window=3, spike_threshold=10, report_to=["none"])
+    state = SimpleNamespace(step=6, epoch=0, batch_in_epoch=7, spike_skips=0, spike_rollbacks=0)
+    for kind, said in (("DEEPSPEED", "DeepSpeed applied the update inside backward"),
+                       ("MULTI_CPU", "The update was not applied")):
+        session = SimpleNamespace(config=config, log=None, settle_writes=lambda _: False,
+                                  control=SimpleNamespace(pending=[]), train_loader=[],
+                                  accelerator=SimpleNamespace(num_processes=1, process_index=0,
+                                                              distributed_type=DistributedType[kind]))
+        with pytest.raises(TrainingDiverged, match=said):
+            on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0))
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

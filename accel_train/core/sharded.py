@@ -28,6 +28,7 @@ recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soo
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -106,6 +107,7 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
         carve_out_embedding(accelerator.state.fsdp_plugin, model)
     elif running == "DEEPSPEED":
         check_deepspeed_run(accelerator, config)  # as build_accelerator did; again for an Accelerator built elsewhere
+        refuse_short_windows(config, plan)
         fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
 
 
@@ -172,6 +174,33 @@ def check_accumulation_count(accelerator: Accelerator, config: TrainConfig) -> N
             "replaces the accelerator's at prepare: the loop's plan and the engine would disagree (another number "
             "of epochs, at another global batch than reported). Set \"gradient_accumulation_steps\": \"auto\" in "
             "the JSON and give the count as the script's flag.")
+
+
+def refuse_short_windows(config: TrainConfig, plan) -> None:
+    """Under DeepSpeed, refuse accumulation whose epoch ends in a short window. Accelerate steps at the loader's end,
+    so 12 micro-batches per process with accumulation 5 end in a step of 2; the loop makes such a step the mean of its
+    micro-batches by rescaling the gradients after backward (core/loss.py), but DeepSpeed divides every micro-batch by
+    its full count and steps inside backward: that step would weigh 2/5 of the others. A stream's last window is
+    unknown; a run that ends before its first epoch's last window is not affected."""
+    gas, batches = config.gradient_accumulation_steps, plan.batches_per_epoch
+    if gas == 1 or (batches is not None and (batches % gas == 0 or plan.total_steps < plan.steps_per_epoch)):
+        return
+    other = " or train with DDP or FSDP (a preset without DeepSpeed), which rescales a short last window."
+    if batches is None:
+        raise ConfigError(
+            f"--gradient_accumulation_steps {gas} under DeepSpeed: the training set is a stream, whose last "
+            f"accumulation window may hold fewer than {gas} micro-batches, and DeepSpeed divides each micro-batch by "
+            f"{gas} inside backward, so that step would weigh less than the others. Use --gradient_accumulation_steps "
+            f"1 (a larger --per_device_train_batch_size for the same global batch),{other}")
+    short = batches % gas
+    pairs = [(i, batches // i) for i in range(1, math.isqrt(batches) + 1) if batches % i == 0]
+    divisors = sorted({d for pair in pairs for d in pair})[:12]
+    choices = ", ".join(str(d) for d in divisors[:-1]) + f" or {divisors[-1]}" if len(divisors) > 1 else "1"
+    raise ConfigError(
+        f"--gradient_accumulation_steps {gas} under DeepSpeed: an epoch has {batches} micro-batches per process, so "
+        f"its last step has {short}, and DeepSpeed divides every micro-batch by {gas} inside backward: that step would "
+        f"weigh {short}/{gas} of the others. Choose --gradient_accumulation_steps {choices} (a divisor of {batches}), "
+        f"or change the number of examples or the batch size so that {gas} divides the epoch's micro-batches,{other}")
 
 
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:

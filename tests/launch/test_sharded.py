@@ -374,6 +374,40 @@ def test_deepspeeds_float_grad_norm_is_judged_and_a_spike_it_has_applied_is_not_
             on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0))
 
 
+def test_deepspeed_refuses_an_epoch_whose_last_accumulation_window_is_short():
+    """Accelerate steps at the end of the loader, so an epoch of 12 micro-batches per process with accumulation 5 ends
+    in a window of 2: the loop makes it the mean of its 2 by rescaling the gradients after backward, but DeepSpeed
+    divides every micro-batch by its count (5) and steps inside backward, so that step would weigh 2/5. Refused before
+    prepare, naming the divisors; a count that divides the epoch, a run that ends before the epoch's last window, and
+    accumulation 1 train; a stream (whose last window is unknown) is refused with accumulation."""
+    from accelerate.utils import DistributedType
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from accel_train import ConfigError
+    from accel_train.core.sharded import prepare_engine
+
+    def prepared(batches_per_epoch: int | None, **flags) -> None:
+        config = TrainConfig(output_dir="x", report_to=["none"], **flags)
+        hf = HfDeepSpeedConfig(zero3_json())
+        engine = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                 gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                 state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf,
+                                                                                        deepspeed_config=hf.config)))
+        prepare_engine(engine, torch.nn.Linear(4, 1), config, make_plan(config, batches_per_epoch, num_processes=2))
+
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 5 under DeepSpeed: an epoch has 12 "
+                                          r"micro-batches per process, so its last step has 2.*would weigh 2/5.*"
+                                          r"--gradient_accumulation_steps 1, 2, 3, 4, 6 or 12"):
+        prepared(12, gradient_accumulation_steps=5)
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 2 under DeepSpeed: the training set is a "
+                                          r"stream.*--gradient_accumulation_steps 1"):
+        prepared(None, gradient_accumulation_steps=2, max_steps=10)
+    prepared(12, gradient_accumulation_steps=4)
+    prepared(12, gradient_accumulation_steps=5, max_steps=2)  # ends before the epoch's short window
+    prepared(7)
+    prepared(None, max_steps=10)
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

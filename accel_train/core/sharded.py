@@ -203,6 +203,21 @@ def refuse_short_windows(config: TrainConfig, plan) -> None:
         f"or change the number of examples or the batch size so that {gas} divides the epoch's micro-batches,{other}")
 
 
+def refuse_sharded_probe(accelerator: Accelerator, config: TrainConfig) -> None:
+    """--auto_find_batch_size under FSDP or DeepSpeed: its probe runs before `prepare`, on the bare model with the
+    whole model and two optimizer slots per parameter on each process (DDP's memory, not the sharded run's), and on
+    ZeRO-3's empty partitions it crashes. build_accelerator calls this, and the probe again (an Accelerator of one's
+    own)."""
+    running = accelerator.distributed_type.value
+    if config.auto_find_batch_size and running in SHARDED_TYPES:
+        raise ConfigError(
+            f"--auto_find_batch_size under {_NAMES[running]}: the probe runs the whole model, its gradients and "
+            "optimizer state on each process before the engine shards them, so it measures DDP's memory, not this "
+            "run's (it would halve a micro-batch that fits sharded, or give up; under ZeRO-3 the model holds only "
+            "its empty partitions then). Drop --auto_find_batch_size and set --per_device_train_batch_size and "
+            "--gradient_accumulation_steps for the global batch you want.")
+
+
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
     """With the transformer-layer wrap, set the plugin's classes to wrap to the model's `_no_split_modules` (or the
     configured classes) minus those whose modules hold the input embedding; return the classes, or None when the

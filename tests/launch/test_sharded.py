@@ -408,6 +408,28 @@ def test_deepspeed_refuses_an_epoch_whose_last_accumulation_window_is_short():
     prepared(None, max_steps=10)
 
 
+def test_auto_find_batch_size_is_refused_under_fsdp_and_deepspeed(tmp_path):
+    """--auto_find_batch_size probes the bare model, with the whole model and two optimizer slots per parameter on
+    each process, before the engine shards them: it measures DDP's memory (a micro-batch that fits sharded is
+    halved, or refused with wrong advice) and crashes on ZeRO-3's empty partitions. Refused when the accelerator is
+    built, with nothing written, and by the probe itself for an Accelerator of one's own."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError
+    from accel_train.core.batch_size import fit_micro_batch
+
+    out = tmp_path / "run"
+    for kind, name in (("DEEPSPEED", "DeepSpeed"), ("FSDP", "FSDP")):
+        with pytest.raises(ConfigError, match=rf"--auto_find_batch_size under {name}: the probe runs the whole model"
+                                              r".*set --per_device_train_batch_size and --gradient_accumulation_steps"):
+            built_as(out, {}, kind=kind, auto_find_batch_size=True)
+        assert not out.exists()
+    engine = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(ConfigError, match="--auto_find_batch_size under FSDP"):
+        fit_micro_batch(engine, torch.nn.Linear(4, 1), torch.utils.data.DataLoader(points(), batch_size=4), mean_loss,
+                        TrainConfig(output_dir=str(out), auto_find_batch_size=True), None)
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

@@ -430,6 +430,30 @@ def test_auto_find_batch_size_is_refused_under_fsdp_and_deepspeed(tmp_path):
                         TrainConfig(output_dir=str(out), auto_find_batch_size=True), None)
 
 
+def test_a_deepspeed_checkpoint_resumed_on_another_number_of_processes_is_refused_before_it_is_loaded(
+        tmp_path, monkeypatch):
+    """ZeRO partitions the optimizer state by process, and DeepSpeed cannot load it on another number (it raises
+    inside load_state, or misses a per-rank file): a resume on another world size is refused by name, before
+    load_state is called; DDP and FSDP (DCP reshards) move between world sizes."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import CheckpointError
+    from accel_train.core import restore
+    from accel_train.rundir.checkpoint import MANIFEST
+
+    path = tmp_path / "checkpoints" / "step-00000006"
+    path.mkdir(parents=True)
+    (path / MANIFEST).write_text(json.dumps({"format": 1, "step": 6, "world_size": 2, "files": {}, "shapes": {}}))
+    monkeypatch.setattr(restore, "load_saved_state", lambda *_: pytest.fail("load_state was called"))
+    session = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1),
+                              config=TrainConfig(output_dir=str(tmp_path), report_to=["none"]), plan=None,
+                              resume_path=path, shapes={})
+    with pytest.raises(CheckpointError, match=r"step-00000006 was written by DeepSpeed on 2 process\(es\), this run "
+                                              r"has 1: ZeRO partitions the optimizer state by process.*Resume on 2 "
+                                              r"processes"):
+        restore.resume(session)
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

@@ -454,6 +454,27 @@ def test_a_deepspeed_checkpoint_resumed_on_another_number_of_processes_is_refuse
         restore.resume(session)
 
 
+def test_zero3_partitioned_parameters_are_read_at_their_full_shape_and_size():
+    """Under ZeRO-3 (zero3_init_flag) a model built after the accelerator holds empty partitions, their full shape and
+    size in `ds_shape` / `ds_numel`: the checkpoints' architecture fingerprint (which a resume with another model is
+    refused by) and the run info's parameter count read those, not the empty tensors ([0] and 0 before)."""
+    from accelerate import Accelerator
+
+    from accel_train.observe.observer import Observer
+    from accel_train.rundir.checkpoint import parameter_shapes
+
+    model = torch.nn.Linear(4, 3)
+    for p in model.parameters():  # as deepspeed.zero.Init leaves them on a process
+        p.ds_shape, p.ds_numel, p.data = p.shape, p.numel(), torch.empty(0)
+    model.bias.requires_grad_(False)
+    assert parameter_shapes(model) == {"weight": [3, 4], "bias": [3]}
+    config = TrainConfig(output_dir="x", report_to=["none"])
+    observer = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, preflight=None,
+                               session=SimpleNamespace(plan=make_plan(config, 4, 1), train_loader=None))
+    assert Observer.run_info(observer, SimpleNamespace(step=0))["model"] == {"class": "Linear", "parameters": 15,
+                                                                              "trainable": 12}
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

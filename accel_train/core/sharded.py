@@ -15,11 +15,14 @@ What `prepare_engine` adapts, and why:
 * DeepSpeed with an optimizer or scheduler in its JSON: Accelerate fills "auto" for the learning rate and weight
   decay only (betas and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
-  Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
-  optimizer steps; Accelerate only fills what is still "auto". The JSON's optimizer is built in place of --optim's:
-  an --optim that asks for another update is refused (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`;
-  with a scheduler in the JSON, a --lr_scheduler_type other than the default or --lr_scheduler_kwargs is refused
-  (`use_json_scheduler`).
+  Every "auto" of the optimizer, the schedule and the clipping is filled from the config and the plan, in
+  optimizer steps (core/deepspeed_json.py); Accelerate only fills what is still "auto". An explicit JSON value that
+  contradicts a flag the user gave is refused, one beside a flag at its default is said (`check_explicit_values`).
+  The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
+  (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`; with a scheduler in the JSON, a --lr_scheduler_type
+  other than the default or --lr_scheduler_kwargs is refused (`use_json_scheduler`).
+* DeepSpeed's accumulation count must be the flag's (`check_accumulation_count`) and divide each epoch's micro-batches
+  (`refuse_short_windows`); --auto_find_batch_size is refused under both engines (`refuse_sharded_probe`).
 
 `refuse_sum_loss` refuses, under DeepSpeed, a loss that returns sums, before anything is written (see there); a
 recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soon as its accelerator is built.
@@ -31,7 +34,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -40,6 +42,13 @@ from accelerate.utils import send_to_device
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from .data import take_examples, take_real_tokens
+from .deepspeed_json import (
+    JSON_FLAGS,
+    check_explicit_values,
+    fill_deepspeed_config,
+    use_json_optimizer,
+    use_json_scheduler,
+)
 
 SHARDED_TYPES = ("FSDP", "DEEPSPEED")
 _NAMES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
@@ -108,6 +117,7 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
     elif running == "DEEPSPEED":
         check_deepspeed_run(accelerator, config)  # as build_accelerator did; again for an Accelerator built elsewhere
         refuse_short_windows(config, plan)
+        check_explicit_values(accelerator.state.deepspeed_plugin, config, plan)
         fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
 
 
@@ -237,7 +247,8 @@ def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
 
 
 def engine_notes(accelerator: Accelerator) -> list[str]:
-    """What the start-up report must add when a DeepSpeed JSON, not the config, chose the optimizer or schedule."""
+    """What the start-up report must add when a DeepSpeed JSON, not the config, chose the optimizer or schedule, or set
+    values explicitly that flags left at their defaults would have given otherwise (`check_explicit_values`)."""
     if accelerator.distributed_type.value != "DEEPSPEED":
         return []
     ds, notes = accelerator.state.deepspeed_plugin.deepspeed_config, []
@@ -251,76 +262,14 @@ def engine_notes(accelerator: Accelerator) -> list[str]:
     if "scheduler" in ds:
         notes.append(f"the schedule is DeepSpeed's {ds['scheduler'].get('type')} from its JSON config, not "
                      "--lr_scheduler_type (the pre-flight simulates it as the engine steps it)")
+    explicit = getattr(accelerator.state.deepspeed_plugin, "explicit_json_values", {})  # check_explicit_values
+    if explicit:
+        values = ", ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in explicit.items())
+        flags = ", ".join(dict.fromkeys(f"--{JSON_FLAGS[key][0]}" for key in explicit))
+        notes.append(f"the DeepSpeed JSON config sets {values} explicitly: DeepSpeed runs them, not {flags} at their "
+                     "defaults (set them to \"auto\" in the JSON to take the flags)")
     return notes
 
-
-def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
-    """What each "auto" of a DeepSpeed JSON's optimizer, scheduler and clipping means for this run, in optimizer
-    steps. DeepSpeed's warmup needs at least one step (it rejects 0)."""
-    peak = config.learning_rate * plan.lr_scale
-    return {
-        "optimizer.params.lr": peak,
-        "optimizer.params.betas": [config.adam_beta1, config.adam_beta2],
-        "optimizer.params.eps": config.adam_epsilon,
-        "optimizer.params.weight_decay": config.weight_decay,
-        "optimizer.params.momentum": config.sgd_momentum,
-        "scheduler.params.warmup_min_lr": 0,
-        "scheduler.params.warmup_max_lr": peak,
-        "scheduler.params.warmup_num_steps": max(1, plan.warmup_steps),
-        "scheduler.params.total_num_steps": plan.total_steps,
-        "gradient_clipping": config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
-    }
-
-
-def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
-    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are."""
-    filled = {}
-    for key, value in deepspeed_values(config, plan).items():
-        node, leaf = plugin.hf_ds_config.find_config_node(key)
-        if node is not None and node.get(leaf) == "auto":
-            node[leaf] = value
-            filled[key] = value
-    return filled
-
-
-def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
-    """--optim against the optimizer a DeepSpeed JSON names, which DeepSpeed builds in place of --optim's: the same
-    update runs as asked, another one is refused (the JSON's would replace it without a word). `adamw_torch_fused`
-    with the JSON's `torch_adam` AdamW sets its `fused` (DeepSpeed passes its params to torch.optim.AdamW); without
-    `torch_adam` DeepSpeed builds its own Adam kernels, fused already."""
-    kind = str(ds_optimizer.get("type", "")).lower()
-    params = ds_optimizer.setdefault("params", {})
-    builds = {"adamw": "adamw", "adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, kind)
-    same = {"adamw": ("adamw", "adamw_torch", "adamw_torch_fused"), "adam": ("adam",)}.get(builds, ())
-    json_name = f"{ds_optimizer.get('type')}{' (decoupled weight decay)' if builds == 'adamw' else ''}"
-    if optim not in same and optim != "adamw":  # the default asks for nothing: the JSON's choice stands, and is said
-        raise ConfigError(
-            f"--optim {optim} asks for another update than the DeepSpeed JSON config's optimizer, {json_name}, "
-            "which DeepSpeed would build instead. Remove the \"optimizer\" section from the JSON (accel_train then "
-            "builds --optim and DeepSpeed shards its state) or drop --optim.")
-    if optim == "adamw_torch_fused" and params.get("torch_adam"):
-        if params.get("fused", True) is not True:
-            raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
-                              f"{json.dumps(params['fused'])}: drop one of the two.")
-        params["fused"] = True
-
-
-def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
-    """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
-    --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
-    (the start-up report says so); a schedule asked for by name or with arguments is refused (the JSON's would
-    replace it without a word): by `check_deepspeed_run`, before a recipe has loaded anything."""
-    default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
-    asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
-    asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []
-    if asked:
-        raise ConfigError(
-            f"{' and '.join(asked)} (given, or the recipe's or its config's default) asks for a schedule, and the "
-            f"DeepSpeed JSON config has a scheduler, {ds_scheduler.get('type')}, which DeepSpeed would step instead. "
-            "Remove the \"scheduler\" section from the JSON (accel_train then builds the schedule asked for, over "
-            f"DeepSpeed's optimizer), or pass --lr_scheduler_type {default} and no --lr_scheduler_kwargs to train "
-            "with the JSON's.")
 
 
 def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:

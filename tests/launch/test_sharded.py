@@ -38,8 +38,9 @@ from conftest import (
 from safetensors.torch import load_file
 
 from accel_train import LaunchError, TrainConfig, build_accelerator
+from accel_train.core.deepspeed_json import fill_deepspeed_config
 from accel_train.core.optim import make_plan
-from accel_train.core.sharded import carve_out_embedding, check_engine, fill_deepspeed_config
+from accel_train.core.sharded import carve_out_embedding, check_engine
 from accel_train.rundir.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
 RECIPE = RECIPES / "nlp_finetune.py"
@@ -194,7 +195,7 @@ def test_an_optim_the_deepspeed_json_would_replace_is_refused_and_fused_is_passe
     asked, through torch.optim.AdamW's `fused`, which DeepSpeed passes on with `torch_adam`), another is refused by
     name before anything is built; the default --optim asks for nothing, so the JSON's choice stands (and is said)."""
     from accel_train import ConfigError
-    from accel_train.core.sharded import use_json_optimizer
+    from accel_train.core.deepspeed_json import use_json_optimizer
 
     def preset() -> dict:
         return json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())["optimizer"]
@@ -224,7 +225,7 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     --lr_scheduler_type with no arguments asks for nothing (the JSON's stands, said in the report); a schedule named
     or given arguments is refused, naming both and what to do."""
     from accel_train import ConfigError, TrainConfig
-    from accel_train.core.sharded import use_json_scheduler
+    from accel_train.core.deepspeed_json import use_json_scheduler
 
     ds = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
     use_json_scheduler(ds, TrainConfig(report_to=["none"]))
@@ -374,26 +375,35 @@ def test_deepspeeds_float_grad_norm_is_judged_and_a_spike_it_has_applied_is_not_
             on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0))
 
 
+def prepared_under_deepspeed(ds: dict, batches_per_epoch: int | None = 12, given: tuple[str, ...] = (), **flags):
+    """prepare_engine under DeepSpeed with `ds` as its JSON config, for a run of `flags` (`given`: the ones the user
+    set, as parse_config records them) on 2 processes; the accelerator (a stub) reports what the engine reads."""
+    from accelerate.utils import DistributedType
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from accel_train.core.sharded import prepare_engine
+
+    config = TrainConfig(output_dir="x", report_to=["none"], **flags)
+    object.__setattr__(config, "given", frozenset(given))
+    hf = HfDeepSpeedConfig(ds)
+    engine = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                             gradient_accumulation_steps=config.gradient_accumulation_steps,
+                             state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf,
+                                                                                    deepspeed_config=hf.config)))
+    prepare_engine(engine, torch.nn.Linear(4, 1), config, make_plan(config, batches_per_epoch, num_processes=2))
+    return engine
+
+
 def test_deepspeed_refuses_an_epoch_whose_last_accumulation_window_is_short():
     """Accelerate steps at the end of the loader, so an epoch of 12 micro-batches per process with accumulation 5 ends
     in a window of 2: the loop makes it the mean of its 2 by rescaling the gradients after backward, but DeepSpeed
     divides every micro-batch by its count (5) and steps inside backward, so that step would weigh 2/5. Refused before
     prepare, naming the divisors; a count that divides the epoch, a run that ends before the epoch's last window, and
     accumulation 1 train; a stream (whose last window is unknown) is refused with accumulation."""
-    from accelerate.utils import DistributedType
-    from accelerate.utils.deepspeed import HfDeepSpeedConfig
-
     from accel_train import ConfigError
-    from accel_train.core.sharded import prepare_engine
 
     def prepared(batches_per_epoch: int | None, **flags) -> None:
-        config = TrainConfig(output_dir="x", report_to=["none"], **flags)
-        hf = HfDeepSpeedConfig(zero3_json())
-        engine = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
-                                 gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                 state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf,
-                                                                                        deepspeed_config=hf.config)))
-        prepare_engine(engine, torch.nn.Linear(4, 1), config, make_plan(config, batches_per_epoch, num_processes=2))
+        prepared_under_deepspeed(zero3_json(), batches_per_epoch, **flags)
 
     with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 5 under DeepSpeed: an epoch has 12 "
                                           r"micro-batches per process, so its last step has 2.*would weigh 2/5.*"
@@ -473,6 +483,32 @@ def test_zero3_partitioned_parameters_are_read_at_their_full_shape_and_size():
                                session=SimpleNamespace(plan=make_plan(config, 4, 1), train_loader=None))
     assert Observer.run_info(observer, SimpleNamespace(step=0))["model"] == {"class": "Linear", "parameters": 15,
                                                                               "trainable": 12}
+
+
+def test_explicit_deepspeed_json_values_that_contradict_a_given_flag_are_refused_and_others_said():
+    """DeepSpeed runs the values its JSON sets explicitly (accel_train fills only "auto"), so a JSON gradient_clipping
+    of 1.0 beside --max_grad_norm 0.5 clipped at 1.0 while the report said 0.5. A flag the user gave that the JSON
+    contradicts is refused before prepare, naming both; an explicit value beside a flag left at its default runs,
+    and the start-up report says so."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    clipped = zero3_json(gradient_clipping=1.0)
+    with pytest.raises(ConfigError, match=r"--max_grad_norm 0.5, but the DeepSpeed JSON config sets "
+                                          r"\"gradient_clipping\": 1.0, which DeepSpeed would run instead.*"
+                                          r"Set \"gradient_clipping\" to \"auto\" in the JSON"):
+        prepared_under_deepspeed(clipped, given=("max_grad_norm",), max_grad_norm=0.5)
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "lr": 1e-4, "eps": 1e-6}
+    with pytest.raises(ConfigError, match=r"--learning_rate 0.003, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.lr\": 0.0001"):
+        prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("learning_rate",), learning_rate=3e-3)
+    prepared_under_deepspeed(clipped, given=("max_grad_norm",), max_grad_norm=1.0)  # the same value
+    engine = prepared_under_deepspeed(zero3_json(optimizer=optimizer, gradient_clipping=0.5), learning_rate=3e-3)
+    notes = [n for n in engine_notes(engine) if "explicitly" in n]
+    assert notes == ['the DeepSpeed JSON config sets "optimizer.params.lr": 0.0001, "optimizer.params.eps": 1e-06, '
+                     '"gradient_clipping": 0.5 explicitly: DeepSpeed runs them, not --learning_rate, --adam_epsilon, '
+                     '--max_grad_norm at their defaults (set them to "auto" in the JSON to take the flags)']
 
 
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:

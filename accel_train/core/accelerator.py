@@ -25,7 +25,7 @@ from .muon import refuse_sharded_muon
 from .peak import cpu_info, device_peak
 from .rendezvous import join_attempt_group, reuses_agent_store
 from .seeding import data_seed
-from .sharded import check_deepspeed_run, check_engine
+from .sharded import check_accumulation_count, check_deepspeed_run, check_engine, refuse_sharded_probe
 
 # Where every process holds the whole model and whole, already-reduced gradients (no FSDP / DeepSpeed sharding).
 WHOLE_MODEL_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -74,7 +74,9 @@ def build_accelerator(config: TrainConfig, kwargs_handlers: Sequence = (), stati
     )
     check_world_size(accelerator, config.expected_world_size)
     check_engine(accelerator)  # FSDP / DeepSpeed asked for but not running: refused, never silent DDP
+    check_accumulation_count(accelerator, config)  # the launcher's or DeepSpeed's count against the plan's
     check_deepspeed_run(accelerator, config)  # what DeepSpeed would replace or cannot weigh: refused, before a model
+    refuse_sharded_probe(accelerator, config)  # --auto_find_batch_size would measure DDP's memory
     if config.optim == "muon":
         refuse_sharded_muon(accelerator)  # build_optimizer again, for an Accelerator built elsewhere
     check_precision(accelerator)

@@ -28,6 +28,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..testing import faults
 from .loss import as_loss_output
+from .sharded import refuse_sharded_probe
 
 
 def is_oom(err: BaseException) -> bool:
@@ -113,7 +114,9 @@ def fit_micro_batch(accelerator: Accelerator, model: torch.nn.Module, loader: Da
     """--auto_find_batch_size: the config and loader of the same run at the largest micro-batch that fits on every
     rank (accumulation raised to keep the global batch and schedule); unchanged when the configured one fits. A
     loader batched by a batch_sampler of one's own is refused: that sampler, not a batch size, makes its batches (a
-    smaller micro-batch rebuilt the loader without it: another order, without a word)."""
+    smaller micro-batch rebuilt the loader without it: another order, without a word). Refused under FSDP and
+    DeepSpeed (`refuse_sharded_probe`)."""
+    refuse_sharded_probe(accelerator, config)
     if loader.batch_size is None:
         raise ConfigError(f"--auto_find_batch_size: the training DataLoader is batched by a batch_sampler of your own "
                           f"({type(loader.batch_sampler).__name__}), which decides its batches itself, so a smaller "

@@ -74,8 +74,10 @@ class StepGuard:
 
     def __init__(self, accelerator: Accelerator, check_gradients: bool, spike: SpikeWatch | None = None):
         self.accelerator = accelerator
-        # Under fp16 the loss scaler owns non-finite gradients: it skips those steps and lowers the scale.
-        self.check_gradients = check_gradients
+        # Under fp16 the loss scaler owns non-finite gradients: it skips those steps and lowers the scale. DeepSpeed's
+        # fp16 engine has its own (Accelerate's scaler is None there) and reports an inf norm for each step it skipped.
+        engine_scaled = _deepspeed(accelerator) and accelerator.mixed_precision == "fp16"
+        self.check_gradients = check_gradients and not engine_scaled
         self.spike = spike
         self.window: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []  # the window's micro-batch losses, for the spike guard
@@ -110,10 +112,10 @@ class StepGuard:
         self.window = []
         device = self.accelerator.device
         grad_bad = torch.zeros((), device=device)
-        if self.check_gradients and isinstance(grad_norm, torch.Tensor):
+        if self.check_gradients and isinstance(grad_norm, (torch.Tensor, float, int)):  # DeepSpeed's is a float
             if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a DTensor
                 grad_norm = grad_norm.full_tensor()
-            grad_bad = (~torch.isfinite(grad_norm.detach().float())).float().to(device)
+            grad_bad = (~torch.isfinite(torch.as_tensor(grad_norm).detach().float())).float().to(device)
         empty = (items <= 0).float().to(device) if items is not None else torch.zeros((), device=device)
         losses, self.losses = self.losses, []
         loss_sum = torch.stack(losses).sum().to(device) if losses else torch.zeros((), device=device)
@@ -130,6 +132,11 @@ class StepGuard:
             verdict.loss = values[4] / values[5]
             verdict.spike, verdict.reference = self.spike.judge(verdict.loss)
         return verdict
+
+
+def _deepspeed(accelerator: Any) -> bool:
+    """DeepSpeed steps inside `accelerator.backward`: the update is applied before the loop judges the step."""
+    return getattr(getattr(accelerator, "distributed_type", None), "value", None) == "DEEPSPEED"
 
 
 def micro_batch_indices(loader, batch_index: int) -> list[int] | None:
@@ -252,7 +259,8 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
     go back to and the record that marks it (the loop calls roll_back once the step is dropped). Either stops after
     --max_spike_skips. --on_spike stop, the limit reached, or no checkpoint to return to: raise TrainingDiverged with
     the step, its loss, the window's mean and the sample indices of the step's micro-batches on this process; the
-    last checkpoint is as it was."""
+    last checkpoint is as it was (under DeepSpeed, whose engine stepped inside backward, the weights hold the update:
+    the message says so, and skip is refused before the run, by core/sharded.py)."""
     step, cfg, log = state.step + 1, session.config, session.log
     ratio = verdict.loss / verdict.reference
     what = (f"loss spike at step {step} (epoch {state.epoch}): loss {verdict.loss:.4g} is {ratio:.1f}x the mean "
@@ -282,10 +290,14 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
     elif cfg.on_spike == "rollback":
         why = (f" (--max_spike_skips: {state.spike_rollbacks} rollbacks before)" if latest else
                " (--on_spike rollback: no checkpoint to return to yet; save earlier with --save_steps)")
+    applied = _deepspeed(session.accelerator)  # its engine stepped inside backward, before the verdict
+    update = ("DeepSpeed applied the update inside backward (the weights in memory hold it; no checkpoint does)"
+              if applied else "The update was not applied")
     raise TrainingDiverged(
-        f"{what}; its samples on rank {session.accelerator.process_index}: {indices}. The update was not applied; the "
-        f"last checkpoint is {latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Check those samples, "
-        "lower --learning_rate, raise --spike_threshold, or use --on_spike skip or rollback." + why)
+        f"{what}; its samples on rank {session.accelerator.process_index}: {indices}. {update}; the last checkpoint "
+        f"is {latest[-1] if latest else 'none (no checkpoint was saved yet)'}. Check those samples, lower "
+        f"--learning_rate, raise --spike_threshold, or use --on_spike {'rollback' if applied else 'skip or rollback'}."
+        + why)
 
 
 def diagnose_nonfinite(session, state, verdict: Verdict) -> dict:

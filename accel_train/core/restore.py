@@ -74,6 +74,7 @@ def resume(session) -> Resumed:
     acc, config, plan = session.accelerator, session.config, session.plan
     path = session.resume_path
     manifest = ckpt.verify_checkpoint(path)
+    check_engine_world_size(path, manifest, acc)
     ckpt.check_compatible(path, manifest, session.shapes)
     state = TrainState(**ckpt.load_train_state(path))
     check_token_plan(state, config, acc.num_processes, path, session.train_loader)  # the same plan, the same steps
@@ -114,6 +115,20 @@ def resume(session) -> Resumed:
                   "streams (dropout, augmentation) of processes the checkpoint did not have start afresh.")
     acc.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
     return Resumed(state, notes, restored)
+
+
+def check_engine_world_size(path: Path, manifest: dict, acc) -> None:
+    """DeepSpeed's checkpoints resume on the number of processes that wrote them: ZeRO partitions the optimizer state
+    by process, and DeepSpeed refuses another number inside load_state (or misses a per-rank file). DDP and FSDP (whose
+    DCP checkpoints reshard) move between world sizes."""
+    saved = manifest.get("world_size")
+    if acc.distributed_type.value == "DEEPSPEED" and saved is not None and saved != acc.num_processes:
+        raise CheckpointError(
+            f"{path} was written by DeepSpeed on {saved} process(es), this run has {acc.num_processes}: ZeRO "
+            "partitions the optimizer state by process, and DeepSpeed cannot load it on another number of processes "
+            f"(it stops inside load_state). Resume on {saved} processes (--num_processes {saved}), or start a new run "
+            "from its weights: the run's exported final model, or the checkpoint's consolidated with the "
+            "zero_to_fp32.py that DeepSpeed wrote into it.")
 
 
 def session_hyperparameters(session) -> dict:

@@ -15,11 +15,14 @@ What `prepare_engine` adapts, and why:
 * DeepSpeed with an optimizer or scheduler in its JSON: Accelerate fills "auto" for the learning rate and weight
   decay only (betas and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
-  Every "auto" of the optimizer, the schedule and the clipping is filled here from the config and the plan, in
-  optimizer steps; Accelerate only fills what is still "auto". The JSON's optimizer is built in place of --optim's:
-  an --optim that asks for another update is refused (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`;
-  with a scheduler in the JSON, a --lr_scheduler_type other than the default or --lr_scheduler_kwargs is refused
-  (`use_json_scheduler`).
+  Every "auto" of the optimizer, the schedule and the clipping is filled from the config and the plan, in
+  optimizer steps (core/deepspeed_json.py); Accelerate only fills what is still "auto". An explicit JSON value that
+  contradicts a flag the user gave is refused, one beside a flag at its default is said (`check_explicit_values`).
+  The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
+  (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`; with a scheduler in the JSON, a --lr_scheduler_type
+  other than the default or --lr_scheduler_kwargs is refused (`use_json_scheduler`).
+* DeepSpeed's accumulation count must be the flag's (`check_accumulation_count`) and divide each epoch's micro-batches
+  (`refuse_short_windows`); --auto_find_batch_size is refused under both engines (`refuse_sharded_probe`).
 
 `refuse_sum_loss` refuses, under DeepSpeed, a loss that returns sums, before anything is written (see there); a
 recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soon as its accelerator is built.
@@ -28,9 +31,9 @@ recipe whose loss always returns sums calls `refuse_sums_under_deepspeed` as soo
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -39,6 +42,13 @@ from accelerate.utils import send_to_device
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from .data import take_examples, take_real_tokens
+from .deepspeed_json import (
+    JSON_FLAGS,
+    check_explicit_values,
+    fill_deepspeed_config,
+    use_json_optimizer,
+    use_json_scheduler,
+)
 
 SHARDED_TYPES = ("FSDP", "DEEPSPEED")
 _NAMES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
@@ -98,18 +108,23 @@ def _machine_has_accelerator() -> bool:
 
 def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: TrainConfig, plan) -> None:
     """Adapt the Accelerate plugin of a sharded run to `model`, `config` and `plan` (module docstring). Call it
-    before `accelerator.prepare`; nothing happens for DDP or a single device."""
+    before `accelerator.prepare`; for DDP or a single device it only checks the accumulation count
+    (`check_accumulation_count`: an Accelerator of the user's own meets it here first)."""
+    check_accumulation_count(accelerator, config)
     running = accelerator.distributed_type.value
     if running == "FSDP" and accelerator.is_fsdp2:
         carve_out_embedding(accelerator.state.fsdp_plugin, model)
     elif running == "DEEPSPEED":
         check_deepspeed_run(accelerator, config)  # as build_accelerator did; again for an Accelerator built elsewhere
+        refuse_short_windows(config, plan)
+        check_explicit_values(accelerator.state.deepspeed_plugin, config, plan)
         fill_deepspeed_config(accelerator.state.deepspeed_plugin, config, plan)
 
 
 def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
-    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), and --max_tokens_per_batch.
+    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), --max_tokens_per_batch and
+    --on_spike skip (the engine has applied the update when the loop judges the step).
     They need only the config and the JSON: build_accelerator calls this, before a recipe loads its data or builds
     its model."""
     if accelerator.distributed_type.value != "DEEPSPEED":
@@ -121,12 +136,96 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
             "and steps inside backward, where the loop cannot weigh a step's micro-batches by their examples or "
             "tokens. Train the token budget with DDP or FSDP (a preset without DeepSpeed), or give DeepSpeed fixed "
             "batches (--per_device_train_batch_size).")
+    if config.spike_window and config.on_spike == "skip":
+        raise ConfigError(
+            "--on_spike skip under DeepSpeed: DeepSpeed applies the update inside backward, before the loop sees the "
+            "step's loss, so a spike's update would be kept in the weights and Adam's moments while the run says it "
+            "was skipped. Use --on_spike rollback (it returns to the last checkpoint, undoing the update) or stop, "
+            "or train with DDP or FSDP (a preset without DeepSpeed) to skip spikes.")
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     ds = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" in ds:
         use_json_optimizer(ds["optimizer"], config.optim)
     if "scheduler" in ds:
         use_json_scheduler(ds["scheduler"], config)
+
+
+def check_accumulation_count(accelerator: Accelerator, config: TrainConfig) -> None:
+    """Refuse an accumulation count other than --gradient_accumulation_steps: the plan (steps per epoch, schedule,
+    global batch, the start-up report) counts the flag's, and the loop steps on the accelerator's. Accelerate takes
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the count it is given (`accelerate launch` exports it for DeepSpeed,
+    from its --gradient_accumulation_steps or the YAML's), an Accelerator of the user's own has its own, and under
+    DeepSpeed an explicit value in the JSON replaces the accelerator's at `prepare` (a JSON without the key counts as
+    1): the run would train another number of epochs at another global batch than planned and reported."""
+    asked = config.gradient_accumulation_steps
+    running = accelerator.gradient_accumulation_steps
+    env = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if running != asked:
+        source = (f"the launcher set ACCELERATE_GRADIENT_ACCUMULATION_STEPS={env} (`accelerate launch "
+                  "--gradient_accumulation_steps`, or a DeepSpeed section's gradient_accumulation_steps in its YAML), "
+                  f"which Accelerate takes over the script's" if env is not None and str(running) == env.strip() else
+                  f"the Accelerator passed to train() accumulates {running} micro-batches")
+        fix = ("drop --gradient_accumulation_steps from `accelerate launch` (and from its YAML) and give the count as "
+               "the script's flag" if "launcher" in source else
+               f"build it with Accelerator(gradient_accumulation_steps={asked}), or pass the count as the flag")
+        raise ConfigError(f"--gradient_accumulation_steps {asked}, but {source}: the loop's plan (steps, schedule, "
+                          f"global batch) would count {asked} micro-batch(es) a step and the loop step every "
+                          f"{running}. Give the count in one place: {fix}.")
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    ds = plugin.deepspeed_config if plugin is not None else {}
+    json_count = ds.get("gradient_accumulation_steps", 1)  # Accelerate writes 1 into a JSON without the key
+    if json_count != "auto" and json_count != asked:
+        says = (f"says {json_count}" if "gradient_accumulation_steps" in ds else
+                "has no \"gradient_accumulation_steps\", which Accelerate reads as 1")
+        raise ConfigError(
+            f"--gradient_accumulation_steps {asked}, but the DeepSpeed JSON config {says}, and DeepSpeed's count "
+            "replaces the accelerator's at prepare: the loop's plan and the engine would disagree (another number "
+            "of epochs, at another global batch than reported). Set \"gradient_accumulation_steps\": \"auto\" in "
+            "the JSON and give the count as the script's flag.")
+
+
+def refuse_short_windows(config: TrainConfig, plan) -> None:
+    """Under DeepSpeed, refuse accumulation whose epoch ends in a short window. Accelerate steps at the loader's end,
+    so 12 micro-batches per process with accumulation 5 end in a step of 2; the loop makes such a step the mean of its
+    micro-batches by rescaling the gradients after backward (core/loss.py), but DeepSpeed divides every micro-batch by
+    its full count and steps inside backward: that step would weigh 2/5 of the others. A stream's last window is
+    unknown; a run that ends before its first epoch's last window is not affected."""
+    gas, batches = config.gradient_accumulation_steps, plan.batches_per_epoch
+    if gas == 1 or (batches is not None and (batches % gas == 0 or plan.total_steps < plan.steps_per_epoch)):
+        return
+    other = " or train with DDP or FSDP (a preset without DeepSpeed), which rescales a short last window."
+    if batches is None:
+        raise ConfigError(
+            f"--gradient_accumulation_steps {gas} under DeepSpeed: the training set is a stream, whose last "
+            f"accumulation window may hold fewer than {gas} micro-batches, and DeepSpeed divides each micro-batch by "
+            f"{gas} inside backward, so that step would weigh less than the others. Use --gradient_accumulation_steps "
+            f"1 (a larger --per_device_train_batch_size for the same global batch),{other}")
+    short = batches % gas
+    pairs = [(i, batches // i) for i in range(1, math.isqrt(batches) + 1) if batches % i == 0]
+    divisors = sorted({d for pair in pairs for d in pair})[:12]
+    choices = ", ".join(str(d) for d in divisors[:-1]) + f" or {divisors[-1]}" if len(divisors) > 1 else "1"
+    raise ConfigError(
+        f"--gradient_accumulation_steps {gas} under DeepSpeed: an epoch has {batches} micro-batches per process, so "
+        f"its last step has {short}, and DeepSpeed divides every micro-batch by {gas} inside backward: that step would "
+        f"weigh {short}/{gas} of the others. Choose --gradient_accumulation_steps {choices} (a divisor of {batches}), "
+        f"or change the number of examples or the batch size so that {gas} divides the epoch's micro-batches,{other}")
+
+
+def refuse_sharded_probe(accelerator: Accelerator, config: TrainConfig) -> None:
+    """--auto_find_batch_size under FSDP or DeepSpeed: its probe runs before `prepare`, on the bare model with the
+    whole model and two optimizer slots per parameter on each process (DDP's memory, not the sharded run's), and on
+    ZeRO-3's empty partitions it crashes. build_accelerator calls this, and the probe again (an Accelerator of one's
+    own)."""
+    running = accelerator.distributed_type.value
+    if config.auto_find_batch_size and running in SHARDED_TYPES:
+        raise ConfigError(
+            f"--auto_find_batch_size under {_NAMES[running]}: the probe runs the whole model, its gradients and "
+            "optimizer state on each process before the engine shards them, so it measures DDP's memory, not this "
+            "run's (it would halve a micro-batch that fits sharded, or give up; under ZeRO-3 the model holds only "
+            "its empty partitions then). Drop --auto_find_batch_size and set --per_device_train_batch_size and "
+            "--gradient_accumulation_steps for the global batch you want.")
 
 
 def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
@@ -148,7 +247,8 @@ def carve_out_embedding(plugin, model: torch.nn.Module) -> list[str] | None:
 
 
 def engine_notes(accelerator: Accelerator) -> list[str]:
-    """What the start-up report must add when a DeepSpeed JSON, not the config, chose the optimizer or schedule."""
+    """What the start-up report must add when a DeepSpeed JSON, not the config, chose the optimizer or schedule, or set
+    values explicitly that flags left at their defaults would have given otherwise (`check_explicit_values`)."""
     if accelerator.distributed_type.value != "DEEPSPEED":
         return []
     ds, notes = accelerator.state.deepspeed_plugin.deepspeed_config, []
@@ -162,76 +262,14 @@ def engine_notes(accelerator: Accelerator) -> list[str]:
     if "scheduler" in ds:
         notes.append(f"the schedule is DeepSpeed's {ds['scheduler'].get('type')} from its JSON config, not "
                      "--lr_scheduler_type (the pre-flight simulates it as the engine steps it)")
+    explicit = getattr(accelerator.state.deepspeed_plugin, "explicit_json_values", {})  # check_explicit_values
+    if explicit:
+        values = ", ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in explicit.items())
+        flags = ", ".join(dict.fromkeys(f"--{JSON_FLAGS[key][0]}" for key in explicit))
+        notes.append(f"the DeepSpeed JSON config sets {values} explicitly: DeepSpeed runs them, not {flags} at their "
+                     "defaults (set them to \"auto\" in the JSON to take the flags)")
     return notes
 
-
-def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
-    """What each "auto" of a DeepSpeed JSON's optimizer, scheduler and clipping means for this run, in optimizer
-    steps. DeepSpeed's warmup needs at least one step (it rejects 0)."""
-    peak = config.learning_rate * plan.lr_scale
-    return {
-        "optimizer.params.lr": peak,
-        "optimizer.params.betas": [config.adam_beta1, config.adam_beta2],
-        "optimizer.params.eps": config.adam_epsilon,
-        "optimizer.params.weight_decay": config.weight_decay,
-        "optimizer.params.momentum": config.sgd_momentum,
-        "scheduler.params.warmup_min_lr": 0,
-        "scheduler.params.warmup_max_lr": peak,
-        "scheduler.params.warmup_num_steps": max(1, plan.warmup_steps),
-        "scheduler.params.total_num_steps": plan.total_steps,
-        "gradient_clipping": config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
-    }
-
-
-def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
-    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are."""
-    filled = {}
-    for key, value in deepspeed_values(config, plan).items():
-        node, leaf = plugin.hf_ds_config.find_config_node(key)
-        if node is not None and node.get(leaf) == "auto":
-            node[leaf] = value
-            filled[key] = value
-    return filled
-
-
-def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
-    """--optim against the optimizer a DeepSpeed JSON names, which DeepSpeed builds in place of --optim's: the same
-    update runs as asked, another one is refused (the JSON's would replace it without a word). `adamw_torch_fused`
-    with the JSON's `torch_adam` AdamW sets its `fused` (DeepSpeed passes its params to torch.optim.AdamW); without
-    `torch_adam` DeepSpeed builds its own Adam kernels, fused already."""
-    kind = str(ds_optimizer.get("type", "")).lower()
-    params = ds_optimizer.setdefault("params", {})
-    builds = {"adamw": "adamw", "adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, kind)
-    same = {"adamw": ("adamw", "adamw_torch", "adamw_torch_fused"), "adam": ("adam",)}.get(builds, ())
-    json_name = f"{ds_optimizer.get('type')}{' (decoupled weight decay)' if builds == 'adamw' else ''}"
-    if optim not in same and optim != "adamw":  # the default asks for nothing: the JSON's choice stands, and is said
-        raise ConfigError(
-            f"--optim {optim} asks for another update than the DeepSpeed JSON config's optimizer, {json_name}, "
-            "which DeepSpeed would build instead. Remove the \"optimizer\" section from the JSON (accel_train then "
-            "builds --optim and DeepSpeed shards its state) or drop --optim.")
-    if optim == "adamw_torch_fused" and params.get("torch_adam"):
-        if params.get("fused", True) is not True:
-            raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
-                              f"{json.dumps(params['fused'])}: drop one of the two.")
-        params["fused"] = True
-
-
-def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
-    """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
-    --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
-    (the start-up report says so); a schedule asked for by name or with arguments is refused (the JSON's would
-    replace it without a word): by `check_deepspeed_run`, before a recipe has loaded anything."""
-    default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
-    asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
-    asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []
-    if asked:
-        raise ConfigError(
-            f"{' and '.join(asked)} (given, or the recipe's or its config's default) asks for a schedule, and the "
-            f"DeepSpeed JSON config has a scheduler, {ds_scheduler.get('type')}, which DeepSpeed would step instead. "
-            "Remove the \"scheduler\" section from the JSON (accel_train then builds the schedule asked for, over "
-            f"DeepSpeed's optimizer), or pass --lr_scheduler_type {default} and no --lr_scheduler_kwargs to train "
-            "with the JSON's.")
 
 
 def refuse_sums_under_deepspeed(accelerator: Accelerator, what: str) -> None:

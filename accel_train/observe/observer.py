@@ -29,6 +29,7 @@ import torch
 from ..core.accelerator import precision_in_effect
 from ..core.data import dataset_size
 from ..core.evaluation import confusion_matrix
+from ..rundir.checkpoint import parameter_numel
 from ..rundir.layout import OBSERVABILITY_FILES, REPORT_DIR
 from ..rundir.metrics_log import say
 from .overfit import OverfitCheck
@@ -189,8 +190,8 @@ class Observer:
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "accelerate": accelerate.__version__, "transformers": transformers.__version__,
                          "accel_train": metadata.version("accel_train")},
-            "model": {"class": type(bare).__name__, "parameters": sum(p.numel() for p in bare.parameters()),
-                      "trainable": sum(p.numel() for p in bare.parameters() if p.requires_grad)},
+            "model": {"class": type(bare).__name__, "parameters": sum(parameter_numel(p) for p in bare.parameters()),
+                      "trainable": sum(parameter_numel(p) for p in bare.parameters() if p.requires_grad)},
             "plan": asdict(self.session.plan), "num_train_samples": dataset_size(self.session.train_loader),
             "preflight_seconds": round(self.preflight.seconds, 3) if self.preflight else None,
         }

@@ -38,11 +38,19 @@ ASIDE = ".old-"  # publish() moves a same-step checkpoint aside under this prefi
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Names and shapes of the unwrapped model's parameters: the architecture fingerprint of a run."""
+    """Names and shapes of the unwrapped model's parameters and buffers (its state dict): the architecture fingerprint
+    of a run. A ZeRO-3 parameter, an empty partition in the module, is read at its full shape (`ds_shape`)."""
     from accelerate.utils import extract_model_from_parallel
 
     model = extract_model_from_parallel(model)
-    return {name: list(p.shape) for name, p in model.state_dict().items()}
+    params = dict(model.named_parameters(remove_duplicate=False))  # state_dict's tensors are detached: no ds_shape
+    return {name: list(getattr(params.get(name), "ds_shape", t.shape)) for name, t in model.state_dict().items()}
+
+
+def parameter_numel(p: torch.Tensor) -> int:
+    """The number of values of a parameter, at its full size under ZeRO-3 (`ds_numel`: the module holds an empty
+    partition)."""
+    return getattr(p, "ds_numel", None) or p.numel()
 
 
 def _sha256(path: Path) -> str:

@@ -38,8 +38,9 @@ from conftest import (
 from safetensors.torch import load_file
 
 from accel_train import LaunchError, TrainConfig, build_accelerator
+from accel_train.core.deepspeed_json import fill_deepspeed_config
 from accel_train.core.optim import make_plan
-from accel_train.core.sharded import carve_out_embedding, check_engine, fill_deepspeed_config
+from accel_train.core.sharded import carve_out_embedding, check_engine
 from accel_train.rundir.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
 RECIPE = RECIPES / "nlp_finetune.py"
@@ -194,7 +195,7 @@ def test_an_optim_the_deepspeed_json_would_replace_is_refused_and_fused_is_passe
     asked, through torch.optim.AdamW's `fused`, which DeepSpeed passes on with `torch_adam`), another is refused by
     name before anything is built; the default --optim asks for nothing, so the JSON's choice stands (and is said)."""
     from accel_train import ConfigError
-    from accel_train.core.sharded import use_json_optimizer
+    from accel_train.core.deepspeed_json import use_json_optimizer
 
     def preset() -> dict:
         return json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())["optimizer"]
@@ -224,7 +225,7 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     --lr_scheduler_type with no arguments asks for nothing (the JSON's stands, said in the report); a schedule named
     or given arguments is refused, naming both and what to do."""
     from accel_train import ConfigError, TrainConfig
-    from accel_train.core.sharded import use_json_scheduler
+    from accel_train.core.deepspeed_json import use_json_scheduler
 
     ds = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
     use_json_scheduler(ds, TrainConfig(report_to=["none"]))
@@ -239,44 +240,275 @@ def test_a_schedule_the_deepspeed_json_would_replace_is_refused():
     assert ds == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
 
 
-def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
-    """An --optim or a schedule that a DeepSpeed JSON would replace, a token budget and Muon are refused by
-    build_accelerator, which a recipe calls before it loads data or builds a model (the refusals need only the config
-    and the JSON), with nothing written; `adamw_torch_fused` is passed on there. Accelerate runs DeepSpeed only on
-    GPU-like devices: here a CPU accelerator reports DEEPSPEED, with the preset's JSON and a scheduler added, once
-    check_engine has returned (for Muon, a JSON without an optimizer: with one, the JSON's refusal comes first)."""
+def built_as(out: Path, json_config: dict | None = None, kind: str = "DEEPSPEED", **flags):
+    """build_accelerator(TrainConfig(output_dir=out, **flags)) as under DeepSpeed with `json_config` as its JSON (or
+    FSDP: `kind`). Accelerate runs both only on GPU-like devices: here a CPU accelerator reports `kind`, and the JSON
+    as its DeepSpeed config, once check_engine has returned."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    from accel_train import ConfigError
     from accel_train.core import accelerator as module
 
-    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
-    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}
     check = module.check_engine
+    with pytest.MonkeyPatch.context() as patch:
+        def then_sharded(accelerator) -> None:
+            check(accelerator)
+            patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType[kind]))
+            patch.setattr(AcceleratorState, "deepspeed_plugin",
+                          property(lambda _: SimpleNamespace(deepspeed_config=json_config or {})))
 
-    def build(json_config=ds, **flags) -> None:
-        with pytest.MonkeyPatch.context() as patch:
-            def then_deepspeed(accelerator) -> None:
-                check(accelerator)
-                patch.setattr(Accelerator, "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
-                patch.setattr(AcceleratorState, "deepspeed_plugin",
-                              property(lambda _: SimpleNamespace(deepspeed_config=json_config)))
+        patch.setattr(module, "check_engine", then_sharded)
+        return build_accelerator(TrainConfig(output_dir=str(out), report_to=["none"], **flags))
 
-            patch.setattr(module, "check_engine", then_deepspeed)
-            build_accelerator(TrainConfig(output_dir=str(tmp_path / "run"), report_to=["none"], **flags))
 
+def zero3_json(**changes) -> dict:
+    """The shipped ZeRO-3 preset's JSON, with `changes` (a value None: the key left out)."""
+    ds = json.loads((ACCELERATE_CONFIGS / "deepspeed" / "zero3.json").read_text())
+    ds.update(changes)
+    return {key: value for key, value in ds.items() if value is not None}
+
+
+def test_deepspeed_json_refusals_come_when_the_accelerator_is_built(tmp_path):
+    """An --optim or a schedule that a DeepSpeed JSON would replace, a token budget and Muon are refused by
+    build_accelerator, which a recipe calls before it loads data or builds a model (the refusals need only the config
+    and the JSON), with nothing written; `adamw_torch_fused` is passed on there (`built_as`: the preset's JSON with a
+    scheduler added; for Muon, a JSON without an optimizer: with one, the JSON's refusal comes first)."""
+    from accel_train import ConfigError
+
+    ds = zero3_json(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}})
+    out = tmp_path / "run"
     for flags, refusal in (({"optim": "sgd"}, "--optim sgd asks for another update than the DeepSpeed JSON"),
                            ({"lr_scheduler_type": "cosine"}, "--lr_scheduler_type cosine .* scheduler, WarmupLR"),
                            ({"max_tokens_per_batch": 64}, "--max_tokens_per_batch 64 under DeepSpeed: its micro-"),
                            ({"optim": "muon", "json_config": {}}, "--optim muon cannot run under DeepSpeed")):
         with pytest.raises(ConfigError, match=refusal):
-            build(**flags)
-        assert not (tmp_path / "run").exists()
+            built_as(out, **{"json_config": ds, **flags})
+        assert not out.exists()
     assert "fused" not in ds["optimizer"]["params"]
-    build(optim="adamw_torch_fused")
+    built_as(out, ds, optim="adamw_torch_fused")
     assert ds["optimizer"]["params"]["fused"] is True
+
+
+def test_an_accumulation_count_other_than_the_flags_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The loop plans its steps from --gradient_accumulation_steps and steps on the accelerator's count: Accelerate
+    takes the launcher's ACCELERATE_GRADIENT_ACCUMULATION_STEPS (`accelerate launch --gradient_accumulation_steps`,
+    a DeepSpeed YAML's) over the count it is given, and under DeepSpeed the JSON's explicit value (a JSON without the
+    key counts as 1). Either would train another number of epochs at another global batch than planned and reported:
+    refused when the accelerator is built, naming both counts, with nothing written; "auto" takes the flag's."""
+    from accel_train import ConfigError
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+        with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 1, but the launcher set "
+                                              r"ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4.*drop "
+                                              r"--gradient_accumulation_steps from `accelerate launch`"):
+            build_accelerator(TrainConfig(output_dir=str(out), report_to=["none"]))
+    assert not out.exists()
+    for ds, says in ((zero3_json(gradient_accumulation_steps=1), "the DeepSpeed JSON config says 1"),
+                     (zero3_json(gradient_accumulation_steps=None), r"the DeepSpeed JSON config has no "
+                                                                    r"\"gradient_accumulation_steps\", which "
+                                                                    r"Accelerate reads as 1")):
+        with pytest.raises(ConfigError, match=rf"--gradient_accumulation_steps 4, but {says}.*the loop's plan and "
+                                              r"the engine would disagree.*\"gradient_accumulation_steps\": \"auto\""):
+            built_as(out, ds, gradient_accumulation_steps=4)
+        assert not out.exists()
+    assert built_as(out, zero3_json(), gradient_accumulation_steps=4).gradient_accumulation_steps == 4  # "auto"
+    built_as(out, zero3_json(gradient_accumulation_steps=4), gradient_accumulation_steps=4)  # the same count
+
+
+def test_an_accelerator_of_ones_own_with_another_accumulation_count_is_refused(tmp_path):
+    """train(accelerator=Accelerator(gradient_accumulation_steps=4)) beside a config of 1: the plan (steps, schedule,
+    global batch) would count 1 micro-batch a step and the loop step every 4th: refused before anything is written."""
+    from accelerate import Accelerator
+
+    from accel_train import ConfigError, train
+
+    out = tmp_path / "run"
+    config = TrainConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, report_to=["none"],
+                         disable_tqdm=True, run_report=False, preflight=False, eval_strategy="no", save_strategy="no")
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 1, but the Accelerator passed to train\(\) "
+                                          r"accumulates 4 micro-batches.*Accelerator\(gradient_accumulation_steps=1\)"):
+        train(torch.nn.Linear(4, 1), torch.utils.data.DataLoader(points(), batch_size=4), config=config,
+              loss_fn=mean_loss, accelerator=Accelerator(gradient_accumulation_steps=4))
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_deepspeeds_float_grad_norm_is_judged_and_a_spike_it_has_applied_is_not_said_dropped(tmp_path):
+    """DeepSpeed steps inside backward and returns the gradient norm as a Python float (inf where its fp32/bf16
+    engine skipped a non-finite step): the guard judges that float as it judges a tensor, so --on_nonfinite applies
+    (the norm of DeepSpeed's fp16 loss scaler, which owns overflows, is left to it). The spiked update is in the
+    weights before the loop sees the step's loss: --on_spike skip, which would say it dropped it, is refused when the
+    accelerator is built, and --on_spike stop says the update was applied (rollback returns to the checkpoint)."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError, TrainingDiverged
+    from accel_train.core.guard import StepGuard, Verdict, on_spike
+
+    def judged(norm, **engine) -> Verdict:
+        guard = StepGuard(SimpleNamespace(device=torch.device("cpu"), num_processes=1, **engine), check_gradients=True)
+        guard.watch(torch.tensor(0.5))
+        return guard.verdict(norm)
+
+    assert judged(float("inf")).nonfinite_grad and judged(float("nan")).nonfinite_grad
+    assert not judged(0.5).nonfinite_grad and not judged(torch.tensor(0.5)).nonfinite_grad
+    assert judged(float("inf"), distributed_type=DistributedType.DEEPSPEED, mixed_precision="bf16").nonfinite_grad
+    assert not judged(float("inf"), distributed_type=DistributedType.DEEPSPEED, mixed_precision="fp16").nonfinite_grad
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--on_spike skip under DeepSpeed: DeepSpeed applies the update inside "
+                                          r"backward.*--on_spike rollback"):
+        built_as(out, {}, spike_window=3, spike_threshold=10, on_spike="skip")
+    assert not out.exists()
+    built_as(out, {}, spike_window=3, spike_threshold=10, on_spike="rollback", save_steps=2)
+
+    config = TrainConfig(output_dir=str(out), spike_window=3, spike_threshold=10, report_to=["none"])
+    state = SimpleNamespace(step=6, epoch=0, batch_in_epoch=7, spike_skips=0, spike_rollbacks=0)
+    for kind, said in (("DEEPSPEED", "DeepSpeed applied the update inside backward"),
+                       ("MULTI_CPU", "The update was not applied")):
+        session = SimpleNamespace(config=config, log=None, settle_writes=lambda _: False,
+                                  control=SimpleNamespace(pending=[]), train_loader=[],
+                                  accelerator=SimpleNamespace(num_processes=1, process_index=0,
+                                                              distributed_type=DistributedType[kind]))
+        with pytest.raises(TrainingDiverged, match=said):
+            on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0))
+
+
+def prepared_under_deepspeed(ds: dict, batches_per_epoch: int | None = 12, given: tuple[str, ...] = (), **flags):
+    """prepare_engine under DeepSpeed with `ds` as its JSON config, for a run of `flags` (`given`: the ones the user
+    set, as parse_config records them) on 2 processes; the accelerator (a stub) reports what the engine reads."""
+    from accelerate.utils import DistributedType
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from accel_train.core.sharded import prepare_engine
+
+    config = TrainConfig(output_dir="x", report_to=["none"], **flags)
+    object.__setattr__(config, "given", frozenset(given))
+    hf = HfDeepSpeedConfig(ds)
+    engine = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                             gradient_accumulation_steps=config.gradient_accumulation_steps,
+                             state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf,
+                                                                                    deepspeed_config=hf.config)))
+    prepare_engine(engine, torch.nn.Linear(4, 1), config, make_plan(config, batches_per_epoch, num_processes=2))
+    return engine
+
+
+def test_deepspeed_refuses_an_epoch_whose_last_accumulation_window_is_short():
+    """Accelerate steps at the end of the loader, so an epoch of 12 micro-batches per process with accumulation 5 ends
+    in a window of 2: the loop makes it the mean of its 2 by rescaling the gradients after backward, but DeepSpeed
+    divides every micro-batch by its count (5) and steps inside backward, so that step would weigh 2/5. Refused before
+    prepare, naming the divisors; a count that divides the epoch, a run that ends before the epoch's last window, and
+    accumulation 1 train; a stream (whose last window is unknown) is refused with accumulation."""
+    from accel_train import ConfigError
+
+    def prepared(batches_per_epoch: int | None, **flags) -> None:
+        prepared_under_deepspeed(zero3_json(), batches_per_epoch, **flags)
+
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 5 under DeepSpeed: an epoch has 12 "
+                                          r"micro-batches per process, so its last step has 2.*would weigh 2/5.*"
+                                          r"--gradient_accumulation_steps 1, 2, 3, 4, 6 or 12"):
+        prepared(12, gradient_accumulation_steps=5)
+    with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 2 under DeepSpeed: the training set is a "
+                                          r"stream.*--gradient_accumulation_steps 1"):
+        prepared(None, gradient_accumulation_steps=2, max_steps=10)
+    prepared(12, gradient_accumulation_steps=4)
+    prepared(12, gradient_accumulation_steps=5, max_steps=2)  # ends before the epoch's short window
+    prepared(7)
+    prepared(None, max_steps=10)
+
+
+def test_auto_find_batch_size_is_refused_under_fsdp_and_deepspeed(tmp_path):
+    """--auto_find_batch_size probes the bare model, with the whole model and two optimizer slots per parameter on
+    each process, before the engine shards them: it measures DDP's memory (a micro-batch that fits sharded is
+    halved, or refused with wrong advice) and crashes on ZeRO-3's empty partitions. Refused when the accelerator is
+    built, with nothing written, and by the probe itself for an Accelerator of one's own."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import ConfigError
+    from accel_train.core.batch_size import fit_micro_batch
+
+    out = tmp_path / "run"
+    for kind, name in (("DEEPSPEED", "DeepSpeed"), ("FSDP", "FSDP")):
+        with pytest.raises(ConfigError, match=rf"--auto_find_batch_size under {name}: the probe runs the whole model"
+                                              r".*set --per_device_train_batch_size and --gradient_accumulation_steps"):
+            built_as(out, {}, kind=kind, auto_find_batch_size=True)
+        assert not out.exists()
+    engine = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(ConfigError, match="--auto_find_batch_size under FSDP"):
+        fit_micro_batch(engine, torch.nn.Linear(4, 1), torch.utils.data.DataLoader(points(), batch_size=4), mean_loss,
+                        TrainConfig(output_dir=str(out), auto_find_batch_size=True), None)
+
+
+def test_a_deepspeed_checkpoint_resumed_on_another_number_of_processes_is_refused_before_it_is_loaded(
+        tmp_path, monkeypatch):
+    """ZeRO partitions the optimizer state by process, and DeepSpeed cannot load it on another number (it raises
+    inside load_state, or misses a per-rank file): a resume on another world size is refused by name, before
+    load_state is called; DDP and FSDP (DCP reshards) move between world sizes."""
+    from accelerate.utils import DistributedType
+
+    from accel_train import CheckpointError
+    from accel_train.core import restore
+    from accel_train.rundir.checkpoint import MANIFEST
+
+    path = tmp_path / "checkpoints" / "step-00000006"
+    path.mkdir(parents=True)
+    (path / MANIFEST).write_text(json.dumps({"format": 1, "step": 6, "world_size": 2, "files": {}, "shapes": {}}))
+    monkeypatch.setattr(restore, "load_saved_state", lambda *_: pytest.fail("load_state was called"))
+    session = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=1),
+                              config=TrainConfig(output_dir=str(tmp_path), report_to=["none"]), plan=None,
+                              resume_path=path, shapes={})
+    with pytest.raises(CheckpointError, match=r"step-00000006 was written by DeepSpeed on 2 process\(es\), this run "
+                                              r"has 1: ZeRO partitions the optimizer state by process.*Resume on 2 "
+                                              r"processes"):
+        restore.resume(session)
+
+
+def test_zero3_partitioned_parameters_are_read_at_their_full_shape_and_size():
+    """Under ZeRO-3 (zero3_init_flag) a model built after the accelerator holds empty partitions, their full shape and
+    size in `ds_shape` / `ds_numel`: the checkpoints' architecture fingerprint (which a resume with another model is
+    refused by) and the run info's parameter count read those, not the empty tensors ([0] and 0 before)."""
+    from accelerate import Accelerator
+
+    from accel_train.observe.observer import Observer
+    from accel_train.rundir.checkpoint import parameter_shapes
+
+    model = torch.nn.Linear(4, 3)
+    for p in model.parameters():  # as deepspeed.zero.Init leaves them on a process
+        p.ds_shape, p.ds_numel, p.data = p.shape, p.numel(), torch.empty(0)
+    model.bias.requires_grad_(False)
+    assert parameter_shapes(model) == {"weight": [3, 4], "bias": [3]}
+    config = TrainConfig(output_dir="x", report_to=["none"])
+    observer = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, preflight=None,
+                               session=SimpleNamespace(plan=make_plan(config, 4, 1), train_loader=None))
+    assert Observer.run_info(observer, SimpleNamespace(step=0))["model"] == {"class": "Linear", "parameters": 15,
+                                                                              "trainable": 12}
+
+
+def test_explicit_deepspeed_json_values_that_contradict_a_given_flag_are_refused_and_others_said():
+    """DeepSpeed runs the values its JSON sets explicitly (accel_train fills only "auto"), so a JSON gradient_clipping
+    of 1.0 beside --max_grad_norm 0.5 clipped at 1.0 while the report said 0.5. A flag the user gave that the JSON
+    contradicts is refused before prepare, naming both; an explicit value beside a flag left at its default runs,
+    and the start-up report says so."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    clipped = zero3_json(gradient_clipping=1.0)
+    with pytest.raises(ConfigError, match=r"--max_grad_norm 0.5, but the DeepSpeed JSON config sets "
+                                          r"\"gradient_clipping\": 1.0, which DeepSpeed would run instead.*"
+                                          r"Set \"gradient_clipping\" to \"auto\" in the JSON"):
+        prepared_under_deepspeed(clipped, given=("max_grad_norm",), max_grad_norm=0.5)
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "lr": 1e-4, "eps": 1e-6}
+    with pytest.raises(ConfigError, match=r"--learning_rate 0.003, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.lr\": 0.0001"):
+        prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("learning_rate",), learning_rate=3e-3)
+    prepared_under_deepspeed(clipped, given=("max_grad_norm",), max_grad_norm=1.0)  # the same value
+    engine = prepared_under_deepspeed(zero3_json(optimizer=optimizer, gradient_clipping=0.5), learning_rate=3e-3)
+    notes = [n for n in engine_notes(engine) if "explicitly" in n]
+    assert notes == ['the DeepSpeed JSON config sets "optimizer.params.lr": 0.0001, "optimizer.params.eps": 1e-06, '
+                     '"gradient_clipping": 0.5 explicitly: DeepSpeed runs them, not --learning_rate, --adam_epsilon, '
+                     '--max_grad_norm at their defaults (set them to "auto" in the JSON to take the flags)']
 
 
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:

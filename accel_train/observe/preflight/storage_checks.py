@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ...rundir.checkpoint import parameter_numel
 from .findings import Finding
 
 # state tensors per trainable element, by optimizer class name (what torch's optimizers keep after their first step)
@@ -31,10 +32,6 @@ STATE_PER_ELEMENT = {"AdamW": 2, "Adam": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
 UNKNOWN_STATE = 2
 HEADROOM = 1.05  # file headers, the manifest, scheduler and random states: measured under 1 % on toy_train
 GiB = 1024**3
-
-
-def _elements(p: torch.Tensor) -> int:
-    return getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves an empty tensor in the module
 
 
 def _optimizers(optimizer) -> list:
@@ -69,14 +66,14 @@ def optimizer_state_bytes(optimizer) -> tuple[int, list[str]]:
         factor, known = _state_factor(part)
         if not known:
             assumed.append(type(part).__name__)
-        elements = sum(_elements(p) for g in part.param_groups for p in g["params"] if p.requires_grad)
+        elements = sum(parameter_numel(p) for g in part.param_groups for p in g["params"] if p.requires_grad)
         total += factor * elements * 4
     return total, assumed
 
 
 def checkpoint_estimate(model: torch.nn.Module, optimizer, average) -> dict[str, int]:
     tensors = [*model.parameters(), *model.buffers()]
-    weights = sum(_elements(t) * t.element_size() for t in tensors)
+    weights = sum(parameter_numel(t) * t.element_size() for t in tensors)
     state, assumed = optimizer_state_bytes(optimizer)
     ema = sum(t.numel() * t.element_size() for t in average.average.values()) if average is not None else 0
     return {"weights": weights, "optimizer": state, "ema": ema, "assumed": assumed}

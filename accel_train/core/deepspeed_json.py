@@ -1,0 +1,128 @@
+"""A DeepSpeed JSON config against the run's flags: what its "auto" values mean for this run (filled here, in optimizer
+steps), and its explicit values, optimizer and scheduler where a flag asked for something else (refused by name).
+
+DeepSpeed runs what its JSON says. Accelerate fills only some "auto" values (the learning rate and weight decay; betas
+and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and divides a scheduler's total
+steps by the number of processes; the values it does not fill, and the JSON's explicit ones, it never compares with
+the flags. core/sharded.py calls these before `accelerator.prepare`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+
+
+def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
+    """What each "auto" of a DeepSpeed JSON's optimizer, scheduler and clipping means for this run, in optimizer
+    steps. DeepSpeed's warmup needs at least one step (it rejects 0)."""
+    peak = config.learning_rate * plan.lr_scale
+    return {
+        "optimizer.params.lr": peak,
+        "optimizer.params.betas": [config.adam_beta1, config.adam_beta2],
+        "optimizer.params.eps": config.adam_epsilon,
+        "optimizer.params.weight_decay": config.weight_decay,
+        "optimizer.params.momentum": config.sgd_momentum,
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": peak,
+        "scheduler.params.warmup_num_steps": max(1, plan.warmup_steps),
+        "scheduler.params.total_num_steps": plan.total_steps,
+        "gradient_clipping": config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
+    }
+
+
+# The flags each value of `deepspeed_values` (and the micro-batch Accelerate fills) stands for, the one named first.
+JSON_FLAGS = {
+    "optimizer.params.lr": ("learning_rate",), "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
+    "optimizer.params.eps": ("adam_epsilon",), "optimizer.params.weight_decay": ("weight_decay",),
+    "optimizer.params.momentum": ("sgd_momentum",), "scheduler.params.warmup_max_lr": ("learning_rate",),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "warmup_ratio"),
+    "scheduler.params.total_num_steps": ("max_steps", "num_train_epochs"), "gradient_clipping": ("max_grad_norm",),
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
+}
+
+
+def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
+    """A DeepSpeed JSON's explicit values run, not the flags' (only "auto" is filled): one that contradicts a flag the
+    user gave (`config.given`) is refused, naming both; those beside a flag left at its default are returned and kept
+    on the plugin as `explicit_json_values`, which `engine_notes` reports."""
+    wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
+    differ = {}
+    for key, flags in JSON_FLAGS.items():
+        node, leaf = plugin.hf_ds_config.find_config_node(key)
+        if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
+            continue
+        given = [flag for flag in flags if flag in config.given]
+        if given:
+            raise ConfigError(
+                f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config sets \"{key}\": "
+                f"{json.dumps(node[leaf])}, which DeepSpeed would run instead (the flags give {json.dumps(wanted[key])}"
+                "; accel_train fills only \"auto\" values), while config.yaml and the start-up report would record "
+                f"the flag. Set \"{key}\" to \"auto\" in the JSON to take the flag, or drop --{given[0]} to run the "
+                "JSON's value.")
+        differ[key] = node[leaf]
+    plugin.explicit_json_values = differ
+    return differ
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
+    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
+    Values the JSON sets explicitly are left as they are."""
+    filled = {}
+    for key, value in deepspeed_values(config, plan).items():
+        node, leaf = plugin.hf_ds_config.find_config_node(key)
+        if node is not None and node.get(leaf) == "auto":
+            node[leaf] = value
+            filled[key] = value
+    return filled
+
+
+def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
+    """--optim against the optimizer a DeepSpeed JSON names, which DeepSpeed builds in place of --optim's: the same
+    update runs as asked, another one is refused (the JSON's would replace it without a word). `adamw_torch_fused`
+    with the JSON's `torch_adam` AdamW sets its `fused` (DeepSpeed passes its params to torch.optim.AdamW); without
+    `torch_adam` DeepSpeed builds its own Adam kernels, fused already."""
+    kind = str(ds_optimizer.get("type", "")).lower()
+    params = ds_optimizer.setdefault("params", {})
+    builds = {"adamw": "adamw", "adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, kind)
+    same = {"adamw": ("adamw", "adamw_torch", "adamw_torch_fused"), "adam": ("adam",)}.get(builds, ())
+    json_name = f"{ds_optimizer.get('type')}{' (decoupled weight decay)' if builds == 'adamw' else ''}"
+    if optim not in same and optim != "adamw":  # the default asks for nothing: the JSON's choice stands, and is said
+        raise ConfigError(
+            f"--optim {optim} asks for another update than the DeepSpeed JSON config's optimizer, {json_name}, "
+            "which DeepSpeed would build instead. Remove the \"optimizer\" section from the JSON (accel_train then "
+            "builds --optim and DeepSpeed shards its state) or drop --optim.")
+    if optim == "adamw_torch_fused" and params.get("torch_adam"):
+        if params.get("fused", True) is not True:
+            raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
+                              f"{json.dumps(params['fused'])}: drop one of the two.")
+        params["fused"] = True
+
+
+def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:
+    """A DeepSpeed JSON's scheduler, which DeepSpeed steps in place of the schedule accel_train builds: with
+    --lr_scheduler_type at its default and no --lr_scheduler_kwargs nothing else was asked for, and the JSON's stands
+    (the start-up report says so); a schedule asked for by name or with arguments is refused (the JSON's would
+    replace it without a word): by `check_deepspeed_run`, before a recipe has loaded anything."""
+    default = TrainConfig.__dataclass_fields__["lr_scheduler_type"].default
+    asked = [f"--lr_scheduler_type {config.lr_scheduler_type}"] if config.lr_scheduler_type != default else []
+    asked += ["--lr_scheduler_kwargs"] if config.lr_scheduler_kwargs else []
+    if asked:
+        raise ConfigError(
+            f"{' and '.join(asked)} (given, or the recipe's or its config's default) asks for a schedule, and the "
+            f"DeepSpeed JSON config has a scheduler, {ds_scheduler.get('type')}, which DeepSpeed would step instead. "
+            "Remove the \"scheduler\" section from the JSON (accel_train then builds the schedule asked for, over "
+            f"DeepSpeed's optimizer), or pass --lr_scheduler_type {default} and no --lr_scheduler_kwargs to train "
+            "with the JSON's.")

@@ -177,7 +177,7 @@ class Session:
             state = fresh_state(self)
         ran = what_ran(self.optimizer, self.scheduler, self.config, self.own_optimizer, not self.scheduler_built_here,
                        self.plateau)
-        self.notes += start_run_dir(acc, self.config, self.extra_configs, resumed=self.resume_path is not None,
+        self.notes += start_run_dir(acc, self.config, self.extra_configs, state.step if self.resume_path else None,
                                     record=ran)
         self.last_save, self.last_log_step = state.step, state.last_log_step if state.pending_loss else state.step
         self.start_samples = state.samples_seen  # throughput counts this session's samples, not a resumed run's

@@ -49,7 +49,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFUSION_MATRIX_PLOT = "confusion_matrix.png"  # image_classification.py's test confusion matrix; the report shows it
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
-RUN_FILES = (CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB, WANDB_DIR)
+EARLIER_CONFIG = "config.until-step-*.yaml"  # the config.yaml a resume with changed settings replaced (* = its step)
+RUN_FILES = (CONFIG, EARLIER_CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB, WANDB_DIR)
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...

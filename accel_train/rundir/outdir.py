@@ -22,7 +22,17 @@ from ..config.validation import AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError, RunFinished, UserError
 from . import run_files
 from .checkpoint import put_back_aside, resolve_checkpoint
-from .layout import CONFIG, CRASH_GLOB, FINAL_WEIGHTS, PACKAGE_NAMES, RESULTS, RUN_FILES, checkpoint_step, crash_file
+from .layout import (
+    CONFIG,
+    CRASH_GLOB,
+    EARLIER_CONFIG,
+    FINAL_WEIGHTS,
+    PACKAGE_NAMES,
+    RESULTS,
+    RUN_FILES,
+    checkpoint_step,
+    crash_file,
+)
 
 
 def refuse_mixed_runs(config: TrainConfig, model_names: Callable[[], Sequence[str]] | None = None) -> None:
@@ -156,14 +166,16 @@ def finished_run(config: TrainConfig, checkpoint: Path | None) -> str | None:
             f"another output_dir.")
 
 
-def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(), resumed: bool = False,
+def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(), resumed_at: int | None = None,
                   record: dict | None = None) -> list[str]:
     """Record what output_dir holds and that an attempt is open (run_files.py), clear a replaced run
     (--overwrite_output_dir, or `auto` starting afresh over an attempt that saved no checkpoint: everything runs
     wrote there, so that no old model, export or prediction is later taken for the new run's, and nothing else),
-    and write the resolved config (with `record`, what the run's objects are). Returns the notes for the start-up
+    and write the resolved config (with `record`, what the run's objects are; a resume at step `resumed_at` with
+    changed settings keeps the config.yaml it replaces, `keep_earlier_config`). Returns the notes for the start-up
     report (main process)."""
     out = Path(config.output_dir)
+    resumed = resumed_at is not None
     replace = (config.overwrite_output_dir or config.resume_from_checkpoint == "auto") and not resumed
     notes = []
     if accelerator.is_main_process:
@@ -171,11 +183,27 @@ def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(
         if deleted:  # what replacing a run deleted, and what it left because no run wrote it
             notes.append(f"replaced the earlier run: deleted what runs wrote in {out} ({_some(deleted)})"
                          + (f"; kept {_some(kept)}: not written by a run, never deleted by one" if kept else ""))
+        if resumed:
+            notes += keep_earlier_config(out, config, extra_configs, resumed_at)
         save_config([*extra_configs, config], out / CONFIG, record)
         for stale in out.glob(CRASH_GLOB):  # this attempt's errors, not an earlier one's
             stale.unlink()
     accelerator.wait_for_everyone()
     return notes
+
+
+def keep_earlier_config(out: Path, config: TrainConfig, extra_configs, step: int) -> list[str]:
+    """A resume with changed settings (`latest` allows them): config.yaml is rewritten with this run's, so the one
+    that trained the steps before `step` is kept as config.until-step-<step>.yaml (the run directory still says how
+    every step ran), and the change is said."""
+    changed = changed_fields(config, extra_configs)
+    if not changed:
+        return []
+    kept = out / EARLIER_CONFIG.replace("*", f"{step:08d}")
+    kept.write_text((out / CONFIG).read_text())
+    listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changed.items())
+    return [f"resumed at step {step} with changed settings ({listed}): config.yaml holds this run's, {kept.name} "
+            f"the one that trained steps 1-{step}"]
 
 
 def _some(names: list[str], limit: int = 8) -> str:

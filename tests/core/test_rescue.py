@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Clock, read_jsonl, reset_accelerate
+import yaml
+from conftest import Clock, StopOnSave, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -232,6 +233,23 @@ def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_lo
     whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
                   for d in ("whole", "cut"))
     assert whole <= cut <= whole + 5, (whole, cut)
+
+
+def test_a_resume_with_changed_settings_keeps_the_config_that_trained_the_steps_before(tmp_path):
+    """`latest` resumes with changed flags; config.yaml was rewritten with the new ones, and once the checkpoint that
+    recorded the old ones rotated, nothing in the run directory said how steps 1-3 ran. The replaced config.yaml is
+    kept beside it, a run's own file (replaced with the run), and the change is said."""
+    from accel_train.rundir import run_files
+
+    run(tmp_path, Accuracy(), hooks=[StopOnSave(3)], learning_rate=0.05)
+    assert not list(tmp_path.glob("config.until-step-*"))
+    run(tmp_path, Accuracy(), resume=True, learning_rate=0.1)
+    earlier = yaml.safe_load((tmp_path / "config.until-step-00000003.yaml").read_text())
+    assert earlier["learning_rate"] == 0.05 and yaml.safe_load((tmp_path / "config.yaml").read_text())[
+        "learning_rate"] == 0.1
+    assert "config.until-step-00000003.yaml" in run_files.survey(tmp_path).written
+    run(tmp_path, Accuracy(), resume=True, learning_rate=0.1)  # the same settings again: nothing more kept
+    assert [p.name for p in tmp_path.glob("config.until-step-*")] == ["config.until-step-00000003.yaml"]
 
 
 class EvaluateAfterFirstSave:

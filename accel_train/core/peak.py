@@ -86,11 +86,30 @@ def peak_cache() -> Path:
 
 
 def precision_of_matmuls(accelerator: Accelerator) -> str:
-    """bf16 / fp16 under mixed precision, else tf32 (GPUs with TF32 on) or fp32."""
+    """bf16 / fp16 under mixed precision, or where the prepared model's weights are stored so (most of its floating
+    parameter elements, frozen ones included: a LoRA adapter on a bf16 base runs the base's matmuls in bf16), else
+    tf32 (GPUs with TF32 on) or fp32."""
     if accelerator.mixed_precision in ("bf16", "fp16"):
         return accelerator.mixed_precision
+    stored = _stored_precision(getattr(accelerator, "_models", []))  # what accelerator.prepare took
+    if stored is not None:
+        return stored
     tf32 = accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return "tf32" if tf32 else "fp32"
+
+
+def _stored_precision(models) -> str | None:
+    """"bf16" / "fp16" where most floating parameter elements of `models` are stored in it, else None."""
+    elements: dict[torch.dtype, int] = {}
+    for model in models:
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                count = getattr(parameter, "ds_numel", None) or parameter.numel()  # ZeRO-3: an empty partition
+                elements[parameter.dtype] = elements.get(parameter.dtype, 0) + count
+    if not elements:
+        return None
+    most = max(elements, key=elements.get)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(most)
 
 
 def device_peak(accelerator: Accelerator) -> tuple[float | None, str]:

@@ -131,3 +131,26 @@ def test_an_emulated_precision_is_timed_at_a_side_that_takes_a_fraction_of_a_sec
     assert flops is not None and flops > 0
     if flops < 1e10:  # no native fp16 matmul here: the side shrank (a CPU with AMX-FP16 keeps a larger one)
         assert sides[-1] < 2048
+
+
+def test_a_model_stored_in_bf16_is_measured_against_the_bf16_peak():
+    """Under --mixed_precision no, a model whose weights are bf16 (or a LoRA adapter in fp32 on a frozen bf16 base:
+    the base's matmuls are bf16) was measured against the fp32 peak: an MFU several times too high, or a correct
+    cached fp32 peak thrown out as stale on a machine whose bf16 runs faster. The peak follows where most of the
+    prepared model's weights are stored; an fp32 model keeps the fp32 peak."""
+    import torch
+    from accelerate import Accelerator
+
+    from accel_train.core.peak import precision_of_matmuls
+
+    def prepared(model):
+        reset_accelerate()
+        accelerator = Accelerator(cpu=True, mixed_precision="no")
+        accelerator.prepare(model)
+        return accelerator
+
+    assert precision_of_matmuls(prepared(torch.nn.Linear(8, 8).to(torch.bfloat16))) == "bf16"
+    base = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 4))  # a small fp32 head
+    base[0].requires_grad_(False)
+    assert precision_of_matmuls(prepared(base)) == "bf16"
+    assert precision_of_matmuls(prepared(torch.nn.Linear(8, 8))) == "fp32"

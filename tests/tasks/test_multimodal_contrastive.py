@@ -489,3 +489,21 @@ def test_one_and_two_processes_give_the_same_losses_gradients_and_metrics(tmp_pa
         assert other_results["eval_samples"] == results["eval_samples"] == 12  # gathered once per pair
         for key in (k for k in results if "recall" in k or "rank" in k):
             assert other_results[key] == results[key], (run_name, key)
+
+
+def test_the_evaluation_loss_on_two_processes_leaves_out_the_pairs_that_even_out_the_last_batch(tmp_path, tiny_text,
+                                                                                               ranks):
+    """12 evaluation pairs, 1 process x 10 against 2 x 5: the last batch holds 2 real pairs, which Accelerate tops
+    up on 2 processes with 8 pairs from the start of the set. Those 8 are no negatives of the real 2 (on 1 process
+    the last batch is the 2 alone), so eval_loss is the same. Before, they were: 1.79 on 1 process, 2.15 on 2."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 2})
+    common = [str(x) for x in ("--data_dir", data, "--text_model_name_or_path", tiny_text, *TINY_VIT,
+                               "--learning_rate", 0, "--max_steps", 1, "--per_device_train_batch_size", 4, *QUIET)]
+    reset_accelerate()
+    one = recipe.main([*common, "--per_device_eval_batch_size", "10", "--output_dir", str(tmp_path / "one")])
+    ranks.run(recipe.main, [*common, "--per_device_eval_batch_size", "5", "--output_dir", str(tmp_path / "two")])
+    two = json.loads((tmp_path / "two" / "all_results.json").read_text())
+    losses = [k for k in one if k.endswith("_loss") and k.startswith(("eval_", "test_"))]
+    assert "eval_loss" in losses and two["eval_samples"] == one["eval_samples"] == 12
+    for key in losses:
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key

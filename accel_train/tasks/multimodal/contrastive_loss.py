@@ -24,29 +24,32 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ...core.data import seeded_generator
 from ...errors import ConfigError
-from .collectives import gather_plain, gather_with_grad
+from .collectives import gather_plain, gather_with_grad, repeated_columns, world_size
 
 
 def clip_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale: torch.Tensor,
-              image_ids: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              image_ids: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None,
+              excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss over this process's pairs, per-pair loss [B]): symmetric InfoNCE of this process's B pairs
     against the pairs of the global batch, the mean of image->text and text->image cross-entropy.
 
     With `image_ids` / `caption_ids` [B], two pairs that share an image or an identical caption are not
     negatives of each other (the evaluation pairs an image with each of its captions; generated captions
-    repeat): such logits are left out of the softmax."""
+    repeat): such logits are left out of the softmax. So are the columns of the global batch that `excluded` [G]
+    marks (`repeated_columns`: the pairs that only even out the last evaluation batch); a pair's own stays."""
     images, texts = image_embeds.float(), text_embeds.float()
     all_images, offset = gather_with_grad(images)
     all_texts, _ = gather_with_grad(texts)
     targets = torch.arange(offset, offset + images.shape[0], device=images.device)
     logits_i2t = logit_scale * images @ all_texts.T
     logits_t2i = logit_scale * texts @ all_images.T
-    if image_ids is not None or caption_ids is not None:
+    if image_ids is not None or caption_ids is not None or excluded is not None:
         same = torch.zeros_like(logits_i2t, dtype=torch.bool)
         for ids in (image_ids, caption_ids):
             if ids is not None:
                 same |= ids[:, None] == gather_plain(ids)[None, :]
+        if excluded is not None:
+            same |= excluded[None, :]
         same[torch.arange(len(targets), device=targets.device), targets] = False
         logits_i2t = logits_i2t.masked_fill(same, float("-inf"))
         logits_t2i = logits_t2i.masked_fill(same, float("-inf"))
@@ -157,7 +160,9 @@ class ContrastiveLoss(ImageTextLoss):
 
     def evaluate(self, model, images, input_ids, mask, image_ids, caption_ids) -> dict[str, torch.Tensor]:
         out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask)
-        loss, per_pair = clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], image_ids, caption_ids)
+        repeats = repeated_columns(len(image_ids) * world_size(), images.device)
+        loss, per_pair = clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], image_ids, caption_ids,
+                                   repeats)
         result = {"loss": loss, "per_sample_loss": per_pair, "image_embeds": out["image_embeds"].float(),
                   "text_embeds": out["text_embeds"].float(), "image_ids": image_ids, "caption_ids": caption_ids}
         if self.prompts is not None:

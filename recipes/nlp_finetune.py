@@ -48,6 +48,7 @@ from accel_train.tasks.text.classification import (
     loader_lengths,
     pad_with_eos,
     pick_columns,
+    regression_head_in_fp32,
     split_off_validation,
     tokenize,
     train_padding,
@@ -130,7 +131,7 @@ def build_model(args: ClassificationModelArguments, labels: Labels, max_seq_leng
     if len(tokenizer) > vocab:
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: "
                          "they do not belong together (check --tokenizer_name).")
-    return tokenizer, model
+    return tokenizer, regression_head_in_fp32(model)  # bf16 autocast would round its predictions to 8 bits
 
 
 def build_loss(config: TrainConfig):

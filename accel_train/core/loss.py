@@ -131,7 +131,8 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
       `chunk_size` > 0 (causal LMs): from the hidden states in chunks of that many tokens, never the whole
       logits (chunked_loss.py), checked against the model's own logits on the first batch;
     * one label per sample: the model's own loss (its mean), or cross-entropy with `label_smoothing`, with
-      per-sample losses so that evaluation is exact.
+      per-sample losses so that evaluation is exact (a regression model's squared errors, the mean over its
+      outputs: its MSELoss per sample).
     """
     unchecked = [bool(chunk_size)]
 
@@ -158,11 +159,20 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
             result["per_sample_loss"] = torch.nn.functional.cross_entropy(
                 out.logits.detach().float(), labels, reduction="none"
             )
+        elif labels is not None and problem_type(model) == "regression":  # the model's MSELoss, per sample
+            errors = out.logits.detach().float().reshape(len(labels), -1) - labels.float().reshape(len(labels), -1)
+            result["per_sample_loss"] = (errors**2).mean(1)
         return result
 
     if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy
         loss_fn.evaluation_loss = default_loss(0.0, chunk_size)
     return loss_fn
+
+
+def problem_type(model) -> str | None:
+    """A transformers classification model's `config.problem_type` ("regression", "single_label_classification",
+    ...; set by its first forward where it was not given), else None."""
+    return getattr(getattr(extract_model_from_parallel(model), "config", None), "problem_type", None)
 
 
 def is_causal_lm(model) -> bool:

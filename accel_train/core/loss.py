@@ -15,7 +15,10 @@ What a loss object may declare, and the session then does for it (so that no rec
 * `refuse_accumulation(steps) -> str`: the loss couples the whole batch (a contrastive loss sees the batch's
   negatives), so gradient accumulation would change its objective: the session refuses it with this message;
 * `leaves_parameters_unused = True`: some steps give trainable parameters no gradient (a tower frozen for the
-  first steps, a stage that idles half the model): the session sets DDP's `find_unused_parameters`.
+  first steps, a stage that idles half the model): the session sets DDP's `find_unused_parameters`;
+* `refuse_label_smoothing(factor) -> str`: the loss has no label smoothing (a focal loss, InfoNCE), so
+  --label_smoothing_factor would change nothing while config.yaml records it: `check_label_smoothing` refuses it with
+  this message. The loop applies the flag only through `default_loss`; a loss of one's own reads it or declares this.
 
 Evaluation never includes training-only terms: a loss function with regularisers that are not the objective being
 measured (label smoothing, mixup, auxiliary penalties) carries `evaluation_loss`, the same loss without them, which
@@ -191,6 +194,14 @@ def check_accumulation(loss_fn: Callable, steps: int) -> None:
     refuse = getattr(loss_fn, "refuse_accumulation", None)
     if steps > 1 and refuse is not None:
         raise ConfigError(refuse(steps))
+
+
+def check_label_smoothing(loss_fn: Callable, factor: float) -> None:
+    """A loss without label smoothing refuses --label_smoothing_factor > 0, with its own message (module docstring).
+    A recipe calls it where it builds its loss, before anything is written."""
+    refuse = getattr(loss_fn, "refuse_label_smoothing", None)
+    if factor and refuse is not None:
+        raise ConfigError(refuse(factor))
 
 
 def evaluation_loss(loss_fn: Callable) -> Callable:

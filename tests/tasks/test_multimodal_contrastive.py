@@ -204,6 +204,14 @@ def test_accumulation_is_refused_with_the_gradient_cache_alternative(tmp_path, t
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_label_smoothing_is_refused_by_the_contrastive_loss_before_anything_is_written(tmp_path, tiny_text):
+    """InfoNCE here has no label smoothing: the flag changed nothing while config.yaml recorded it (failed before)."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*InfoNCE.* no label smoothing.*drop"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "1", "--label_smoothing_factor", "0.1")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_captions_are_drawn_per_epoch_from_the_seed_alone():
     ids, counts = torch.arange(200), torch.full((200,), 5)
     first = draw_captions(ids, counts, seed=1, epoch=0, num_images=200)

@@ -439,6 +439,13 @@ def test_the_demo_has_its_own_defaults_and_accumulation_is_refused(tmp_path, tin
         run(tmp_path, data, tiny_text, *TINY_VISION, "--gradient_accumulation_steps", "2")
 
 
+def test_label_smoothing_is_refused_by_the_fusion_loss_before_anything_is_written(tmp_path, tiny_text):
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*no label smoothing.*drop"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "1", "--label_smoothing_factor", "0.1")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 # ------------------------------------------------------------------------------------------ across processes
 
 

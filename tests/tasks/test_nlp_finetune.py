@@ -9,7 +9,7 @@ import pytest
 from conftest import FILLER, RECIPES, SHARED_DATA, launch, make_rows
 from conftest import nlp_main as run
 
-from accel_train import layerwise_lr_decay_groups
+from accel_train import ConfigError, layerwise_lr_decay_groups
 from accel_train.tasks.text.classification import load_embedded_tweets
 
 RECIPE = RECIPES / "nlp_finetune.py"
@@ -67,6 +67,20 @@ def test_regression_on_float_labels(tiny_bert, tmp_path):
     res = results(out)
     assert res["eval_samples"] == 7  # 10% held out, seeded
     assert res["eval_mse"] < 0.16 and "eval_pearson" in res
+
+
+def test_label_smoothing_is_refused_for_float_labels_before_tokenizing(tiny_bert, tmp_path):
+    """A regression's loss (MSE) has no label smoothing: the flag changed nothing while config.yaml recorded it
+    (failed before: the run trained and returned)."""
+    rows = make_rows(40, 4)
+    pd.DataFrame({"text": [t for _, t in rows], "score": [0.9 if y else 0.1 for y, _ in rows]}).to_csv(
+        tmp_path / "train.csv", index=False)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*regression.* no label smoothing.*drop"):
+        run(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.csv"),
+             "--label_column_name", "score", "--output_dir", str(out), *FAST, "--max_steps", "1",
+             "--label_smoothing_factor", "0.1"])
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_regression_eval_loss_on_two_processes_counts_each_sample_once(tiny_bert, tmp_path, ranks):

@@ -355,6 +355,16 @@ def test_bad_model_overrides_are_config_errors(tmp_path):
                      "--config_overrides", '{"output_stride": 3}'])
 
 
+def test_label_smoothing_is_refused_by_the_focal_loss_before_anything_is_written(tmp_path):
+    """The focal loss has no label smoothing: the flag trained nothing different while config.yaml recorded it
+    (failed before: the run trained and returned)."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*focal.* no label smoothing.*drop"):
+        recipe.main(["--output_dir", str(out), *QUIET, *TINY, "--num_train_canvases", "32", "--num_test_canvases", "8",
+                     "--max_steps", "1", "--label_smoothing_factor", "0.1"])
+    assert not out.exists() or not any(out.iterdir())
+
+
 # ------------------------------------------------------------------------------------- 1 vs 2 processes
 
 

@@ -193,6 +193,25 @@ def test_recipe_reads_image_and_mask_folders_and_holds_out_validation(tmp_path):
     assert metrics["eval_samples"] == 2 and {"eval_iou_0", "eval_iou_1", "eval_iou_2"} <= set(metrics)
 
 
+def test_label_smoothing_smooths_the_training_cross_entropy_and_not_the_evaluation(tmp_path):
+    """--label_smoothing_factor reaches the pixel cross-entropy in training; evaluation (eval_loss, the best model)
+    measures the plain one. Before, the flag was silently ignored: the same train_loss with and without it."""
+    logits, mask = torch.randn(2, 3, 4, 5), torch.randint(0, 3, (2, 4, 5))
+    mask[0, 0] = IGNORE_MASK_VALUE
+    ce = torch.nn.functional.cross_entropy(logits, mask.clamp_max(2), label_smoothing=0.2, reduction="none")
+    valid = mask != IGNORE_MASK_VALUE
+    expected = (ce * valid).flatten(1).sum(1) / valid.flatten(1).sum(1)
+    assert torch.allclose(segmentation_losses(logits, mask, label_smoothing=0.2)["ce"], expected, atol=1e-6)
+    runs = {}
+    for factor in ("0", "0.2"):
+        reset_accelerate()
+        runs[factor] = recipe.main(["--output_dir", str(tmp_path / factor), *QUIET, *TINY, "--num_train_canvases",
+                                    "16", "--num_test_canvases", "4", "--max_steps", "1", "--learning_rate", "0",
+                                    "--per_device_train_batch_size", "8", "--label_smoothing_factor", factor])
+    assert abs(runs["0.2"]["train_loss"] - runs["0"]["train_loss"]) > 1e-3
+    assert runs["0.2"]["eval_loss"] == runs["0"]["eval_loss"]
+
+
 def test_unet_keeps_the_input_size_for_any_stem():
     for stem in (1, 2):
         logits = UNet(5, (8, 16), 1, stem)(torch.zeros(2, 3, 40, 40))

@@ -97,7 +97,10 @@ class ImageTextLoss:
     images (train or eval transform) with one caption per image (the epoch's drawn caption in training, the
     pair's own in evaluation). What the session does for it (core/loss.py): registers its clock (`hooks`), refuses
     gradient accumulation (`refuse_accumulation`: the loss is over the global batch), and has DDP expect unused
-    parameters while a tower is frozen (`leaves_parameters_unused`)."""
+    parameters while a tower is frozen (`leaves_parameters_unused`); a recipe refuses --label_smoothing_factor with
+    its message (`refuse_label_smoothing`: there is none in these losses)."""
+
+    objective = "symmetric InfoNCE over the global batch"  # what refusals name
 
     def __init__(self, train_transform: Callable, eval_transform: Callable, seed: int, num_train_images: int,
                  clock: StepClock | None, freeze_steps: Mapping[str, int] | None):
@@ -114,6 +117,11 @@ class ImageTextLoss:
 
     def refuse_accumulation(self, steps: int) -> str:
         return accumulation_refusal(steps)
+
+    def refuse_label_smoothing(self, factor: float) -> str:
+        """Declared for core/loss.py's check_label_smoothing (the recipe calls it)."""
+        return (f"--label_smoothing_factor {factor}: this recipe's loss ({self.objective}) has no label smoothing, so "
+                "the flag would change nothing while config.yaml records it; drop it (or set it to 0).")
 
     def frozen(self) -> frozenset:
         return frozen_towers(self.freeze_steps, self.clock.step)

@@ -195,6 +195,8 @@ class FusionLoss(ImageTextLoss):
     Evaluation: each pair's own caption, `eval_transform`; returns the per-pair weighted loss and, for
     `FusionMetrics`, the embeddings, ids, image tokens and text states padded to `text_length`."""
 
+    objective = "InfoNCE over the global batch and image-text matching on hard negatives"
+
     def __init__(self, train_transform: Callable, eval_transform: Callable, *, seed: int, num_train_images: int,
                  text_length: int, weights: Mapping[str, float] | None = None, clock: StepClock | None = None,
                  freeze_steps: Mapping[str, int] | None = None, token_dropout: float = 0.0,

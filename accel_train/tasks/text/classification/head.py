@@ -1,4 +1,5 @@
-"""A regression head that predicts in fp32 under mixed precision.
+"""What a regression head needs besides a classification head: fp32 predictions under mixed precision, and a loss
+that refuses label smoothing.
 
 Under bf16 autocast (the recipe's --mixed_precision auto on bf16 hardware) a Linear head returns bf16: 8 bits of
 mantissa, so a prediction near 500 is a multiple of 2 and one near 5 a multiple of 1/32, in the loss, in eval_mse
@@ -8,10 +9,25 @@ notices; a regression's value is its prediction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
-from ....core.loss import problem_type
+from ....core.loss import default_loss, problem_type
+from ....errors import ConfigError
+from .data import Labels
+
+
+def classification_loss(labels: Labels, label_smoothing: float) -> Callable:
+    """The model's own loss (cross-entropy, or with `label_smoothing` its smoothed form, evaluated without it), with
+    per-sample losses (core/loss.py: default_loss). Float labels (regression: the mean squared error, which has no
+    label smoothing) refuse a smoothing factor: it would change nothing while config.yaml records it."""
+    if labels.is_regression and label_smoothing:
+        raise ConfigError(f"--label_smoothing_factor {label_smoothing}: the labels are floats, a regression, and its "
+                          "loss (the mean squared error) has no label smoothing, so the flag would change nothing "
+                          "while config.yaml records it; drop it (or set it to 0).")
+    return default_loss(label_smoothing)
 
 
 def regression_head_in_fp32(model: torch.nn.Module) -> torch.nn.Module:

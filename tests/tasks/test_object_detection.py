@@ -20,7 +20,7 @@ from PIL import Image
 from accel_train import ConfigError, DataError
 from accel_train.tasks.vision.data import ImageSplit, load_digits
 from accel_train.tasks.vision.dense import canvases
-from accel_train.tasks.vision.dense.annotated import load_coco_detection
+from accel_train.tasks.vision.dense.annotated import IGNORE_MASK_VALUE, load_coco_detection
 from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.dense.canvases import STROKE_THRESHOLD, DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.dense.detection import (
@@ -187,13 +187,14 @@ def test_augmentation_moves_boxes_with_the_digits():
         if classes[i, 0] < 0:  # pushed mostly off the canvas: dropped
             continue
         kept += 1
-        ys, xs = torch.nonzero(mask[i] > 0, as_tuple=True)
+        digit = (mask[i] > 0) & (mask[i] != IGNORE_MASK_VALUE)  # what came in from outside the canvas is ignored
+        ys, xs = torch.nonzero(digit, as_tuple=True)
         tight = torch.tensor([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], dtype=torch.float)
         if ((boxes[i, 0] == 0) | (boxes[i, 0] == 64)).any():  # clipped at the border: the visible part is inside
             assert (tight[:2] >= boxes[i, 0, :2] - 1.5).all() and (tight[2:] <= boxes[i, 0, 2:] + 1.5).all()
         else:  # the box is still the tight box of the digit's strokes (masks move to the nearest pixel)
             assert torch.allclose(boxes[i, 0], tight, atol=1.5), (i, boxes[i, 0], tight)
-        assert (mask[i][mask[i] > 0] == classes[i, 0] + 1).all()
+        assert (mask[i][digit] == classes[i, 0] + 1).all()
         bright = images[i, 0] >= 0.6  # the moved pixels, standardised with mean 0 and std 1
         ys, xs = torch.nonzero(bright, as_tuple=True)
         assert xs.min() >= boxes[i, 0, 0] - 1.5 and xs.max() + 1 <= boxes[i, 0, 2] + 1.5

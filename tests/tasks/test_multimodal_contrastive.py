@@ -204,6 +204,20 @@ def test_accumulation_is_refused_with_the_gradient_cache_alternative(tmp_path, t
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_gradient_cache_is_refused_under_deepspeed():
+    """DeepSpeed's engine steps the optimizer inside every backward (no_sync is a null context for ZeRO >= 2): each
+    GradCache chunk would be an optimizer step on its part of the gradient. Refused (failed before: accepted)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ConfigError, match=r"--gradient_cache_chunk_size 2 under DeepSpeed: .*optimizer step.*DDP or "
+                                          r"FSDP.*drop"):
+        ContrastiveLoss(deepspeed, torch.nn.Identity(), torch.nn.Identity(), seed=0, num_train_images=4, chunk_size=2)
+    ContrastiveLoss(deepspeed, torch.nn.Identity(), torch.nn.Identity(), seed=0, num_train_images=4)  # no GradCache
+
+
 def test_label_smoothing_is_refused_by_the_contrastive_loss_before_anything_is_written(tmp_path, tiny_text):
     """InfoNCE here has no label smoothing: the flag changed nothing while config.yaml recorded it (failed before)."""
     data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})

@@ -146,13 +146,19 @@ class ContrastiveLoss(ImageTextLoss):
     prompts, {"input_ids", "attention_mask"}) are given.
 
     Gradient accumulation is refused (by the session, `refuse_accumulation`): a loss over micro-batches would see
-    fewer negatives than the batch asked for. GradCache gives the memory saving without that loss."""
+    fewer negatives than the batch asked for. GradCache gives the memory saving without that loss, and is refused
+    under DeepSpeed, whose engine steps inside each of its backward passes."""
 
     def __init__(self, accelerator, train_transform: Callable, eval_transform: Callable, *, seed: int,
                  num_train_images: int, clock: StepClock | None = None, chunk_size: int | None = None,
                  freeze_steps: Mapping[str, int] | None = None, prompts: Mapping[str, torch.Tensor] | None = None):
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"--gradient_cache_chunk_size {chunk_size}: must be >= 1 (or unset).")
+        if chunk_size is not None and accelerator.distributed_type.value == "DEEPSPEED":
+            raise ConfigError(f"--gradient_cache_chunk_size {chunk_size} under DeepSpeed: the engine steps the "
+                              "optimizer inside every backward (its no_sync does nothing for ZeRO >= 2), so each chunk "
+                              "would be an optimizer step on its part of the gradient. Train GradCache with DDP or "
+                              "FSDP (accelerate_configs/), or drop the flag.")
         super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)
         self.accelerator, self.chunk_size, self.prompts = accelerator, chunk_size, prompts
 

@@ -27,7 +27,7 @@ from .core.data import (
 )
 from .core.evaluation import evaluate_model, gather_outputs
 from .core.hooks import EarlyStopping, Hook
-from .core.loss import default_loss, evaluation_loss
+from .core.loss import check_label_smoothing, default_loss, evaluation_loss
 from .core.optim import (
                          StepPlan,
                          build_optimizer,
@@ -76,6 +76,7 @@ __all__ = [
     "TrainState",
     "TokenBudgetBatchSampler",
     "default_loss",
+    "check_label_smoothing",
     "evaluation_loss",
     "evaluate_model",
     "gather_outputs",

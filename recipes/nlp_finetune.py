@@ -22,7 +22,6 @@ from accel_train import (
     TrainConfig,
     build_accelerator,
     default_budget,
-    default_loss,
     layerwise_lr_decay_groups,
     make_loader,
     pad_multiple,
@@ -38,6 +37,7 @@ from accel_train.tasks.text.classification import (
     ClassificationModelArguments,
     Labels,
     PredictionFinish,
+    classification_loss,
     classification_metrics,
     data_summary,
     encode_labels,
@@ -48,6 +48,7 @@ from accel_train.tasks.text.classification import (
     loader_lengths,
     pad_with_eos,
     pick_columns,
+    regression_head_in_fp32,
     split_off_validation,
     tokenize,
     train_padding,
@@ -130,12 +131,12 @@ def build_model(args: ClassificationModelArguments, labels: Labels, max_seq_leng
     if len(tokenizer) > vocab:
         raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: "
                          "they do not belong together (check --tokenizer_name).")
-    return tokenizer, model
+    return tokenizer, regression_head_in_fp32(model)  # bf16 autocast would round its predictions to 8 bits
 
 
-def build_loss(config: TrainConfig):
-    """The model's own loss, or cross-entropy with --label_smoothing_factor; per-sample losses for exact eval."""
-    return default_loss(config.label_smoothing_factor)
+def build_loss(config: TrainConfig, labels: Labels):
+    """The model's own loss, or cross-entropy with --label_smoothing_factor (refused for regression); per sample."""
+    return classification_loss(labels, config.label_smoothing_factor)
 
 
 def build_metrics(labels: Labels):
@@ -151,6 +152,7 @@ def main(argv=None) -> dict[str, float]:
     # refuses an --output_dir clash before minutes of loading; length buckets: one static compiled graph per width
     accelerator = build_accelerator(cfg, static_shapes=bool(dargs.length_buckets))
     raw, text_columns, labels, found = load_data(dargs, cfg.seed)
+    loss_fn = build_loss(cfg, labels)  # refuses what the labels cannot take, before minutes of tokenizing
     if cfg.metric_for_best_model is None:
         best = BEST_METRIC["regression" if labels.is_regression else "classification"]
         cfg = cfg.replace(metric_for_best_model=f"ema_{best}" if cfg.save_ema_as_final else best)  # the saved weights'
@@ -185,7 +187,7 @@ def main(argv=None) -> dict[str, float]:
     finish = PredictionFinish(data.get("test"), collator, cfg, labels, metrics_fn, pad)
     result = train(model, train_loader, config=cfg, optimizer=groups,
                    eval_loader=make_loader(data["validation"], cfg, train=False, collate_fn=collator),
-                   loss_fn=build_loss(cfg), metrics_fn=metrics_fn, hooks=[finish],
+                   loss_fn=loss_fn, metrics_fn=metrics_fn, hooks=[finish],
                    accelerator=accelerator, processing_class=tokenizer, extra_configs=[margs, dargs])
     shown = (("eval_mse", "eval_pearson") if labels.is_regression
              else ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1"))

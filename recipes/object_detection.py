@@ -20,7 +20,16 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from accel_train import ConfigError, TrainConfig, build_accelerator, parse_config, run_cli, split_loaders, train
+from accel_train import (
+    ConfigError,
+    TrainConfig,
+    build_accelerator,
+    check_label_smoothing,
+    parse_config,
+    run_cli,
+    split_loaders,
+    train,
+)
 from accel_train.rundir.layout import REPORT_DIR
 from accel_train.tasks.model_config import check_constructor, parse_overrides
 from accel_train.tasks.vision.dense.annotated import load_coco_detection
@@ -104,6 +113,7 @@ def main(argv=None) -> dict[str, float]:
                       f"{data.max_objects} boxes per image")
     model = build_model(model_args, data)
     loss_fn = build_loss(aug_args, model_args, data)
+    check_label_smoothing(loss_fn, config.label_smoothing_factor)  # the focal loss has none: refused, not ignored
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own augmentation
     collate = DenseCollator(data.max_objects)
     loaders = split_loaders(data.splits, config, accelerator, data.eval_split, collate_fn=collate)

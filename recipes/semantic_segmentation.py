@@ -68,11 +68,13 @@ def build_model(args: ModelArguments, data) -> UNet:
     return UNet(len(data.mask_class_names), **shape)
 
 
-def build_loss(aug_args: DenseAugmentationArguments, args: ModelArguments, data) -> SegmentationLoss:
-    """Augment on the device while training (statistics of the train images standardise them)."""
+def build_loss(aug_args: DenseAugmentationArguments, args: ModelArguments, data,
+               label_smoothing: float = 0.0) -> SegmentationLoss:
+    """Augment on the device while training (statistics of the train images standardise them); the pixel
+    cross-entropy smoothed by --label_smoothing_factor in training, plain in evaluation."""
     mean, std = pixel_mean_std(data.splits["train"])
     return SegmentationLoss(aug_args.build(mean, std), EvalTransform(mean, std), len(data.mask_class_names),
-                            args.dice_weight)
+                            args.dice_weight, label_smoothing)
 
 
 def build_metrics(data) -> SegmentationMetrics:
@@ -94,7 +96,7 @@ def main(argv=None) -> dict[str, float]:
     accelerator.print(f"data: {', '.join(f'{k} {len(v)}' for k, v in data.splits.items())} images of "
                       f"{data.image_size}x{data.image_size}, {len(names)} classes ({', '.join(names[:12])})")
     model = build_model(model_args, data)
-    loss_fn = build_loss(aug_args, model_args, data)
+    loss_fn = build_loss(aug_args, model_args, data, config.label_smoothing_factor)
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own augmentation
     collate = DenseCollator(data.max_objects)
     loaders = split_loaders(data.splits, config, accelerator, data.eval_split, collate_fn=collate)

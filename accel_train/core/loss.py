@@ -15,7 +15,10 @@ What a loss object may declare, and the session then does for it (so that no rec
 * `refuse_accumulation(steps) -> str`: the loss couples the whole batch (a contrastive loss sees the batch's
   negatives), so gradient accumulation would change its objective: the session refuses it with this message;
 * `leaves_parameters_unused = True`: some steps give trainable parameters no gradient (a tower frozen for the
-  first steps, a stage that idles half the model): the session sets DDP's `find_unused_parameters`.
+  first steps, a stage that idles half the model): the session sets DDP's `find_unused_parameters`;
+* `refuse_label_smoothing(factor) -> str`: the loss has no label smoothing (a focal loss, InfoNCE), so
+  --label_smoothing_factor would change nothing while config.yaml records it: `check_label_smoothing` refuses it with
+  this message. The loop applies the flag only through `default_loss`; a loss of one's own reads it or declares this.
 
 Evaluation never includes training-only terms: a loss function with regularisers that are not the objective being
 measured (label smoothing, mixup, auxiliary penalties) carries `evaluation_loss`, the same loss without them, which
@@ -131,7 +134,8 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
       `chunk_size` > 0 (causal LMs): from the hidden states in chunks of that many tokens, never the whole
       logits (chunked_loss.py), checked against the model's own logits on the first batch;
     * one label per sample: the model's own loss (its mean), or cross-entropy with `label_smoothing`, with
-      per-sample losses so that evaluation is exact.
+      per-sample losses so that evaluation is exact (a regression model's squared errors, the mean over its
+      outputs: its MSELoss per sample).
     """
     unchecked = [bool(chunk_size)]
 
@@ -158,11 +162,20 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
             result["per_sample_loss"] = torch.nn.functional.cross_entropy(
                 out.logits.detach().float(), labels, reduction="none"
             )
+        elif labels is not None and problem_type(model) == "regression":  # the model's MSELoss, per sample
+            errors = out.logits.detach().float().reshape(len(labels), -1) - labels.float().reshape(len(labels), -1)
+            result["per_sample_loss"] = (errors**2).mean(1)
         return result
 
     if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy
         loss_fn.evaluation_loss = default_loss(0.0, chunk_size)
     return loss_fn
+
+
+def problem_type(model) -> str | None:
+    """A transformers classification model's `config.problem_type` ("regression", "single_label_classification",
+    ...; set by its first forward where it was not given), else None."""
+    return getattr(getattr(extract_model_from_parallel(model), "config", None), "problem_type", None)
 
 
 def is_causal_lm(model) -> bool:
@@ -181,6 +194,14 @@ def check_accumulation(loss_fn: Callable, steps: int) -> None:
     refuse = getattr(loss_fn, "refuse_accumulation", None)
     if steps > 1 and refuse is not None:
         raise ConfigError(refuse(steps))
+
+
+def check_label_smoothing(loss_fn: Callable, factor: float) -> None:
+    """A loss without label smoothing refuses --label_smoothing_factor > 0, with its own message (module docstring).
+    A recipe calls it where it builds its loss, before anything is written."""
+    refuse = getattr(loss_fn, "refuse_label_smoothing", None)
+    if factor and refuse is not None:
+        raise ConfigError(refuse(factor))
 
 
 def evaluation_loss(loss_fn: Callable) -> Callable:

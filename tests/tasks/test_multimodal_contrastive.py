@@ -204,6 +204,28 @@ def test_accumulation_is_refused_with_the_gradient_cache_alternative(tmp_path, t
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_gradient_cache_is_refused_under_deepspeed():
+    """DeepSpeed's engine steps the optimizer inside every backward (no_sync is a null context for ZeRO >= 2): each
+    GradCache chunk would be an optimizer step on its part of the gradient. Refused (failed before: accepted)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ConfigError, match=r"--gradient_cache_chunk_size 2 under DeepSpeed: .*optimizer step.*DDP or "
+                                          r"FSDP.*drop"):
+        ContrastiveLoss(deepspeed, torch.nn.Identity(), torch.nn.Identity(), seed=0, num_train_images=4, chunk_size=2)
+    ContrastiveLoss(deepspeed, torch.nn.Identity(), torch.nn.Identity(), seed=0, num_train_images=4)  # no GradCache
+
+
+def test_label_smoothing_is_refused_by_the_contrastive_loss_before_anything_is_written(tmp_path, tiny_text):
+    """InfoNCE here has no label smoothing: the flag changed nothing while config.yaml recorded it (failed before)."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*InfoNCE.* no label smoothing.*drop"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "1", "--label_smoothing_factor", "0.1")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_captions_are_drawn_per_epoch_from_the_seed_alone():
     ids, counts = torch.arange(200), torch.full((200,), 5)
     first = draw_captions(ids, counts, seed=1, epoch=0, num_images=200)
@@ -489,3 +511,21 @@ def test_one_and_two_processes_give_the_same_losses_gradients_and_metrics(tmp_pa
         assert other_results["eval_samples"] == results["eval_samples"] == 12  # gathered once per pair
         for key in (k for k in results if "recall" in k or "rank" in k):
             assert other_results[key] == results[key], (run_name, key)
+
+
+def test_the_evaluation_loss_on_two_processes_leaves_out_the_pairs_that_even_out_the_last_batch(tmp_path, tiny_text,
+                                                                                               ranks):
+    """12 evaluation pairs, 1 process x 10 against 2 x 5: the last batch holds 2 real pairs, which Accelerate tops
+    up on 2 processes with 8 pairs from the start of the set. Those 8 are no negatives of the real 2 (on 1 process
+    the last batch is the 2 alone), so eval_loss is the same. Before, they were: 1.79 on 1 process, 2.15 on 2."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 2})
+    common = [str(x) for x in ("--data_dir", data, "--text_model_name_or_path", tiny_text, *TINY_VIT,
+                               "--learning_rate", 0, "--max_steps", 1, "--per_device_train_batch_size", 4, *QUIET)]
+    reset_accelerate()
+    one = recipe.main([*common, "--per_device_eval_batch_size", "10", "--output_dir", str(tmp_path / "one")])
+    ranks.run(recipe.main, [*common, "--per_device_eval_batch_size", "5", "--output_dir", str(tmp_path / "two")])
+    two = json.loads((tmp_path / "two" / "all_results.json").read_text())
+    losses = [k for k in one if k.endswith("_loss") and k.startswith(("eval_", "test_"))]
+    assert "eval_loss" in losses and two["eval_samples"] == one["eval_samples"] == 12
+    for key in losses:
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key

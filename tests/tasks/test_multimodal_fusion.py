@@ -439,6 +439,13 @@ def test_the_demo_has_its_own_defaults_and_accumulation_is_refused(tmp_path, tin
         run(tmp_path, data, tiny_text, *TINY_VISION, "--gradient_accumulation_steps", "2")
 
 
+def test_label_smoothing_is_refused_by_the_fusion_loss_before_anything_is_written(tmp_path, tiny_text):
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*no label smoothing.*drop"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "1", "--label_smoothing_factor", "0.1")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 # ------------------------------------------------------------------------------------------ across processes
 
 
@@ -481,3 +488,22 @@ def test_one_and_two_processes_give_the_same_weights_and_metrics(tmp_path, tiny_
     assert results[0]["eval_samples"] == results[1]["eval_samples"] == 12  # gathered once per pair
     for key in (k for k in results[0] if any(s in k for s in ("recall", "rank", "auc", "accuracy"))):
         assert results[1][key] == results[0][key], key
+
+
+def test_the_evaluation_loss_on_two_processes_leaves_out_the_pairs_that_even_out_the_last_batch(tmp_path, tiny_text,
+                                                                                               ranks):
+    """12 evaluation pairs, 1 process x 10 against 2 x 5: on 2 processes Accelerate tops the last batch's 2 real
+    pairs up with 8 from the start of the set. They are neither ITC negatives nor drawn as ITM hard negatives of the
+    real 2, so eval_loss (and the metrics) are those of 1 process."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 2})
+    common = [str(x) for x in ("--data_dir", data, "--text_model_name_or_path", tiny_text, *TINY_VIT, *TINY_FUSION,
+                               "--fusion_dropout", 0, "--learning_rate", 0, "--max_steps", 1,
+                               "--per_device_train_batch_size", 4, "--rerank_k", 3, *QUIET)]
+    reset_accelerate()
+    one = recipe.main([*common, "--per_device_eval_batch_size", "10", "--output_dir", str(tmp_path / "one")])
+    ranks.run(recipe.main, [*common, "--per_device_eval_batch_size", "5", "--output_dir", str(tmp_path / "two")])
+    two = json.loads((tmp_path / "two" / "all_results.json").read_text())
+    assert "eval_loss" in one and two["eval_samples"] == one["eval_samples"] == 12
+    evaluated = [k for k in one if k.startswith(("eval_", "test_"))]
+    for key in (k for k in evaluated if k.endswith("_loss") or any(s in k for s in ("recall", "rank", "auc", "acc"))):
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key

@@ -9,7 +9,7 @@ import pytest
 from conftest import FILLER, RECIPES, SHARED_DATA, launch, make_rows
 from conftest import nlp_main as run
 
-from accel_train import layerwise_lr_decay_groups
+from accel_train import ConfigError, layerwise_lr_decay_groups
 from accel_train.tasks.text.classification import load_embedded_tweets
 
 RECIPE = RECIPES / "nlp_finetune.py"
@@ -67,6 +67,65 @@ def test_regression_on_float_labels(tiny_bert, tmp_path):
     res = results(out)
     assert res["eval_samples"] == 7  # 10% held out, seeded
     assert res["eval_mse"] < 0.16 and "eval_pearson" in res
+
+
+def test_label_smoothing_is_refused_for_float_labels_before_tokenizing(tiny_bert, tmp_path):
+    """A regression's loss (MSE) has no label smoothing: the flag changed nothing while config.yaml recorded it
+    (failed before: the run trained and returned)."""
+    rows = make_rows(40, 4)
+    pd.DataFrame({"text": [t for _, t in rows], "score": [0.9 if y else 0.1 for y, _ in rows]}).to_csv(
+        tmp_path / "train.csv", index=False)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--label_smoothing_factor 0.1: .*regression.* no label smoothing.*drop"):
+        run(["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.csv"),
+             "--label_column_name", "score", "--output_dir", str(out), *FAST, "--max_steps", "1",
+             "--label_smoothing_factor", "0.1"])
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_regression_eval_loss_on_two_processes_counts_each_sample_once(tiny_bert, tmp_path, ranks):
+    """13 float-label validation rows, 1 process x 8 against 2 x 4 (the session's gloo ranks): the last batch of rank
+    1 holds row 12 and three rows repeated from the start to even it out. Per-sample squared errors let the gather
+    drop the repeats; the batch mean stood for each of its samples, repeats included (failed before)."""
+    rows = make_rows(77, 6)
+    frame = pd.DataFrame({"text": [t for _, t in rows], "score": [0.2 + 0.6 * y + 0.01 * i for i, (y, _) in
+                                                                  enumerate(rows)]})
+    frame.iloc[:64].to_csv(tmp_path / "train.csv", index=False)
+    frame.iloc[64:].to_csv(tmp_path / "dev.csv", index=False)
+    common = ["--model_name_or_path", str(tiny_bert), "--train_file", str(tmp_path / "train.csv"), "--validation_file",
+              str(tmp_path / "dev.csv"), "--label_column_name", "score", *FAST, "--learning_rate", "0",
+              "--max_steps", "1", "--save_strategy", "no", "--load_best_model_at_end", "false", "--mixed_precision",
+              "no", "--per_device_train_batch_size", "4"]
+    one = run([*common, "--per_device_eval_batch_size", "8", "--output_dir", str(tmp_path / "one")])
+    ranks.run(run, [*common, "--per_device_eval_batch_size", "4", "--output_dir", str(tmp_path / "two")])
+    two = results(tmp_path / "two")
+    assert one["eval_samples"] == two["eval_samples"] == 13
+    assert two["eval_mse"] == pytest.approx(one["eval_mse"], abs=1e-6)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-6)
+    assert one["eval_loss"] == pytest.approx(one["eval_mse"], rel=1e-5)  # the loss is the mean squared error
+
+
+def test_a_regression_head_under_bf16_autocast_predicts_in_fp32(tiny_bert):
+    """Under bf16 autocast (--mixed_precision auto on bf16 hardware) a Linear head returns bf16: a prediction near 500
+    was rounded to a multiple of 2 (8 mantissa bits), in eval_mse, the best-model metric, and predict_results.jsonl.
+    The recipe's regression head computes in fp32 from the body's features (failed before: 500.7 came out as 500)."""
+    import nlp_finetune
+    import torch
+    from transformers import AutoTokenizer
+
+    from accel_train.tasks.text.classification import ClassificationModelArguments, Labels
+
+    _, model = nlp_finetune.build_model(ClassificationModelArguments(model_name_or_path=str(tiny_bert)),
+                                        Labels(None), 32)
+    batch = AutoTokenizer.from_pretrained(tiny_bert)(["good movie", "bad plot"], return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        model.classifier.weight.mul_(1e-3)  # the features hardly move the prediction: the bias decides it
+        model.classifier.bias.fill_(500.7)
+        fp32 = model(**batch).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(**batch).logits
+    assert mixed.dtype == torch.float32 and (mixed - fp32).abs().max() < 0.01, (mixed, fp32)
 
 
 def test_config_overrides_reach_the_trained_model(tiny_bert, sst_like, tmp_path):

@@ -6,6 +6,7 @@ in this process and on the session's 2 spawned gloo ranks (conftest's `ranks`).
 
 import json
 import math
+from pathlib import Path
 
 import dense_eval
 import numpy as np
@@ -20,6 +21,7 @@ from accel_train.tasks.vision.dense.annotated import IGNORE_MASK_VALUE, load_mas
 from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases
 from accel_train.tasks.vision.dense.segmentation import (
+    SegmentationLoss,
     SegmentationMetrics,
     UNet,
     confusion_per_image,
@@ -193,6 +195,25 @@ def test_recipe_reads_image_and_mask_folders_and_holds_out_validation(tmp_path):
     assert metrics["eval_samples"] == 2 and {"eval_iou_0", "eval_iou_1", "eval_iou_2"} <= set(metrics)
 
 
+def test_label_smoothing_smooths_the_training_cross_entropy_and_not_the_evaluation(tmp_path):
+    """--label_smoothing_factor reaches the pixel cross-entropy in training; evaluation (eval_loss, the best model)
+    measures the plain one. Before, the flag was silently ignored: the same train_loss with and without it."""
+    logits, mask = torch.randn(2, 3, 4, 5), torch.randint(0, 3, (2, 4, 5))
+    mask[0, 0] = IGNORE_MASK_VALUE
+    ce = torch.nn.functional.cross_entropy(logits, mask.clamp_max(2), label_smoothing=0.2, reduction="none")
+    valid = mask != IGNORE_MASK_VALUE
+    expected = (ce * valid).flatten(1).sum(1) / valid.flatten(1).sum(1)
+    assert torch.allclose(segmentation_losses(logits, mask, label_smoothing=0.2)["ce"], expected, atol=1e-6)
+    runs = {}
+    for factor in ("0", "0.2"):
+        reset_accelerate()
+        runs[factor] = recipe.main(["--output_dir", str(tmp_path / factor), *QUIET, *TINY, "--num_train_canvases",
+                                    "16", "--num_test_canvases", "4", "--max_steps", "1", "--learning_rate", "0",
+                                    "--per_device_train_batch_size", "8", "--label_smoothing_factor", factor])
+    assert abs(runs["0.2"]["train_loss"] - runs["0"]["train_loss"]) > 1e-3
+    assert runs["0.2"]["eval_loss"] == runs["0"]["eval_loss"]
+
+
 def test_unet_keeps_the_input_size_for_any_stem():
     for stem in (1, 2):
         logits = UNet(5, (8, 16), 1, stem)(torch.zeros(2, 3, 40, 40))
@@ -200,6 +221,50 @@ def test_unet_keeps_the_input_size_for_any_stem():
 
 
 # ------------------------------------------------------------------------------------- 1 vs 2 processes
+
+
+class _TinySegmenter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, pixel_values):
+        return self.conv(pixel_values)
+
+
+def plot_a_sharded_model_on_rank(out: str) -> None:
+    """On each of 2 gloo ranks: the prediction-plot hook at the end of training, for a model that FSDP2's fully_shard
+    turned into a sharded module (as Accelerate does to the module a recipe passes to train())."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from accel_train.tasks.vision.dense.prediction_plots import PredictionPlot, draw_segmentation_batch
+    from accel_train.tasks.vision.transforms import EvalTransform
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = fully_shard(_TinySegmenter())
+    items = [{"pixel_values": torch.full((3, 8, 8), 40 * i, dtype=torch.uint8),
+              "mask": torch.zeros(8, 8, dtype=torch.long)} for i in range(3)]
+    loss = SegmentationLoss(torch.nn.Identity(), EvalTransform([0.5] * 3, [0.25] * 3), 2)
+
+    def draw(path, batch, predictions):
+        (Path(out) / f"drawn_on_rank{dist.get_rank()}").write_text("")
+        return draw_segmentation_batch(path, batch, predictions, class_names=["background", "thing"])
+
+    plot = PredictionPlot(model, items, lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]},
+                          loss.predict, draw, Path(out) / "segmentation.png", dist.get_rank() == 0)
+    plot.on_train_end(None, {})
+    dist.barrier()  # both ranks got here: none is left waiting in the other's all-gather
+
+
+def test_the_prediction_plot_of_a_sharded_model_runs_its_forward_on_every_rank(tmp_path, ranks):
+    """FSDP2 (or ZeRO-3): the sharded model's forward is a collective. The hook ran it on the main process only, which
+    waited in an all-gather that rank 1, gone on, never joined: a hang until the timeout (failed before). Every rank
+    now runs the forward; only the main process draws."""
+    ranks.run(plot_a_sharded_model_on_rank, str(tmp_path), timeout=90)
+    assert (tmp_path / "segmentation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.glob("drawn_on_rank*")) == ["drawn_on_rank0"]
 
 
 @pytest.mark.slow

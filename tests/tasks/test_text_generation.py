@@ -369,6 +369,15 @@ def test_lengths_beyond_the_model_positions_are_refused(tmp_path, dates):
             "--max_target_length", "40")
 
 
+def test_generating_at_every_evaluation_with_no_samples_is_refused_before_training(tmp_path, dates):
+    """--max_generate_samples 0 generates for nothing; with --predict_with_generate every evaluation scored 0 outputs
+    and the metrics module failed on the empty lists: a MetricsError after the first evaluation (failed before)."""
+    with pytest.raises(ConfigError, match=r"--predict_with_generate with --max_generate_samples 0: .*Drop one"):
+        run(tmp_path, *data_flags(dates), *T5, "--predict_with_generate", "--max_generate_samples", "0",
+            "--eval_strategy", "steps", "--eval_steps", "1")
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
 def test_chat_column_that_is_not_messages_and_chat_with_seq2seq_are_refused(tmp_path, dates):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
     with pytest.raises(DataError, match="last message is from 'user', not 'assistant'"):

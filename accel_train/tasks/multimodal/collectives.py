@@ -1,11 +1,12 @@
 """The collectives the image-text losses and metrics share: every process's rows in rank order, with or without
-gradients, padded where the processes' lengths differ, and the distinct ids of a gathered batch. One process (or
-no process group) is the identity everywhere."""
+gradients, padded where the processes' lengths differ, the distinct ids of a gathered batch, and which of its
+columns only even out the last evaluation batch. One process (or no process group) is the identity everywhere."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from accelerate.state import GradientState
 
 
 def world_size() -> int:
@@ -37,6 +38,23 @@ def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     # The group named now: all_gather's default is the world group of the moment torch.distributed.nn was imported,
     # which a process that ended that group and started another (a sweep, a notebook training twice) no longer has.
     return torch.cat(all_gather(x.contiguous(), group=dist.group.WORLD)), rank() * x.shape[0]
+
+
+def repeated_columns(size: int, device) -> torch.Tensor | None:
+    """[size] bool, True for the columns of a gathered evaluation batch of `size` pairs that are not pairs of this
+    batch: in the last batch on several processes, Accelerate (`even_batches`) tops every process up with pairs from
+    the start of the set, and the real pairs come first in rank order (what `gather_for_metrics` keeps). A loss over
+    the global batch must not take them as negatives: on 1 process the last batch holds the real pairs alone, and
+    2 processes x B/2 give the 1 x B loss only without them. None where there are none. Call it in evaluation only:
+    a training loader that drops its last batch (the recipes') has no repeats, one that does not has them on purpose.
+    """
+    if world_size() == 1:  # no repeats; and Accelerate's count may be another loader's (an unprepared one's)
+        return None
+    state = GradientState()
+    real = state.remainder  # len(dataset) % the global batch size, -1 for a loader of unknown length
+    if not state.end_of_dataloader or not 0 < real < size:
+        return None
+    return torch.arange(size, device=device) >= real
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:

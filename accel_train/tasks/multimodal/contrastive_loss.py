@@ -24,29 +24,32 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ...core.data import seeded_generator
 from ...errors import ConfigError
-from .collectives import gather_plain, gather_with_grad
+from .collectives import gather_plain, gather_with_grad, repeated_columns, world_size
 
 
 def clip_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale: torch.Tensor,
-              image_ids: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              image_ids: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None,
+              excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss over this process's pairs, per-pair loss [B]): symmetric InfoNCE of this process's B pairs
     against the pairs of the global batch, the mean of image->text and text->image cross-entropy.
 
     With `image_ids` / `caption_ids` [B], two pairs that share an image or an identical caption are not
     negatives of each other (the evaluation pairs an image with each of its captions; generated captions
-    repeat): such logits are left out of the softmax."""
+    repeat): such logits are left out of the softmax. So are the columns of the global batch that `excluded` [G]
+    marks (`repeated_columns`: the pairs that only even out the last evaluation batch); a pair's own stays."""
     images, texts = image_embeds.float(), text_embeds.float()
     all_images, offset = gather_with_grad(images)
     all_texts, _ = gather_with_grad(texts)
     targets = torch.arange(offset, offset + images.shape[0], device=images.device)
     logits_i2t = logit_scale * images @ all_texts.T
     logits_t2i = logit_scale * texts @ all_images.T
-    if image_ids is not None or caption_ids is not None:
+    if image_ids is not None or caption_ids is not None or excluded is not None:
         same = torch.zeros_like(logits_i2t, dtype=torch.bool)
         for ids in (image_ids, caption_ids):
             if ids is not None:
                 same |= ids[:, None] == gather_plain(ids)[None, :]
+        if excluded is not None:
+            same |= excluded[None, :]
         same[torch.arange(len(targets), device=targets.device), targets] = False
         logits_i2t = logits_i2t.masked_fill(same, float("-inf"))
         logits_t2i = logits_t2i.masked_fill(same, float("-inf"))
@@ -94,7 +97,10 @@ class ImageTextLoss:
     images (train or eval transform) with one caption per image (the epoch's drawn caption in training, the
     pair's own in evaluation). What the session does for it (core/loss.py): registers its clock (`hooks`), refuses
     gradient accumulation (`refuse_accumulation`: the loss is over the global batch), and has DDP expect unused
-    parameters while a tower is frozen (`leaves_parameters_unused`)."""
+    parameters while a tower is frozen (`leaves_parameters_unused`); a recipe refuses --label_smoothing_factor with
+    its message (`refuse_label_smoothing`: there is none in these losses)."""
+
+    objective = "symmetric InfoNCE over the global batch"  # what refusals name
 
     def __init__(self, train_transform: Callable, eval_transform: Callable, seed: int, num_train_images: int,
                  clock: StepClock | None, freeze_steps: Mapping[str, int] | None):
@@ -111,6 +117,11 @@ class ImageTextLoss:
 
     def refuse_accumulation(self, steps: int) -> str:
         return accumulation_refusal(steps)
+
+    def refuse_label_smoothing(self, factor: float) -> str:
+        """Declared for core/loss.py's check_label_smoothing (the recipe calls it)."""
+        return (f"--label_smoothing_factor {factor}: this recipe's loss ({self.objective}) has no label smoothing, so "
+                "the flag would change nothing while config.yaml records it; drop it (or set it to 0).")
 
     def frozen(self) -> frozenset:
         return frozen_towers(self.freeze_steps, self.clock.step)
@@ -135,13 +146,19 @@ class ContrastiveLoss(ImageTextLoss):
     prompts, {"input_ids", "attention_mask"}) are given.
 
     Gradient accumulation is refused (by the session, `refuse_accumulation`): a loss over micro-batches would see
-    fewer negatives than the batch asked for. GradCache gives the memory saving without that loss."""
+    fewer negatives than the batch asked for. GradCache gives the memory saving without that loss, and is refused
+    under DeepSpeed, whose engine steps inside each of its backward passes."""
 
     def __init__(self, accelerator, train_transform: Callable, eval_transform: Callable, *, seed: int,
                  num_train_images: int, clock: StepClock | None = None, chunk_size: int | None = None,
                  freeze_steps: Mapping[str, int] | None = None, prompts: Mapping[str, torch.Tensor] | None = None):
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"--gradient_cache_chunk_size {chunk_size}: must be >= 1 (or unset).")
+        if chunk_size is not None and accelerator.distributed_type.value == "DEEPSPEED":
+            raise ConfigError(f"--gradient_cache_chunk_size {chunk_size} under DeepSpeed: the engine steps the "
+                              "optimizer inside every backward (its no_sync does nothing for ZeRO >= 2), so each chunk "
+                              "would be an optimizer step on its part of the gradient. Train GradCache with DDP or "
+                              "FSDP (accelerate_configs/), or drop the flag.")
         super().__init__(train_transform, eval_transform, seed, num_train_images, clock, freeze_steps)
         self.accelerator, self.chunk_size, self.prompts = accelerator, chunk_size, prompts
 
@@ -157,7 +174,9 @@ class ContrastiveLoss(ImageTextLoss):
 
     def evaluate(self, model, images, input_ids, mask, image_ids, caption_ids) -> dict[str, torch.Tensor]:
         out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask)
-        loss, per_pair = clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], image_ids, caption_ids)
+        repeats = repeated_columns(len(image_ids) * world_size(), images.device)
+        loss, per_pair = clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], image_ids, caption_ids,
+                                   repeats)
         result = {"loss": loss, "per_sample_loss": per_pair, "image_embeds": out["image_embeds"].float(),
                   "text_embeds": out["text_embeds"].float(), "image_ids": image_ids, "caption_ids": caption_ids}
         if self.prompts is not None:

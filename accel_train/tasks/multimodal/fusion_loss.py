@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from ...core.data import seeded_generator
 from ...errors import ConfigError
-from .collectives import gather_plain, gather_with_grad, longest, pad_to, rank, world_size
+from .collectives import gather_plain, gather_with_grad, longest, pad_to, rank, repeated_columns, world_size
 from .contrastive_loss import ImageTextLoss, StepClock, clip_loss
 
 TASKS = ("itc", "itm")
@@ -87,12 +87,13 @@ class HardNegativePairs:
     positive has none), `negative_image_ids` / `negative_caption_ids` [B] name what was drawn (in the global batch) and
     `features` holds the towers' outputs as the model computed them (under DDP looking for unused
     parameters, the forward's returned tensors are copies that the losses do not flow through). With
-    `match=False` it only records `features` and names no pairs (the model then computes no ITM logits)."""
+    `match=False` it only records `features` and names no pairs (the model then computes no ITM logits). The
+    columns of the global batch that `excluded` [G] marks (`repeated_columns`) are never drawn."""
 
     def __init__(self, image_ids: torch.Tensor, caption_ids: torch.Tensor, seed: int, step: int,
-                 caption_sets: torch.Tensor | None = None, match: bool = True):
+                 caption_sets: torch.Tensor | None = None, match: bool = True, excluded: torch.Tensor | None = None):
         self.image_ids, self.caption_ids, self.seed, self.step = image_ids, caption_ids, seed, step
-        self.match = match
+        self.match, self.excluded = match, excluded
         self.caption_sets = caption_ids[:, None] if caption_sets is None else caption_sets
         self.valid: torch.Tensor | None = None
         self.features: tuple[torch.Tensor, ...] = ()
@@ -110,6 +111,9 @@ class HardNegativePairs:
         text_forbidden = positives(self.image_ids, self.caption_sets, all_image_ids, all_caption_ids)
         image_forbidden = positives(all_image_ids, gather_caption_sets(self.caption_sets), self.image_ids,
                                     self.caption_ids).T
+        if self.excluded is not None:
+            text_forbidden = text_forbidden | self.excluded
+            image_forbidden = image_forbidden | self.excluded
         scale = out["logit_scale"].detach().float()
         draws = [uniform_draws(self.seed, 2 * self.step + i, g, offset, b, images.device) for i in (0, 1)]
         text_of_image, text_ok = sample_negatives(scale * images @ all_texts.T, text_forbidden, draws[0])
@@ -191,6 +195,8 @@ class FusionLoss(ImageTextLoss):
     Evaluation: each pair's own caption, `eval_transform`; returns the per-pair weighted loss and, for
     `FusionMetrics`, the embeddings, ids, image tokens and text states padded to `text_length`."""
 
+    objective = "InfoNCE over the global batch and image-text matching on hard negatives"
+
     def __init__(self, train_transform: Callable, eval_transform: Callable, *, seed: int, num_train_images: int,
                  text_length: int, weights: Mapping[str, float] | None = None, clock: StepClock | None = None,
                  freeze_steps: Mapping[str, int] | None = None, token_dropout: float = 0.0,
@@ -229,15 +235,17 @@ class FusionLoss(ImageTextLoss):
         if training and self.token_dropout:
             mask = drop_tokens(mask, self.token_dropout)
         # evaluation draws its negatives from a fixed stream: the same pairs at every evaluation
+        repeats = None if training else repeated_columns(len(ids) * world_size(), images.device)
         pairs = HardNegativePairs(ids, caption_ids, self.seed, self.clock.step if training else EVAL_STREAM,
-                                  caption_sets=batch["caption_ids"], match=stage != "itc")
+                                  caption_sets=batch["caption_ids"], match=stage != "itc", excluded=repeats)
         frozen = self.frozen() if training else frozenset()
         if stage == "itm":
             frozen = frozen | {"text", "vision"}
         out = model(pixel_values=images, input_ids=input_ids, attention_mask=mask, frozen=frozen, itm_pairs=pairs)
         if stage == "itm":  # nothing reaches the projections or the temperature: AdamW leaves them as they are
             out = {**out, **{k: out[k].detach() for k in ("image_embeds", "text_embeds", "logit_scale")}}
-        per_task = {"itc": clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], ids, caption_ids)[1]}
+        per_task = {"itc": clip_loss(out["image_embeds"], out["text_embeds"], out["logit_scale"], ids, caption_ids,
+                                     repeats)[1]}
         per_task["itm"] = (per_task["itc"].new_zeros(len(ids)) if stage == "itc"
                            else itm_loss(out["itm_logits"], pairs.valid))
         weights = self.weights if stage == "joint" else {t: float(t == stage) for t in TASKS}

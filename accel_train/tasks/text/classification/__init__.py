@@ -5,7 +5,8 @@
 
 The pieces are this package's modules: `data` (data files, `datasets` names, the embedded tweet corpus, label
 encoding, tokenization, padding statistics), `args` (the recipe's model and data flags), `eval` (metrics, the
-training batches' padding, the test split's predictions at the finish seam).
+training batches' padding, the test split's predictions at the finish seam), `head` (the loss, and a regression head
+that predicts in fp32 under mixed precision).
 """
 
 from .args import ClassificationDataArguments, ClassificationModelArguments
@@ -30,6 +31,7 @@ from .data import (
     truncated_counts,
 )
 from .eval import PredictionFinish, classification_metrics, fixed_batches_reason, loader_lengths, train_padding
+from .head import classification_loss, regression_head_in_fp32
 
 __all__ = [
     "ClassificationDataArguments", "ClassificationModelArguments",
@@ -38,4 +40,5 @@ __all__ = [
     "pad_with_eos", "padding_ratio", "pick_columns", "read_label_text_lines", "split_off_validation", "tokenize",
     "truncated_counts",
     "PredictionFinish", "classification_metrics", "fixed_batches_reason", "loader_lengths", "train_padding",
+    "classification_loss", "regression_head_in_fp32",
 ]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from ....errors import ConfigError
 from ...text_units import normalise_text
 from .roundtrip import ROUND_TRIP_SCORES, decode_output, round_trips
 from .tokens import GenerationCollator, TokenizedSplit
@@ -50,6 +51,13 @@ class GenerationArguments:
         "help": "Also generate (and score) at every evaluation during training, not only at the end."})
     lead_baseline_words: int = field(default=0, metadata={
         "help": "> 0: also score the first N words of each source as its output (the lead-N baseline)."})
+
+    def __post_init__(self):
+        if self.predict_with_generate and self.max_generate_samples == 0:
+            raise ConfigError("--predict_with_generate with --max_generate_samples 0: every evaluation would generate "
+                              "for no item and have nothing to score (the metrics fail at the first one). Drop one: "
+                              "--max_generate_samples N (or unset: 256) to generate, or --predict_with_generate to "
+                              "evaluate the loss alone.")
 
 
 def repeated_ngram_share(texts: Sequence[str], n: int = 3) -> float:

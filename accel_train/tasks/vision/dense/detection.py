@@ -283,6 +283,12 @@ class DetectionLoss:
         self.max_detections, self.nms_iou, self.score_threshold = max_detections, nms_iou, score_threshold
         self.giou_weight, self.l1_weight = giou_weight, l1_weight
 
+    def refuse_label_smoothing(self, factor: float) -> str:
+        """Declared for core/loss.py's check_label_smoothing."""
+        return (f"--label_smoothing_factor {factor}: this recipe's loss (a focal loss on the centre heatmaps, GIoU and "
+                "L1 on the boxes) has no label smoothing, so the flag would change nothing while config.yaml records "
+                "it; drop it (or set it to 0).")
+
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
         images, boxes, classes = batch["pixel_values"], batch["boxes"], batch["classes"]
         crowd = batch.get("crowd")

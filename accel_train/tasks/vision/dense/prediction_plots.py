@@ -91,9 +91,12 @@ def draw_segmentation_batch(path, batch: dict, predictions: dict, class_names: S
 
 
 class PredictionPlot:
-    """A hook: at the end of training, on the main process, run `model` (the bare module given to `train`, so
-    it holds the trained weights) on the first `count` items of `dataset` and hand the batch and
-    `predict(model, batch)` to `draw(path, batch, predictions)`. No collective calls: other ranks do nothing."""
+    """A hook: at the end of training, run `model` (the bare module given to `train`, so it holds the trained
+    weights) on the first `count` items of `dataset` and hand the batch and `predict(model, batch)` to
+    `draw(path, batch, predictions)` on the main process. A whole model runs on the main process alone, without
+    collectives. A sharded one (FSDP2's fully_shard turns the module given to `train` into the sharded module; ZeRO-3
+    partitions its parameters in place) runs on every rank, on the same items: its forward gathers the parameters, a
+    collective that a main process alone would wait in forever while the other ranks went on."""
 
     def __init__(self, model: torch.nn.Module, dataset, collate: Callable, predict: Callable, draw: Callable,
                  path: str | Path, is_main_process: bool, count: int = 6):
@@ -101,7 +104,7 @@ class PredictionPlot:
         self.path, self.is_main_process, self.count = Path(path), is_main_process, count
 
     def on_train_end(self, state, metrics) -> None:
-        if not self.is_main_process or len(self.dataset) == 0:
+        if len(self.dataset) == 0 or not (self.is_main_process or sharded(self.model)):
             return
         device = next(self.model.parameters()).device
         batch = self.collate([self.dataset[i] for i in range(min(self.count, len(self.dataset)))])
@@ -111,5 +114,15 @@ class PredictionPlot:
         with torch.no_grad():
             predictions = self.predict(self.model, batch)
         self.model.train(was_training)
+        if not self.is_main_process:
+            return
         self.draw(self.path, {k: v.cpu().numpy() for k, v in batch.items()},
                   {k: v.cpu().numpy() for k, v in predictions.items()})
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward gathers sharded parameters from every rank: an FSDP2 module (fully_shard), or
+    parameters DeepSpeed ZeRO-3 partitioned (they carry its `ds_id`). FSDP1 is refused by the library."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) or any(hasattr(p, "ds_id") for p in model.parameters())

@@ -66,16 +66,16 @@ def _upsample(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return F.interpolate(x, size=like.shape[-2:], mode="bilinear", align_corners=False)
 
 
-def segmentation_losses(logits: torch.Tensor, mask: torch.Tensor,
-                        ignore_index: int = IGNORE_MASK_VALUE) -> dict[str, torch.Tensor]:
-    """Per-image {"ce": pixel cross-entropy, "dice": 1 - soft Dice}; pixels marked `ignore_index` count in
-    neither. The Dice term averages over the classes present in the image's mask (background included), so
-    a digit of a few dozen pixels weighs as much as the background around it."""
+def segmentation_losses(logits: torch.Tensor, mask: torch.Tensor, ignore_index: int = IGNORE_MASK_VALUE,
+                        label_smoothing: float = 0.0) -> dict[str, torch.Tensor]:
+    """Per-image {"ce": pixel cross-entropy (with `label_smoothing`), "dice": 1 - soft Dice}; pixels marked
+    `ignore_index` count in neither. The Dice term averages over the classes present in the image's mask
+    (background included), so a digit of a few dozen pixels weighs as much as the background around it."""
     logits = logits.float()
     valid = mask != ignore_index
     target = torch.where(valid, mask, torch.zeros_like(mask))
     pixels = valid.flatten(1).sum(1).clamp_min(1)
-    ce = F.cross_entropy(logits, target, reduction="none") * valid
+    ce = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing) * valid
     probs = logits.softmax(1) * valid[:, None]
     onehot = F.one_hot(target, logits.shape[1]).permute(0, 3, 1, 2).float() * valid[:, None]
     inter = (probs * onehot).sum((2, 3))
@@ -129,12 +129,17 @@ class SegmentationMetrics:
 
 class SegmentationLoss:
     """A `loss_fn` for the loop. Training: augment images and masks together, then per image
-    cross-entropy + `dice_weight` * Dice. Evaluation: standardise only, and add each image's confusion
-    matrix for `SegmentationMetrics`. The batch is a `DenseCollator` batch with "pixel_values" and "mask"."""
+    cross-entropy (smoothed by `label_smoothing`) + `dice_weight` * Dice. Evaluation: standardise only, the plain
+    cross-entropy, and add each image's confusion matrix for `SegmentationMetrics`. The batch is a `DenseCollator`
+    batch with "pixel_values" and "mask". With label smoothing, `evaluation_loss` is the loss without it (what the
+    --overfit_batches check judges; core/loss.py)."""
 
-    def __init__(self, augment: nn.Module, eval_transform: nn.Module, num_classes: int, dice_weight: float = 1.0):
+    def __init__(self, augment: nn.Module, eval_transform: nn.Module, num_classes: int, dice_weight: float = 1.0,
+                 label_smoothing: float = 0.0):
         self.augment, self.eval_transform = augment, eval_transform
-        self.num_classes, self.dice_weight = num_classes, dice_weight
+        self.num_classes, self.dice_weight, self.label_smoothing = num_classes, dice_weight, label_smoothing
+        if label_smoothing:
+            self.evaluation_loss = SegmentationLoss(augment, eval_transform, num_classes, dice_weight)
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
         images, mask = batch["pixel_values"], batch["mask"]
@@ -143,7 +148,7 @@ class SegmentationLoss:
         else:
             images = self.eval_transform(images)
         logits = model(pixel_values=images)
-        parts = segmentation_losses(logits, mask)
+        parts = segmentation_losses(logits, mask, label_smoothing=self.label_smoothing if model.training else 0.0)
         per_image = parts["ce"] + self.dice_weight * parts["dice"]
         out = {"loss": per_image.mean(), "log": {f"{k}_loss": v.detach().mean() for k, v in parts.items()}}
         if not model.training:

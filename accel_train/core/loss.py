@@ -189,11 +189,14 @@ def loss_hooks(*objects: Any) -> list[Any]:
     return [hook for obj in objects for hook in (getattr(obj, "hooks", None) or ())]
 
 
-def check_accumulation(loss_fn: Callable, steps: int) -> None:
-    """A loss that couples the whole batch refuses gradient accumulation, with its own message."""
+def check_loss(loss_fn: Callable, config) -> None:
+    """What the run's loss declares it cannot do, refused with its own message before anything is written: gradient
+    accumulation (a loss that couples the whole batch), label smoothing (a loss without it: check_label_smoothing).
+    The session calls it for every loss; a recipe may call check_label_smoothing earlier, where it builds its loss."""
     refuse = getattr(loss_fn, "refuse_accumulation", None)
-    if steps > 1 and refuse is not None:
-        raise ConfigError(refuse(steps))
+    if config.gradient_accumulation_steps > 1 and refuse is not None:
+        raise ConfigError(refuse(config.gradient_accumulation_steps))
+    check_label_smoothing(loss_fn, config.label_smoothing_factor)
 
 
 def check_label_smoothing(loss_fn: Callable, factor: float) -> None:

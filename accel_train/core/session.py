@@ -44,7 +44,7 @@ from .evaluation import MetricsFn, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
 from .hooks import call_hooks, ended, hook_keys
 from .hyperparameters import group_peaks
-from .loss import check_accumulation, default_loss, evaluation_loss, loss_hooks
+from .loss import check_loss, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
 from .objects import check_interval, loader_notes, report_lines, split_schedulers, take_schedules, what_ran
 from .optim import batches_per_process, build_optimizer, current_lr, make_plan, run_schedule, steps_on_evaluation
@@ -92,7 +92,7 @@ class Session:
         self.own_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else built (from groups or the config)
         optimizer = optimizer if self.own_optimizer else build_optimizer(model, config, optimizer, acc)
         loss_fn = spec.loss_fn or default_loss(config.label_smoothing_factor)
-        check_accumulation(loss_fn, config.gradient_accumulation_steps)
+        check_loss(loss_fn, config)  # accumulation, label smoothing: what the loss declares it cannot do
         if getattr(loss_fn, "leaves_parameters_unused", False):  # some steps give trainable parameters no gradient
             acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         enable_gradient_checkpointing(model, config)

@@ -17,7 +17,7 @@ from conftest import Clock, StopOnSave, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_train import MetricsError, Preempted, TrainConfig, train
+from accel_train import ConfigError, MetricsError, Preempted, TrainConfig, train
 from accel_train.rundir.layout import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -369,3 +369,16 @@ def test_a_loss_that_fails_on_the_last_short_batch_saves_the_step_before_it(tmp_
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["eval_loss"] == done[1]["eval_loss"] and done[0]["train_loss"] == done[1]["train_loss"]
+
+
+def test_a_loss_without_label_smoothing_passed_to_train_refuses_the_flag(tmp_path):
+    """The recipes check a loss's declared refuse_label_smoothing where they build it; a loss passed to train() by a
+    user's own script was not checked (the flag was ignored). The session checks every loss, before anything is
+    written."""
+    def focal(model, batch):
+        return cross_entropy(model, batch)
+
+    focal.refuse_label_smoothing = lambda factor: f"--label_smoothing_factor {factor}: this loss has no smoothing"
+    with pytest.raises(ConfigError, match="--label_smoothing_factor 0.1: this loss has no smoothing"):
+        run(tmp_path / "run", Accuracy(), loss_fn=focal, label_smoothing_factor=0.1)
+    assert not list((tmp_path / "run").iterdir())  # nothing written in it

@@ -20,16 +20,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from accel_train import (
-    ConfigError,
-    TrainConfig,
-    build_accelerator,
-    check_label_smoothing,
-    parse_with_defaults,
-    run_cli,
-    split_loaders,
-    train,
-)
+from accel_train import ConfigError, TrainConfig, build_accelerator, parse_with_defaults, run_cli, split_loaders, train
 from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, StepClock
 from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics
 from accel_train.tasks.multimodal.data import (
@@ -154,7 +145,6 @@ def main(argv=None) -> dict[str, float]:
                        if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
                                                                for k, v in datasets.items()) + f", {size}x{size}")
     loss_fn = build_loss(accelerator, config, towers, datasets, mean, std, data.class_names, tokenizer, demo)
-    check_label_smoothing(loss_fn, config.label_smoothing_factor)  # InfoNCE has none: refused, not ignored
     set_seed(config.seed, device_specific=True)  # the model is built: now every process draws its own crops
     collator = ImageTextCollator(tokenizer, data_args.max_seq_length)
     loaders = split_loaders(datasets, config, accelerator, data.eval_split, collate_fn=collator)

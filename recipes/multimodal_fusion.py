@@ -25,16 +25,7 @@ from dataclasses import dataclass, field
 
 from accelerate.utils import set_seed
 
-from accel_train import (
-    ConfigError,
-    TrainConfig,
-    build_accelerator,
-    check_label_smoothing,
-    parse_with_defaults,
-    run_cli,
-    split_loaders,
-    train,
-)
+from accel_train import ConfigError, TrainConfig, build_accelerator, parse_with_defaults, run_cli, split_loaders, train
 from accel_train.tasks.multimodal.contrastive_loss import StepClock
 from accel_train.tasks.multimodal.data import (
     ImageTextArguments,
@@ -174,7 +165,6 @@ def main(argv=None) -> dict[str, float]:
                        if demo else "") + "data: " + ", ".join(f"{k} {len(v.captions)} images / {len(v)} items"
                                                                for k, v in datasets.items()) + f", {size}x{size}")
     loss_fn = build_loss(config, data_args, tasks, towers, datasets["train"], mean, std)
-    check_label_smoothing(loss_fn, config.label_smoothing_factor)  # InfoNCE has none: refused, not ignored
     lrs = {**towers.learning_rates(config.learning_rate), "fusion": _or(towers.fusion_learning_rate,
                                                                            config.learning_rate)}
     wds = {**towers.weight_decays(config.weight_decay), "fusion": config.weight_decay}

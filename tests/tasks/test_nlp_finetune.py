@@ -37,6 +37,18 @@ def test_end_to_end_on_line_format_with_test_predictions(tiny_bert, sst_like, tm
     assert len(predictions) == 24 and {p["prediction"] for p in predictions} <= {"0", "1"}
 
 
+def test_a_metric_the_recipe_never_reports_is_refused_before_training(tiny_bert, sst_like, tmp_path):
+    """--metric_for_best_model f1_macro (the metric is `f1`, macro-averaged): the recipe's metrics named nothing, so
+    only the pre-flight warned, and the first evaluation stopped the run an epoch in. They list what they return:
+    refused before the first step, naming what is reported."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model f1_macro: the evaluations of this run report only "
+                                          r".*eval_f1, .*eval_f1_binary, eval_matthews_correlation"):
+        run(["--model_name_or_path", str(tiny_bert), "--train_file", str(sst_like["train"]), "--validation_file",
+             str(sst_like["dev"]), "--output_dir", str(out), *FAST, "--metric_for_best_model", "f1_macro"])
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_string_labels_sentence_pairs_and_pipeline(tiny_bert, tmp_path):
     rows = make_rows(96, 3)
     frame = pd.DataFrame({"premise": [t for _, t in rows], "hypothesis": ["it is" for _ in rows],

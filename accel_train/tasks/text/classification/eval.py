@@ -22,12 +22,14 @@ from .data import Labels, padding_ratio
 
 def classification_metrics(labels: Labels):
     """Regression: mse / mae / pearson; classification: accuracy, macro and micro F1, precision, recall, MCC (and
-    binary F1 for two classes), from the shipped evaluate modules."""
+    binary F1 for two classes), from the shipped evaluate modules. Each lists what it returns (`metric_names`), so a
+    --metric_for_best_model it never reports is refused before training, not at the first evaluation."""
     if labels.is_regression:
         def regression(outputs):
             pred, ref = outputs["logits"].float().squeeze(-1).numpy(), outputs["labels"].float().numpy()
             return {"mse": float(np.mean((pred - ref) ** 2)), "mae": float(np.mean(np.abs(pred - ref))),
                     "pearson": float(np.corrcoef(pred, ref)[0, 1])}
+        regression.metric_names = ("mse", "mae", "pearson")
         return regression
     modules = {name: load_metric(name) for name in ("accuracy", "f1", "precision", "recall", "matthews_correlation")}
 
@@ -41,6 +43,8 @@ def classification_metrics(labels: Labels):
             scores["f1_binary"] = modules["f1"].compute(predictions=pred, references=ref, average="binary")["f1"]
         scores.update(modules["matthews_correlation"].compute(predictions=pred, references=ref))
         return scores
+    classification.metric_names = ("accuracy", "f1", "precision", "recall", "f1_micro",
+                                   *(["f1_binary"] if labels.num_labels == 2 else []), "matthews_correlation")
     return classification
 
 

@@ -135,7 +135,7 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
       logits (chunked_loss.py), checked against the model's own logits on the first batch;
     * one label per sample: the model's own loss (its mean), or cross-entropy with `label_smoothing`, with
       per-sample losses so that evaluation is exact (a regression model's squared errors, the mean over its
-      outputs: its MSELoss per sample).
+      outputs: its MSELoss per sample; a multi-label model's binary cross-entropy, the mean over its labels).
     """
     unchecked = [bool(chunk_size)]
 
@@ -165,6 +165,9 @@ def default_loss(label_smoothing: float = 0.0, chunk_size: int = 0) -> Callable:
         elif labels is not None and problem_type(model) == "regression":  # the model's MSELoss, per sample
             errors = out.logits.detach().float().reshape(len(labels), -1) - labels.float().reshape(len(labels), -1)
             result["per_sample_loss"] = (errors**2).mean(1)
+        elif labels is not None and problem_type(model) == "multi_label_classification":  # its BCEWithLogitsLoss
+            result["per_sample_loss"] = torch.nn.functional.binary_cross_entropy_with_logits(
+                out.logits.detach().float(), labels.float(), reduction="none").reshape(len(labels), -1).mean(1)
         return result
 
     if label_smoothing:  # evaluated, and judged by the overfit check, as the plain NLL / cross-entropy

@@ -281,3 +281,20 @@ def test_a_loader_accelerate_did_not_prepare_is_evaluated_whole_even_at_a_traini
     with pytest.raises(ConfigError, match="every process would evaluate every item"):  # train(): before training
         prepare_for_evaluation(two, [rows[:4], rows[4:]])  # a list of batches: prepare returns it unchanged
     assert prepare_for_evaluation(two, None) is None
+
+
+def test_a_multi_label_model_gets_per_sample_losses_so_evaluation_drops_the_repeats():
+    """Float multi-hot labels: the default loss gave no per-sample loss, so an evaluation on several processes spread
+    the batch mean (the repeats that even out the last batch included) over its samples, as regression did. Each
+    sample's binary cross-entropy, the mean over its labels: their mean is the model's own loss."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=3, problem_type="multi_label_classification"))
+    batch = {"input_ids": torch.randint(5, 30, (5, 7)), "attention_mask": torch.ones(5, 7, dtype=torch.long),
+             "labels": torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 0]], dtype=torch.float)}
+    out = default_loss()(model, batch)
+    assert out["per_sample_loss"].shape == (5,)
+    assert out["per_sample_loss"].mean().item() == pytest.approx(out["loss"].item(), rel=1e-6)

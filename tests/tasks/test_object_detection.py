@@ -324,6 +324,17 @@ def test_recipe_trains_on_canvases_and_writes_map_and_pictures(tmp_path):
     assert (out / "report" / "detections.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_metric_the_recipe_never_reports_is_refused_before_training(tmp_path):
+    """--metric_for_best_model mAP (the metric is map): DetectionMetrics lists coco_metrics' keys (ap_<class> by the
+    class names), so it is refused before a step rather than at the first evaluation."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model mAP: .* report only .*eval_map, eval_map_50"):
+        recipe.main(["--output_dir", str(out), *QUIET, *TINY, "--num_train_canvases", "16", "--num_test_canvases",
+                     "4", "--max_steps", "1", "--metric_for_best_model", "mAP"])
+    assert not (out / "metrics.jsonl").exists()
+    assert DetectionMetrics(["a", "b"], 32).metric_names == ["map", "map_50", "map_75", "mar_100", "ap_a", "ap_b"]
+
+
 def test_recipe_reads_a_coco_folder(tmp_path):
     canvases = load_canvases(DenseDataArguments(num_train_canvases=12, num_test_canvases=4, canvas_size=48,
                                                 digit_scale_max=1.2))

@@ -16,7 +16,7 @@ import torch
 from conftest import RECIPES, launch, reset_accelerate
 from PIL import Image
 
-from accel_train import DataError
+from accel_train import ConfigError, DataError
 from accel_train.tasks.vision.dense.annotated import IGNORE_MASK_VALUE, load_mask_pairs
 from accel_train.tasks.vision.dense.augment import BoxMaskAugmentation
 from accel_train.tasks.vision.dense.canvases import DenseCollator, DenseDataArguments, load_canvases
@@ -212,6 +212,19 @@ def test_label_smoothing_smooths_the_training_cross_entropy_and_not_the_evaluati
                                     "--per_device_train_batch_size", "8", "--label_smoothing_factor", factor])
     assert abs(runs["0.2"]["train_loss"] - runs["0"]["train_loss"]) > 1e-3
     assert runs["0.2"]["eval_loss"] == runs["0"]["eval_loss"]
+
+
+def test_a_metric_the_recipe_never_reports_is_refused_before_training(tmp_path):
+    """--metric_for_best_model mIoU (the metric is miou): the metrics named nothing, so the first evaluation stopped
+    the run. SegmentationMetrics lists what it returns (iou_<class> by the class names): refused before a step."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model mIoU: .* report only .*eval_miou, "
+                                          r"eval_pixel_accuracy, eval_iou_background"):
+        recipe.main(["--output_dir", str(out), *QUIET, *TINY, "--num_train_canvases", "16", "--num_test_canvases",
+                     "4", "--max_steps", "1", "--metric_for_best_model", "mIoU"])
+    assert not (out / "metrics.jsonl").exists()
+    names = SegmentationMetrics(["background", "a"]).metric_names
+    assert set(SegmentationMetrics(["background", "a"])({"confusion": torch.tensor([[3, 1, 0, 2]])})) == set(names)
 
 
 def test_unet_keeps_the_input_size_for_any_stem():

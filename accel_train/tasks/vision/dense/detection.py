@@ -260,6 +260,12 @@ class DetectionMetrics:
         self.class_names, self.image_size = list(class_names), image_size
         self.last: dict[str, float] | None = None
 
+    @property
+    def metric_names(self) -> list[str]:
+        """What a call returns (coco_metrics' keys): a --metric_for_best_model it never reports is refused before
+        training."""
+        return ["map", "map_50", "map_75", "mar_100", *(f"ap_{name}" for name in self.class_names)]
+
     def __call__(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         arrays = {k: outputs[k].cpu().numpy() for k in ("gt_boxes", "gt_classes", "det_boxes", "det_scores",
                                                          "det_classes", "gt_crowd") if k in outputs}

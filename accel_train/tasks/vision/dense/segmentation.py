@@ -116,6 +116,11 @@ class SegmentationMetrics:
         self.class_names = list(class_names)
         self.last_confusion: np.ndarray | None = None
 
+    @property
+    def metric_names(self) -> list[str]:
+        """What a call returns: a --metric_for_best_model it never reports is refused before training."""
+        return ["miou", "pixel_accuracy", *(f"iou_{name}" for name in self.class_names)]
+
     def __call__(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         c = len(self.class_names)
         confusion = outputs["confusion"].long().sum(0).view(c, c).cpu().numpy()

@@ -167,8 +167,7 @@ def main(argv=None) -> dict[str, float]:
     every_eval = (Generator(splits["validation"], tokenizer, facts.seq2seq, gen_args, config.per_device_eval_batch_size,
                             gen_args.max_generate_samples)
                   if gen_args.predict_with_generate and splits["validation"].can_generate else None)
-    finish = [GenerationFinish(splits, tokenizer, facts.seq2seq, config, gen_args, modules, collator,
-                               rows.padding_ratio)]
+    finish = [GenerationFinish(splits, tokenizer, facts.seq2seq, config, gen_args, modules, collator, rows)]
     if model_args.merge_lora:
         finish.append(MergeLora(model_args, tokenizer, config.output_dir))
     result = train(model, make_loader(rows.rows, config, train=True, collate_fn=rows.collator, lengths=rows.lengths,

@@ -254,6 +254,17 @@ def test_overfit_one_batch_then_greedy_decoding_reproduces_the_targets(tmp_path,
     assert [r["item"] for r in rows] == list(range(32)) and {"source", "reference", "output"} <= set(rows[0])
 
 
+def test_the_overfit_check_with_packed_rows_is_refused(tmp_path):
+    """--overfit_batches generates for the split's first examples; with --packing the memorised rows are packed ones,
+    longest examples first, so it scored (and wrote) examples the model never memorised. Refused before training."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="--overfit_batches with --packing: .* Drop --packing"):
+        text_generation.main([*data_flags(write_dates(tmp_path)), *LLAMA, "--prompt_suffix", " =", *QUIET,
+                              "--output_dir", str(out), "--overfit_batches", "1", "--packing",
+                              "--per_device_train_batch_size", "4", "--max_steps", "2"])
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_language_modelling_reports_perplexity_and_writes_no_predictions(tmp_path, dates):
     out = tmp_path / "lm"
     metrics = text_generation.main(["--train_file", dates["validation"], "--text_column", "text", "--block_size", "16",

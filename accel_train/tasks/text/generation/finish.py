@@ -14,10 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from ....config import TrainConfig
+from ....errors import ConfigError
 from ....rundir.layout import PREDICTIONS
 from .checks import collapse_warning, output_diversity, source_reliance
 from .eval import GenerationArguments, Generator, evaluate_generation, write_predictions
 from .model import GenerationModelArguments
+from .packing import TrainingSet
 from .roundtrip import round_trip_metrics, round_trip_warning
 from .tokens import TokenizedSplit, TrainCollator
 
@@ -37,10 +39,18 @@ class GenerationFinish:
                      "skip it).")
 
     def __init__(self, splits: dict[str, TokenizedSplit], tokenizer, seq2seq: bool, config: TrainConfig,
-                 gen_args: GenerationArguments, modules, collator: TrainCollator, padding_ratio: float | None = None):
+                 gen_args: GenerationArguments, modules, collator: TrainCollator, rows: TrainingSet | None = None):
+        """`rows`: the training rows (their padding share; --overfit_batches with packed rows is refused here: the
+        check generates for the first examples of the split, and the memorised packed rows hold the longest)."""
+        if config.overfit_batches and rows is not None and rows.packed:
+            raise ConfigError("--overfit_batches with --packing: the overfit check generates for the first "
+                              "--overfit_batches x --per_device_train_batch_size examples of the training split, and "
+                              "the rows it memorises are packed ones, longest examples first: it would score examples "
+                              "the model never saw. Drop --packing for the overfit check (memorising a few batches is "
+                              "the question, which padded batches answer).")
         self.splits, self.tokenizer, self.seq2seq = splits, tokenizer, seq2seq
         self.config, self.gen_args, self.modules, self.collator = config, gen_args, modules, collator
-        self.padding_ratio = padding_ratio  # packed / padding-free rows; None for padded batches
+        self.padding_ratio = rows.padding_ratio if rows is not None else None  # None for padded batches
 
     def on_finish(self, session, metrics: dict) -> None:
         acc, config, overfit = session.accelerator, self.config, self.config.overfit_batches > 0

@@ -163,13 +163,15 @@ class TrainingSet:
     """What the training loader is built from: the rows, their collator, their lengths for length grouping (None:
     no grouping), a line for the start-up report, and the rows' padding share for all_results.json
     (train_padding_ratio: packed rows as if each were padded to the full width, as the start-up line says;
-    padding-free rows 0; None for padded batches)."""
+    padding-free rows 0; None for padded batches); `packed`: rows of several examples, longest first (--packing),
+    not the examples in their order."""
 
     rows: datasets.Dataset
     collator: Any
     lengths: list[int] | None
     summary: str
     padding_ratio: float | None = None
+    packed: bool = False
 
 
 def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int, multiple: int | None,
@@ -192,7 +194,8 @@ def training_set(examples: datasets.Dataset, args, width: int, pad_token_id: int
         packed = pack_examples(examples, width, args.packing_split)
         return TrainingSet(packed.rows, PackedCollator(pad_token_id, pad_to_multiple_of=multiple), None,
                            f"packed: {packed.examples} examples into {len(packed.rows)} rows of at most "
-                           f"{packed.width} tokens, padding {100 * packed.padding_share:.1f}%", packed.padding_share)
+                           f"{packed.width} tokens, padding {100 * packed.padding_share:.1f}%", packed.padding_share,
+                           packed=True)
     if args.padding_free:
         check_isolation(model, vocab_size, "--padding_free")
         return TrainingSet(examples, PackedCollator(pad_token_id, flatten=True),

@@ -75,14 +75,22 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, loader: D
     size = config.per_device_train_batch_size
     slots = 2 if any(k in type(optimizer).__name__ for k in ("Adam", "Dummy")) else 1
     rng = torch.get_rng_state()  # the probe (the sampler's draw, dropout) must not shift the real run's RNG
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     batch = next(iter(loader))
     model.to(accelerator.device)
+    # nor its model: the probe's forwards run in training mode, and a BatchNorm's running statistics moved with them
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     while not _fits(accelerator, model, batch, loss_fn, size, slots):
         if size % 2 or size == 1:
             size = 0
             break
         size //= 2
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
     torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
     agreed = size
     if accelerator.num_processes > 1:  # the smallest size that fit on every rank
         agreed = int(gather(torch.tensor([size], device=accelerator.device)).min())

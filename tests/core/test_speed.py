@@ -68,6 +68,28 @@ def test_auto_batch_size_refuses_a_batch_sampler_of_yours_and_keeps_the_loaders_
         30, 3, loader.multiprocessing_context)
 
 
+def test_the_batch_size_probe_leaves_the_models_running_statistics_as_they_were():
+    """The probe runs forward and backward in training mode before step 0: a BatchNorm's running mean, variance and
+    batch count moved with each probed size, so the run started from other statistics than without the flag."""
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel_train import TrainConfig
+    from accel_train.core.batch_size import find_micro_batch
+
+    reset_accelerate()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    data = TensorDataset(torch.randn(16, 3) * 5 + 2, torch.randn(16, 1))
+    size = find_micro_batch(Accelerator(cpu=True), model, DataLoader(data, batch_size=8),
+                            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                            TrainConfig(per_device_train_batch_size=8, report_to=["none"]),
+                            torch.optim.AdamW(model.parameters()))
+    assert size == 8
+    assert all(torch.equal(before[name], buffer) for name, buffer in model.named_buffers())
+
+
 def test_gradient_checkpointing_changes_memory_not_results(tiny_bert, sst_like, tmp_path, capsys):
 
     import nlp_finetune

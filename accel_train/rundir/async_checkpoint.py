@@ -167,7 +167,7 @@ class CheckpointWriter:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write checkpoint {final}: {ckpt.why_not_written(error)}") from error
-        snapshot = dataclasses.replace(state)
+        snapshot = copy.deepcopy(state)  # on_save gets it when the write lands: the lists the loop goes on changing too
         if acc.is_main_process:
             self.thread = threading.Thread(target=self._background, name=f"accel_train-save-{step}", args=(
                 tmp, final, step, copies, train_state, shapes, acc.num_processes, acc.step))

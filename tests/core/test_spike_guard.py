@@ -233,6 +233,28 @@ def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step, rel=0.15), (seconds, per_step)
 
 
+class SeenOnSave:
+    def __init__(self):
+        self.seen = {}
+
+    def on_save(self, state, path):
+        self.seen[path.name] = list(state.spike_losses)
+
+
+def test_a_background_checkpoints_on_save_sees_the_state_it_wrote(tmp_path):
+    """--async_save: a checkpoint's on_save runs when its write lands, at the next save; the state it got was a
+    shallow copy, so its lists (the spike guard's window) had moved on with the run by then. It sees what the
+    checkpoint holds."""
+    hook = SeenOnSave()
+    reset_accelerate()
+    toy_train.main(["--output_dir", str(tmp_path), *QUIET, *GUARD, "--on_spike", "skip", "--async_save",
+                    "--save_strategy", "steps", "--save_steps", "4", "--max_steps", "16"], hooks=[hook])
+    assert len(hook.seen) >= 3
+    for name, window in hook.seen.items():
+        saved = json.loads((tmp_path / "checkpoints" / name / "train_state.json").read_text())
+        assert window == saved["spike_losses"], name
+
+
 def test_rollback_agrees_across_ranks_with_accumulation(tmp_path, ranks):
     """2 processes x 2 micro-batches of 2 (the session's gloo ranks): a step's window is two positions per rank,
     taken out together."""

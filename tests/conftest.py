@@ -194,8 +194,26 @@ def run_process_tree(cmd: list[str], env: dict[str, str], timeout: float) -> sub
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and all its descendants (found through /proc before any is killed, so none is re-parented
-    out of reach first)."""
+    """SIGKILL `pid` and all its descendants. Each is stopped first (SIGSTOP), and the tree is listed again until no
+    new process appears: a stopped process starts no other, and a child is not re-parented out of reach while its
+    parent is only stopped (listing once and killing let a worker the launcher was starting at that moment escape,
+    re-parented to init, in CI)."""
+    stopped: list[int] = []
+    while True:
+        new = [member for member in _descendants_and_self(pid) if member not in stopped]
+        if not new:
+            break
+        for member in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member, signal.SIGSTOP)
+        stopped += new
+    for member in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _descendants_and_self(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -205,9 +223,7 @@ def kill_tree(pid: int) -> None:
     while todo:
         tree.append(todo.pop())
         todo += children.get(tree[-1], [])
-    for member in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, signal.SIGKILL)
+    return tree
 
 
 # ------------------------------------------------------------------ N gloo ranks that stay up for the session

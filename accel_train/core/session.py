@@ -260,7 +260,7 @@ class Session:
             raise MetricsError(f"--metric_for_best_model {watched}: the evaluation returned only {sorted(metrics)} "
                                "(best model, early stopping and a plateau schedule watch it). Set "
                                "--metric_for_best_model to one of them, or return it from the metrics function.")
-        state.last_eval = [state.step, metrics]
+        state.last_eval = [state.step, dict(metrics)]  # saved with the checkpoints: not what hooks add to it
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         for schedule in plateau:
             schedule.step(metrics[self.config.monitored_metric])

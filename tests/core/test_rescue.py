@@ -382,3 +382,17 @@ def test_a_loss_without_label_smoothing_passed_to_train_refuses_the_flag(tmp_pat
     with pytest.raises(ConfigError, match="--label_smoothing_factor 0.1: this loss has no smoothing"):
         run(tmp_path / "run", Accuracy(), loss_fn=focal, label_smoothing_factor=0.1)
     assert not list((tmp_path / "run").iterdir())  # nothing written in it
+
+
+class AddsToTheMetrics:
+    def on_evaluate(self, state, metrics):
+        metrics["confusion"] = torch.zeros(3, 3)  # a hook's own use of the dict: not a number a JSON holds
+
+
+def test_what_a_hook_adds_to_an_evaluations_metrics_stays_out_of_the_checkpoints(tmp_path):
+    """The last evaluation is saved with the checkpoints (TrainState.last_eval): a copy of what the evaluation
+    returned, not the dict the hooks then get, to which one may add what a JSON cannot hold (the checkpoint of that
+    step failed to write)."""
+    run(tmp_path, Accuracy(), hooks=[AddsToTheMetrics()], save_steps=2)
+    saved = json.loads((tmp_path / "checkpoints" / checkpoint_name(8) / "train_state.json").read_text())
+    assert saved["last_eval"][0] == 8 and set(saved["last_eval"][1]) == {"eval_loss", "eval_samples", "eval_accuracy"}

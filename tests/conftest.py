@@ -420,20 +420,20 @@ class StopOnSave:
 
 
 class Clock:
-    """A training clock in the loop's modules (meter, loop, session, control, train: the meter's intervals and the
-    pauses it takes out of them read the same clock) that reads one second later at each reading; `now` moved on by
+    """A training clock in the loop's modules (meter, loop, train: the meter's intervals and the pauses it takes out
+    of them read the same clock) that reads one second later at each reading; `now` moved on by
     hand is time spent elsewhere."""
 
     def __init__(self, monkeypatch):
         import importlib
         from types import SimpleNamespace
 
-        from accel_train.core import control, loop, meter, session
+        from accel_train.core import loop, meter
 
         train_module = importlib.import_module("accel_train.train")  # the package's `train` is the function
 
         self.now = 0.0
-        for module in (train_module, control, loop, meter, session):
+        for module in (train_module, loop, meter):
             monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=self.read))
 
     def read(self) -> float:

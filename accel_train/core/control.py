@@ -19,7 +19,6 @@ step: an evaluation or a save on one rank only would wait forever for the others
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -163,7 +162,8 @@ def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool, preemp
         return False
     asked = control.agree(stop)
     while asked & {"save", "evaluate"}:
-        started, stop, best = time.perf_counter(), False, False
+        stop, best = False, False
+        meter.hold()  # evaluating and saving are not training time
         if "evaluate" in asked and state.last_eval[0] != state.step and preempt:
             state.evaluation_pending = True
         elif "evaluate" in asked and state.last_eval[0] != state.step:
@@ -173,6 +173,6 @@ def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool, preemp
         if "save" in asked or best:
             session.keep_interval(state, meter)
             stop |= session.save(state, best=best, wait=False)
-        meter.pause(time.perf_counter() - started)  # evaluating and saving are not training time
+        meter.release()
         asked = (asked & {"stop"}) | control.agree(stop)
     return "stop" in asked

@@ -32,6 +32,7 @@ class StepMeter:
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
         self.flops = FlopCount(accelerator)
+        self.held: float | None = None  # when the evaluation or checkpoint in progress began (hold / release)
         self.reset()
 
     def reset(self) -> None:
@@ -49,9 +50,21 @@ class StepMeter:
     def pause(self, seconds: float) -> None:
         self.paused += seconds
 
+    def hold(self) -> None:
+        """From now until release(): evaluating and saving, not training time; what pending() saves meanwhile leaves
+        it out too (a checkpoint written after its step's evaluation carried that evaluation's seconds)."""
+        self.held = time.perf_counter()
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.paused += time.perf_counter() - self.held
+            self.held = None
+
     def running(self) -> float:
-        """The interval's training seconds so far (its pauses excluded)."""
-        return max(time.perf_counter() - self.started - self.paused, 0.0) + self.carried
+        """The interval's training seconds so far (its pauses excluded, one in progress too)."""
+        now = time.perf_counter()
+        held = now - self.held if self.held is not None else 0.0
+        return max(now - self.started - self.paused - held, 0.0) + self.carried
 
     def pending(self) -> dict[str, Any]:
         """This process's loss figures of the interval not logged yet, saved with a checkpoint (TrainState.pending_loss)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,12 +199,12 @@ class Session:
         state.flop_count = meter.flops.counts()  # saved with the checkpoints: a resumed run does not count again
         if self.average is not None:
             self.average.update()
-        cfg, stop, acted = self.config, False, False
+        cfg, stop, acted, improved = self.config, False, False, False
         self.log.advance()
         if _due(cfg.logging_strategy, cfg.logging_steps, state.step, epoch_end):
             stop |= self.log_train(state, meter, grad_norm)
             acted = True
-        improved, started = False, time.perf_counter()
+        meter.hold()  # from here: evaluating and saving, not training time
         due = self.eval_loader is not None and _due(cfg.eval_strategy, cfg.eval_steps or cfg.logging_steps,
                                                     state.step, epoch_end)
         state.evaluation_pending = due and preempt
@@ -217,7 +216,7 @@ class Session:
             self.keep_interval(state, meter)
             stop |= self.save(state, best=improved, wait=False)
             acted = True
-        meter.pause(time.perf_counter() - started)
+        meter.release()
         return settle(self, state, meter, stop, acted, preempt)  # the ranks' requests agreed, the asked work done
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None, write: bool = True) -> bool:
@@ -334,7 +333,7 @@ class Session:
         written once. The model is written before the seam, so that an error there loses nothing trained:
         all_results.json then holds what was measured, and a FinishError says where everything is."""
         acc, cfg = self.accelerator, self.config
-        if meter.micro_batches:
+        if self.last_log_step != state.step:  # agreed: after a resume on another world size the main holds it all
             self.log_train(state, meter, write=cfg.logging_strategy != "no")
         if cfg.save_strategy != "no":
             self.keep_interval(state, meter)

@@ -396,3 +396,23 @@ def test_what_a_hook_adds_to_an_evaluations_metrics_stays_out_of_the_checkpoints
     run(tmp_path, Accuracy(), hooks=[AddsToTheMetrics()], save_steps=2)
     saved = json.loads((tmp_path / "checkpoints" / checkpoint_name(8) / "train_state.json").read_text())
     assert saved["last_eval"][0] == 8 and set(saved["last_eval"][1]) == {"eval_loss", "eval_samples", "eval_accuracy"}
+
+
+def test_a_checkpoint_written_after_its_steps_evaluation_carries_no_evaluation_seconds(tmp_path, monkeypatch):
+    """Evaluated and checkpointed at step 6, logged every 4: the interval the checkpoint keeps (its training
+    seconds, carried into the resumed run) was measured before the evaluation's pause was taken out, so every resume
+    from such a checkpoint (the recipes' epoch-end default) counted one evaluation as training. On a clock where an
+    evaluation takes 1000 s, the resumed run ends with the uninterrupted run's seconds (and a few readings more)."""
+    clock = Clock(monkeypatch)
+
+    class SlowAccuracy(Accuracy):
+        def __call__(self, outputs):
+            clock.now += 1000.0
+            return super().__call__(outputs)
+
+    run(tmp_path / "whole", SlowAccuracy(), logging_steps=4)
+    run(tmp_path / "cut", SlowAccuracy(), hooks=[StopOnSave(6)], logging_steps=4)
+    run(tmp_path / "cut", SlowAccuracy(), resume=True, logging_steps=4)
+    whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
+                  for d in ("whole", "cut"))
+    assert whole <= cut <= whole + 10, (whole, cut)

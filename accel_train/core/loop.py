@@ -44,9 +44,9 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     spike = SpikeWatch(session.config.spike_window, session.config.spike_threshold,
                        state.spike_losses) if session.config.spike_window else None
     restored = session.position_restored  # a stream's loader that starts at its saved position skips nothing
-    started = time.perf_counter()
+    meter.hold()  # an evaluation, not training time
     stop = pending_evaluation(session, state) or stop  # resumed where a failed evaluation saved the step (rescue.py)
-    meter.pause(time.perf_counter() - started)  # an evaluation, not training time
+    meter.release()
     boundary = StepBoundary(session, state, meter)  # an error between steps saves the last step first (rescue.py)
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
         while state.step < plan.total_steps and not stop:

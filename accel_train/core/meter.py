@@ -47,9 +47,6 @@ class StepMeter:
         self.carried = 0.0  # training seconds of the interval spent before the checkpoint it resumed from
         self.started = time.perf_counter()
 
-    def pause(self, seconds: float) -> None:
-        self.paused += seconds
-
     def hold(self) -> None:
         """From now until release(): evaluating and saving, not training time; what pending() saves meanwhile leaves
         it out too (a checkpoint written after its step's evaluation carried that evaluation's seconds)."""

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from ..rundir.checkpoint import parameter_numel
+
 # Dense (no 2:4 sparsity) peak TFLOP/s of the matmuls in each precision, keyed by the exact name
 # torch.cuda.get_device_name (and nvidia-smi) reports: a form factor has its own peak (an H100 PCIe or NVL has fewer
 # SMs or lower clocks than the SXM part), and a name that is not here (another GPU, a MIG slice, AWS's A10G, which has
@@ -99,13 +101,13 @@ def precision_of_matmuls(accelerator: Accelerator) -> str:
 
 
 def _stored_precision(models) -> str | None:
-    """"bf16" / "fp16" where most floating parameter elements of `models` are stored in it, else None."""
+    """"bf16" / "fp16" where most floating parameter elements of `models` are stored in it (ZeRO-3's partitions at
+    their full size), else None."""
     elements: dict[torch.dtype, int] = {}
     for model in models:
         for parameter in model.parameters():
             if parameter.is_floating_point():
-                count = getattr(parameter, "ds_numel", None) or parameter.numel()  # ZeRO-3: an empty partition
-                elements[parameter.dtype] = elements.get(parameter.dtype, 0) + count
+                elements[parameter.dtype] = elements.get(parameter.dtype, 0) + parameter_numel(parameter)
     if not elements:
         return None
     most = max(elements, key=elements.get)

@@ -97,7 +97,7 @@ class ImageTextLoss:
     images (train or eval transform) with one caption per image (the epoch's drawn caption in training, the
     pair's own in evaluation). What the session does for it (core/loss.py): registers its clock (`hooks`), refuses
     gradient accumulation (`refuse_accumulation`: the loss is over the global batch), and has DDP expect unused
-    parameters while a tower is frozen (`leaves_parameters_unused`); a recipe refuses --label_smoothing_factor with
+    parameters while a tower is frozen (`leaves_parameters_unused`); the session refuses --label_smoothing_factor with
     its message (`refuse_label_smoothing`: there is none in these losses)."""
 
     objective = "symmetric InfoNCE over the global batch"  # what refusals name
@@ -119,7 +119,7 @@ class ImageTextLoss:
         return accumulation_refusal(steps)
 
     def refuse_label_smoothing(self, factor: float) -> str:
-        """Declared for core/loss.py's check_label_smoothing (the recipe calls it)."""
+        """Declared for core/loss.py's check_label_smoothing (the session calls it, check_loss)."""
         return (f"--label_smoothing_factor {factor}: this recipe's loss ({self.objective}) has no label smoothing, so "
                 "the flag would change nothing while config.yaml records it; drop it (or set it to 0).")
 

@@ -14,20 +14,26 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from ....core.loss import default_loss, problem_type
-from ....errors import ConfigError
+from ....core.loss import check_label_smoothing, default_loss, problem_type
 from .data import Labels
 
 
 def classification_loss(labels: Labels, label_smoothing: float) -> Callable:
     """The model's own loss (cross-entropy, or with `label_smoothing` its smoothed form, evaluated without it), with
     per-sample losses (core/loss.py: default_loss). Float labels (regression: the mean squared error, which has no
-    label smoothing) refuse a smoothing factor: it would change nothing while config.yaml records it."""
-    if labels.is_regression and label_smoothing:
-        raise ConfigError(f"--label_smoothing_factor {label_smoothing}: the labels are floats, a regression, and its "
-                          "loss (the mean squared error) has no label smoothing, so the flag would change nothing "
-                          "while config.yaml records it; drop it (or set it to 0).")
-    return default_loss(label_smoothing)
+    label smoothing) declare `refuse_label_smoothing`, which the session checks, and which is checked here already,
+    before the recipe tokenizes: a smoothing factor would change nothing while config.yaml records it."""
+    loss_fn = default_loss(label_smoothing)
+    if labels.is_regression:
+        loss_fn.refuse_label_smoothing = _no_smoothing
+        check_label_smoothing(loss_fn, label_smoothing)
+    return loss_fn
+
+
+def _no_smoothing(factor: float) -> str:
+    return (f"--label_smoothing_factor {factor}: the labels are floats, a regression, and its loss (the mean squared "
+            "error) has no label smoothing, so the flag would change nothing while config.yaml records it; drop it "
+            "(or set it to 0).")
 
 
 def regression_head_in_fp32(model: torch.nn.Module) -> torch.nn.Module:

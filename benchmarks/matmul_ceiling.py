@@ -1,13 +1,13 @@
 """The highest MFU a model's own matmuls allow on this machine: each matmul of one training step timed alone.
 
 MFU divides a step's model FLOPs by the device's dense matmul peak, which `core/peak.py` times on a 2048 x 2048
-square. A transformer's step is more than matmuls, but it is never more than its matmuls at the speed they reach on
-their own shapes: this script builds the forward and backward matmuls of one micro-batch of a BERT-shaped encoder
-(by default MiniLM, the main job's model: 6 layers, 384 wide, 1,536 in the MLP, 12 heads) - every linear layer's
-forward, input-gradient and weight-gradient products and the attention's batched products - times each alone in
-bf16 (the fastest of `--repeats` loops of calls, each long enough to time: a best case, as the peak is), and reports
-their FLOP-weighted throughput against the measured peak (the loop's own, `core/peak.py`: the fastest 2048-square
-matmul this machine has timed, re-timed after the shapes and raised when faster). That share is an upper bound of the step's MFU: the step would reach it only if
+square. A step's FLOP rate never exceeds the rate its matmuls reach on their own shapes: this script builds the
+forward and backward matmuls of one micro-batch of a BERT-shaped encoder (by default MiniLM, the main job's model: 6
+layers, 384 wide, 1,536 in the MLP, 12 heads) - every linear layer's forward, input-gradient and weight-gradient
+products and the attention's batched products - times each alone in bf16 (the fastest of `--repeats` loops of calls,
+each long enough to time: a best case, as the peak is), and reports their FLOP-weighted throughput against the
+measured peak (the loop's own, `core/peak.py`: the fastest 2048-square matmul this machine has timed, re-timed after
+the shapes and raised when faster). That share is an upper bound of the step's MFU: the step would reach it only if
 everything that is not a matmul (dropout's masks, norms, softmax, casts, the optimizer) took no time at all.
 
     python benchmarks/matmul_ceiling.py --tokens 1102 4096 16384 --json /tmp/matmul_ceiling.json

@@ -56,6 +56,18 @@ OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...
 NONFINITE_GLOB = "nonfinite_step*_rank*.json"  # where a non-finite loss or gradient first appeared, per rank
 RUN_MANIFEST = "run_files.json"  # which top-level entries the runs wrote, and which were there before (foreign)
+
+
+def aside(name: str) -> str:
+    """Where a file that is replaced at once is written first, then renamed into place (.metrics.jsonl.tmp)."""
+    return f".{name}.tmp"
+
+
+# The asides of the run's files at the top of output_dir (config/ writes config.yaml's the same way): a kill between
+# the write and the rename leaves one, the file itself intact. Never taken for a file of the user's; the next attempt
+# removes them (run_files.begin_attempt).
+ASIDE_FILES = tuple(aside(name) for name in (CONFIG, HISTORY, RUN_MANIFEST))
+
 # The names (globs) of this package's layout at the top of output_dir: an entry by one of these names that appears
 # after a run first started there is a run's, even when no run recorded it (`accel-train export` writes export/
 # after the run; a killed run records nothing).

@@ -81,8 +81,9 @@ def test_a_skipped_steps_loss_leaves_the_logged_interval_with_its_update(tmp_pat
     """Logged every 4 steps: a skipped step's micro-batch stayed in its interval's loss. A non-finite one made the
     whole interval's loss null and train_loss left its 4 steps out; a spike (100x) dominated the interval's mean while
     its update was dropped (a rollback drops it from the log too). Its loss leaves the log with its update: each
-    interval logs the mean of its kept steps' losses (the same run logged every step: a skipped step logs none),
-    and train_loss is the step-weighted mean of the intervals."""
+    interval logs the mean of its kept steps' losses (the same run logged every step: a skipped step logs none).
+    train_loss weighed each interval by all its steps, a skipped one too (an interval of 4 with 1 skipped: the mean
+    of 3 with the weight of 4): it is the mean of the kept steps' losses, the every-step run's train_loss."""
     flags = [*QUIET, "--num_train_epochs", "3", *(["--poison_index", "13", "--on_nonfinite", "skip"]
                                                   if skipped == "nonfinite" else
                                                   [*GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE)])]
@@ -96,10 +97,10 @@ def test_a_skipped_steps_loss_leaves_the_logged_interval_with_its_update(tmp_pat
     for before, record in zip([{"step": 0}, *logged], logged, strict=False):
         losses = [kept[s] for s in range(before["step"] + 1, record["step"] + 1) if s in kept]
         assert record["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5), record
-    weights = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *logged], logged, strict=False)]
-    results = json.loads((tmp_path / "fourth" / "all_results.json").read_text())
-    assert results["train_loss"] == pytest.approx(sum(w * r["loss"] for w, r in zip(weights, logged, strict=True))
-                                                  / sum(weights))
+    every_loss, fourth_loss = (json.loads((tmp_path / d / "all_results.json").read_text())["train_loss"]
+                               for d in ("every", "fourth"))
+    assert every_loss == pytest.approx(sum(kept.values()) / len(kept), rel=1e-6)
+    assert fourth_loss == pytest.approx(every_loss, rel=1e-5)
 
 
 def skipping(out, processes, *extra):

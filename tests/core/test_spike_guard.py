@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train import run_cli
 from accel_train.core.guard import SpikeWatch
+from accel_train.rundir.async_checkpoint import CheckpointWriter
 from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--learning_rate", "0.05"]
@@ -223,15 +224,26 @@ def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. On a clock
     that reads one second later at each reading (Clock), the rolled-back run trained 7 steps more than the run that
     never held the batch (its rollbacks dropped steps 5, 25-27 and the three spiked steps; logged every step), each as
-    many readings as a step of the other run, and its clock holds them."""
-    Clock(monkeypatch)
-    rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1"])
+    many readings as a step of the other run, and its clock holds them (and two readings of each rollback's own: the
+    seconds it takes of the interval, the start of its wait). With --async_save, on a disk where a pending checkpoint
+    lands 1000 s after it is waited for: every save holds the clock while it waits, and the rollback's wait (for the
+    checkpoint it may go back to) counted as training, 1000 s a rollback."""
+    clock = Clock(monkeypatch)
+    settle = CheckpointWriter.settle
+
+    def slow_disk(writer):
+        if writer.thread is not None:  # a background write is pending
+            clock.now += 1000
+        return settle(writer)
+
+    monkeypatch.setattr(CheckpointWriter, "settle", slow_disk)
+    rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1", "--async_save"])
     seconds = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r] for d in
                (rolled, never)]
     per_step = seconds[1][-1] / len(seconds[1])  # every step logged: one record a step
     last = json.loads(sorted((rolled / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
     assert last["tracker_offset"] == 4  # logged every step: the trackers' steps count on past steps 5, 25-27
-    assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step, rel=0.15), (seconds, per_step)
+    assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step + 2 * 3, rel=0.15), (seconds, per_step)
 
 
 class SeenOnSave:

@@ -254,7 +254,7 @@ class Rollback:
     stop: bool = False  # a hook asked to stop when that checkpoint landed (--async_save): the run stops there
 
 
-def on_spike(session, state, verdict: Verdict) -> Rollback | None:
+def on_spike(session, state, verdict: Verdict, meter) -> Rollback | None:
     """--on_spike skip: count and log the step (its update is dropped). --on_spike rollback: return the checkpoint to
     go back to and the record that marks it (the loop calls roll_back once the step is dropped). Either stops after
     --max_spike_skips. --on_spike stop, the limit reached, or no checkpoint to return to: raise TrainingDiverged with
@@ -272,8 +272,11 @@ def on_spike(session, state, verdict: Verdict) -> Rollback | None:
         log.write(f"{what}: step skipped ({state.spike_skips}/{cfg.max_spike_skips})")
         return None
     # a checkpoint still being written (--async_save) lands first: it may be the last; a stop its on_save hooks ask
-    # for is kept (the rollback drops the requests of the dropped step): a synchronous run stopped at that checkpoint
+    # for is kept (the rollback drops the requests of the dropped step): a synchronous run stopped at that checkpoint.
+    # The wait is saving, not training: the `meter` (core/meter.py) holds its clock, as around every other save
+    meter.hold()
     landed_stop = session.settle_writes(state) or "stop" in session.control.pending
+    meter.release()
     landed_stop = any_rank(session.accelerator, landed_stop)
     latest = list_checkpoints(cfg.output_dir)
     if cfg.on_spike == "rollback":  # every rank goes back to the checkpoint the main process sees (as `auto` does)

@@ -67,7 +67,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     _advance(state, rounds(state.epoch, state.batch_in_epoch) if rounds else n * acc.num_processes)
                     if not acc.sync_gradients:  # Accelerate also syncs at the loader's real end: a short last window
                         continue
-                    grad_norm, verdict, back_to = optimizer_step(session, state, window, guard, probe)
+                    grad_norm, verdict, back_to = optimizer_step(session, state, meter, window, guard, probe)
                     if back_to is not None:  # --on_spike rollback: re-enter the epoch at the checkpoint's position
                         state.train_seconds += meter.running()  # the clock goes on: the dropped steps were paid
                         session.roll_back(state, back_to)
@@ -95,7 +95,8 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
     session.control.close()  # no step boundary is left: a request from now on (on_finish, on_train_end) is refused
 
 
-def optimizer_step(session: Session, state: TrainState, window: Window, guard: StepGuard, probe: Any | None):
+def optimizer_step(session: Session, state: TrainState, meter: StepMeter, window: Window, guard: StepGuard,
+                   probe: Any | None):
     """The window's gradients are complete: rescale them (loss.py), clip, judge (non-finite, empty, spike, SIGTERM:
     agreed by every rank), then step — or drop the update — and step the schedule. (grad norm, verdict, the checkpoint
     an --on_spike rollback goes back to or None)."""
@@ -111,7 +112,7 @@ def optimizer_step(session: Session, state: TrainState, window: Window, guard: S
     if verdict.nonfinite:
         on_nonfinite(session, state, verdict)  # stop: report and raise; skip: count it
     # stop: report and raise; skip: count it; rollback: the checkpoint to go back to
-    back_to = on_spike(session, state, verdict) if verdict.spike else None
+    back_to = on_spike(session, state, verdict, meter) if verdict.spike else None
     # fp16: the scaler halves its scale on an overflow. Accelerate infers a skipped step from step() not being called,
     # and a fused kernel is called anyway and skips inside (huggingface/accelerate#4242): there the scale tells (read
     # on the host before and after the step: fp16 with a fused kernel only)

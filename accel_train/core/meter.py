@@ -40,6 +40,7 @@ class StepMeter:
         self.items: torch.Tensor | None = None  # a sum loss's items in the interval
         self.terms: dict[str, torch.Tensor] = {}  # the loss function's "log" scalars, summed
         self.micro_batches = 0
+        self.dropped = 0  # steps whose update was dropped (their losses left the interval: rescue.drop_window)
         self.samples = 0
         self.tokens = 0
         self.data_wait = 0.0
@@ -68,7 +69,8 @@ class StepMeter:
         so that a resumed run logs that interval, and its train_loss, as the uninterrupted run does."""
         return {"loss_sum": None if self.loss_sum is None else float(self.loss_sum),
                 "items": None if self.items is None else float(self.items), "micro_batches": self.micro_batches,
-                "terms": {name: float(value) for name, value in self.terms.items()}, "seconds": self.running()}
+                "terms": {name: float(value) for name, value in self.terms.items()}, "seconds": self.running(),
+                "dropped": self.dropped}
 
     def resume_interval(self, saved: list[dict[str, Any]], clock: bool = True) -> None:
         """Start the interval a checkpoint left unlogged: `saved` holds each rank's `pending()` (empty: a fresh
@@ -78,6 +80,7 @@ class StepMeter:
         acc = self.accelerator
         mine = [saved[acc.process_index]] if len(saved) == acc.num_processes else saved if acc.is_main_process else []
         self.carried = max([part.get("seconds", 0.0) for part in mine] or [0.0]) if clock else 0.0
+        self.dropped = max([part.get("dropped", 0) for part in saved] or [0])  # the same on every rank: agreed
         for part in mine:
             if part["loss_sum"] is not None:
                 value = torch.tensor(part["loss_sum"], dtype=torch.float32, device=acc.device)

@@ -127,6 +127,7 @@ class StepBoundary:
         for name in ("loss_sum", "items", "micro_batches"):
             setattr(self.meter, name, self.figures[name])
         self.meter.terms = dict(self.figures["terms"])
+        self.meter.dropped += 1  # nor does it weigh in train_loss
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:

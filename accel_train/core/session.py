@@ -220,15 +220,15 @@ class Session:
         return settle(self, state, meter, stop, acted, preempt)  # the ranks' requests agreed, the asked work done
 
     def log_train(self, state: TrainState, meter: StepMeter, grad_norm=None, write: bool = True) -> bool:
+        kept = state.step - self.last_log_step - meter.dropped  # a dropped step's losses left the interval's mean
         record = meter.record(state)
         if "mfu" in record:
             self.throughput.append((record["model_tflops"], record["mfu"]))
         meter.flops.say_stale(self.log.write)  # a model ran faster than the peak: why no MFU is published, once
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
-        steps, self.last_log_step = state.step - self.last_log_step, state.step
-        # The run's train_loss weights intervals by their steps (means) or their items (sums).
-        weight = record.get("num_items", steps)
+        self.last_log_step = state.step
+        weight = record.get("num_items", kept)  # train_loss weighs intervals by kept steps (means) or items (sums)
         if weight and not math.isnan(record["loss"]):
             state.loss_sum += record["loss"] * weight
             state.loss_steps += weight

@@ -240,17 +240,25 @@ def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
         newer = checkpoint_step(path.name)
         if not path.is_dir() or newer is None or newer <= step:
             continue
-        target = root / SUPERSEDED_DIR / path.name
-        suffix = 1
-        while target.exists():  # superseded twice at the same step: keep both
-            target = root / SUPERSEDED_DIR / f"{path.name}-{suffix}"
-            suffix += 1
-        target.parent.mkdir(exist_ok=True)
+        target = superseded_place(output_dir, path.name)
         os.replace(path, target)
         moved.append(target)
     if moved:
         fsync_dir(root)
     return moved
+
+
+def superseded_place(output_dir: str | Path, name: str) -> Path:
+    """Where an entry of an abandoned timeline named `name` goes: checkpoints/superseded/<name>, made ready; a new
+    name where one is there already (superseded twice at the same step: both kept)."""
+    folder = checkpoints_dir(output_dir) / SUPERSEDED_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
+    suffix = 1
+    while target.exists():  # step-00000012-1, config.until-step-00000012-1.yaml
+        target = folder / f"{Path(name).stem}-{suffix}{Path(name).suffix}"
+        suffix += 1
+    return target
 
 
 def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path | None:

@@ -10,7 +10,8 @@
       mlflow.db            MLflow's SQLite tracking store (--report_to mlflow, unless MLFLOW_TRACKING_URI is set)
       checkpoints/step-00000120/   Accelerate state + train_state.json + manifest.json (written last);
                                    a stream's loader position per process (stream_position_rank<R>.pt)
-      checkpoints/superseded/      checkpoints of an abandoned timeline (newer than the one a run resumed from)
+      checkpoints/superseded/      checkpoints of an abandoned timeline (newer than the one a run resumed from), and
+                                   the config.until-step-<N>.yaml files that described it
       report.md, report/   the run report and its plots
       diagnostics/         gradient flow, activation statistics, memory snapshots
       profiler/            torch.profiler traces
@@ -49,13 +50,26 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFUSION_MATRIX_PLOT = "confusion_matrix.png"  # image_classification.py's test confusion matrix; the report shows it
 CRASH_GLOB = "crash_rank*.json"  # crash_rank0.json, ...: the error that stopped a run, one file per rank that raised
 # What marks a directory as holding a run (a new run there is refused unless resumed or overwritten).
-EARLIER_CONFIG = "config.until-step-*.yaml"  # the config.yaml a resume with changed settings replaced (* = its step)
+EARLIER_CONFIG = "config.until-step-*.yaml"  # the config that trained the steps up to * (a resume there changed it)
+EARLIER_CONFIG_NAME = re.compile(r"^config\.until-step-(\d{8,})\.yaml$")
 RUN_FILES = (CONFIG, EARLIER_CONFIG, HISTORY, RESULTS, CHECKPOINTS_DIR, TRACKER_DIR, MLFLOW_DB, WANDB_DIR)
 # What a fresh run clears of an older run's observability output.
 OBSERVABILITY_FILES = (REPORT, REPORT_DIR, DIAGNOSTICS_DIR, PROFILER_DIR)
 EXPORT_DIR = "export"  # accel-train export / --export_formats: export/FORMAT/...
 NONFINITE_GLOB = "nonfinite_step*_rank*.json"  # where a non-finite loss or gradient first appeared, per rank
 RUN_MANIFEST = "run_files.json"  # which top-level entries the runs wrote, and which were there before (foreign)
+
+
+def aside(name: str) -> str:
+    """Where a file that is replaced at once is written first, then renamed into place (.metrics.jsonl.tmp)."""
+    return f".{name}.tmp"
+
+
+# The asides of the run's files at the top of output_dir (config/ writes config.yaml's the same way): a kill between
+# the write and the rename leaves one, the file itself intact. Never taken for a file of the user's; the next attempt
+# removes them (run_files.begin_attempt).
+ASIDE_FILES = tuple(aside(name) for name in (CONFIG, HISTORY, RUN_MANIFEST))
+
 # The names (globs) of this package's layout at the top of output_dir: an entry by one of these names that appears
 # after a run first started there is a run's, even when no run recorded it (`accel-train export` writes export/
 # after the run; a killed run records nothing).
@@ -87,6 +101,17 @@ def checkpoint_name(step: int) -> str:
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint directory name, or None for any other name."""
     match = CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def earlier_config(step: int) -> str:
+    """The name config.yaml is kept under when a resume at `step` changes the settings (EARLIER_CONFIG)."""
+    return EARLIER_CONFIG.replace("*", f"{step:08d}")
+
+
+def earlier_config_step(name: str) -> int | None:
+    """The step of a config.until-step-<step>.yaml name, or None for any other name."""
+    match = EARLIER_CONFIG_NAME.match(name)
     return int(match.group(1)) if match else None
 
 

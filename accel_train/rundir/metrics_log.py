@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from .layout import HISTORY, MLFLOW_DB, WANDB_DIR
+from .layout import HISTORY, MLFLOW_DB, WANDB_DIR, aside
 
 
 class RunLog:
@@ -205,7 +205,8 @@ def truncate_history(path: Path, step: int) -> None:
     """On resume (and a rollback), drop records the interrupted run wrote after the checkpoint it resumes from, and a
     last line a crash cut short (a killed process or machine mid-write: it raised on the main process alone, and every
     restart hung the others). Written aside and renamed into place: a kill mid-rewrite loses no history, and a reader
-    that follows the file (a sweep's pruner) sees another file, not a shorter one under its read position."""
+    that follows the file (a sweep's pruner) sees another file, not a shorter one under its read position; an aside
+    a kill left is the next attempt's to remove (run_files.begin_attempt), not a file of the user's."""
     if not path.exists() or step == 0:
         return
     lines = [line for line in path.read_text().splitlines() if line]
@@ -216,9 +217,9 @@ def truncate_history(path: Path, step: int) -> None:
         pass
     # a torn last line has no record: zip leaves it out
     kept = [line for line, record in zip(lines, records, strict=False) if record.get("step", 0) <= step]
-    aside = path.with_name(f".{path.name}.tmp")
-    aside.write_text("".join(line + "\n" for line in kept))
-    os.replace(aside, path)
+    written = path.with_name(aside(path.name))
+    written.write_text("".join(line + "\n" for line in kept))
+    os.replace(written, path)
 
 
 def _flat_hparams(config: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from ..config import TrainConfig, save_config
 from ..config.validation import AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError, RunFinished, UserError
 from . import run_files
-from .checkpoint import put_back_aside, resolve_checkpoint
+from .checkpoint import put_back_aside, resolve_checkpoint, superseded_place
 from .layout import (
     CONFIG,
     CRASH_GLOB,
@@ -32,6 +33,8 @@ from .layout import (
     RUN_FILES,
     checkpoint_step,
     crash_file,
+    earlier_config,
+    earlier_config_step,
 )
 
 
@@ -129,9 +132,10 @@ def resume_target(accelerator: Accelerator, config: TrainConfig, extra_configs=(
     return None if value is None else Path(value)
 
 
-def changed_fields(config: TrainConfig, extra_configs=()) -> dict[str, tuple]:
-    """Fields whose value differs from the config.yaml the run in output_dir saved ({} when there is none)."""
-    saved_file = Path(config.output_dir) / CONFIG
+def changed_fields(config: TrainConfig, extra_configs=(), saved_file: Path | None = None) -> dict[str, tuple]:
+    """Fields whose value differs from the config.yaml the run in output_dir saved ({} when there is none), or from
+    the config in `saved_file`."""
+    saved_file = saved_file or Path(config.output_dir) / CONFIG
     if not saved_file.is_file():
         return {}
     saved = yaml.safe_load(saved_file.read_text()) or {}
@@ -172,8 +176,8 @@ def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(
     (--overwrite_output_dir, or `auto` starting afresh over an attempt that saved no checkpoint: everything runs
     wrote there, so that no old model, export or prediction is later taken for the new run's, and nothing else),
     and write the resolved config (with `record`, what the run's objects are; a resume at step `resumed_at` with
-    changed settings keeps the config.yaml it replaces, `keep_earlier_config`). Returns the notes for the start-up
-    report (main process)."""
+    changed settings keeps the config that trained the steps before it, `keep_earlier_config`). Returns the notes for
+    the start-up report (main process)."""
     out = Path(config.output_dir)
     resumed = resumed_at is not None
     replace = (config.overwrite_output_dir or config.resume_from_checkpoint == "auto") and not resumed
@@ -193,17 +197,29 @@ def start_run_dir(accelerator: Accelerator, config: TrainConfig, extra_configs=(
 
 
 def keep_earlier_config(out: Path, config: TrainConfig, extra_configs, step: int) -> list[str]:
-    """A resume with changed settings (`latest` allows them): config.yaml is rewritten with this run's, so the one
-    that trained the steps before `step` is kept as config.until-step-<step>.yaml (the run directory still says how
-    every step ran), and the change is said."""
-    changed = changed_fields(config, extra_configs)
+    """A resume at `step` rewrites config.yaml with this run's; the run directory still says which config trained
+    each step of the history: config.until-step-<K>.yaml those after the previous such file up to K, config.yaml the
+    rest. With changed settings, the config that trained `step` is kept as config.until-step-<step>.yaml: the
+    config.yaml replaced here, or the first such file at `step` or after. A second resume from one checkpoint keeps
+    the one that is there (the config.yaml then is the abandoned attempt's, which trained none of the steps kept);
+    the files after `step` describe the abandoned timeline and move to checkpoints/superseded/ with its checkpoints.
+    The change is said."""
+    earlier = sorted((at, path) for path in out.glob(EARLIER_CONFIG)
+                     if (at := earlier_config_step(path.name)) is not None)
+    trained = next((path for at, path in earlier if at >= step), out / CONFIG)  # the config that trained `step`
+    changed = changed_fields(config, extra_configs, trained)
+    kept = out / earlier_config(step)
+    if changed and trained != kept:
+        kept.write_text(trained.read_text())
+    for at, path in earlier:
+        if at > step:
+            os.replace(path, superseded_place(out, path.name))
     if not changed:
         return []
-    kept = out / EARLIER_CONFIG.replace("*", f"{step:08d}")
-    kept.write_text((out / CONFIG).read_text())
+    since = max((at for at, _ in earlier if at < step), default=0)
     listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changed.items())
     return [f"resumed at step {step} with changed settings ({listed}): config.yaml holds this run's, {kept.name} "
-            f"the one that trained steps 1-{step}"]
+            f"the one that trained steps {since + 1}-{step}"]
 
 
 def _some(names: list[str], limit: int = 8) -> str:

@@ -31,10 +31,10 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from ..errors import ConfigError
-from .layout import CONFIG, HISTORY, MODEL_FILES, PACKAGE_NAMES, RUN_MANIFEST
+from .layout import ASIDE_FILES, CONFIG, HISTORY, MODEL_FILES, PACKAGE_NAMES, RUN_MANIFEST, aside
 
 WRITE_PROBE = ".write-test-"  # the prefix of the probe files the output-dir check writes and removes
-_TMP = f".{RUN_MANIFEST}.tmp"
+_TMP = aside(RUN_MANIFEST)
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,13 @@ class RunFiles:
 
 
 def entries(output_dir: str | Path) -> set[str]:
-    """The names at the top of output_dir, without the record itself and the probes of the output-dir check."""
+    """The names at the top of output_dir, without the record itself, the probes of the output-dir check and the
+    asides a kill left of the run's own files (ASIDE_FILES: neither the user's nor worth keeping)."""
     try:
         names = set(os.listdir(output_dir))
     except (FileNotFoundError, NotADirectoryError):  # nothing there yet (or no directory: refused as unwritable)
         return set()
-    return {n for n in names if n not in (RUN_MANIFEST, _TMP) and not n.startswith(WRITE_PROBE)}
+    return {n for n in names if n != RUN_MANIFEST and n not in ASIDE_FILES and not n.startswith(WRITE_PROBE)}
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -101,9 +102,12 @@ def write(output_dir: str | Path, files: RunFiles) -> None:
 
 def begin_attempt(output_dir: str | Path, replace: bool) -> tuple[list[str], list[str]]:
     """Main process, before an attempt writes anything: record what is there (`foreign` fixed for a new directory)
-    and that an attempt is open; with `replace` (a run replaced), delete what the runs wrote first.
-    Returns (deleted, kept foreign) names."""
+    and that an attempt is open; with `replace` (a run replaced), delete what the runs wrote first. The asides a
+    killed attempt left (.metrics.jsonl.tmp: killed between the write and the rename) go: the files they were written
+    for are whole. Returns (deleted, kept foreign) names."""
     files = survey(output_dir)
+    for name in ASIDE_FILES:
+        (Path(output_dir) / name).unlink(missing_ok=True)
     deleted = sorted(files.written) if replace else []
     for name in deleted:
         target = Path(output_dir) / name

@@ -252,6 +252,42 @@ def test_a_resume_with_changed_settings_keeps_the_config_that_trained_the_steps_
     assert [p.name for p in tmp_path.glob("config.until-step-*")] == ["config.until-step-00000003.yaml"]
 
 
+class DiesAt:
+    """Raises as step `step` is logged: an attempt killed before its next checkpoint."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_log(self, state, record):
+        if state.step == self.step:
+            raise RuntimeError("killed")
+
+
+def test_a_second_resume_from_one_checkpoint_keeps_the_config_that_trained_the_steps_before_it(tmp_path):
+    """Resumed from step 3 with changed settings, the attempt died before its next checkpoint and was resumed from
+    step 3 again with other ones: the second resume wrote over config.until-step-3 with the first resumed attempt's
+    config, which trained none of the steps kept, and the config that trained steps 1-3 was lost. The first one
+    written stays. A resume from an earlier checkpoint than a resume before it (step 3, after one at step 6): the
+    file of step 6 describes the abandoned timeline and goes with its checkpoints."""
+    def rate(name):
+        return yaml.safe_load((tmp_path / name).read_text())["learning_rate"]
+
+    run(tmp_path, Accuracy(), hooks=[StopOnSave(3)], learning_rate=0.05, eval_strategy="no")
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path, Accuracy(), resume=True, hooks=[DiesAt(4)], learning_rate=0.1, eval_strategy="no")
+    run(tmp_path, Accuracy(), resume=True, hooks=[StopOnSave(6)], learning_rate=0.2, eval_strategy="no")
+    assert rate("config.until-step-00000003.yaml") == 0.05 and rate("config.yaml") == 0.2
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path, Accuracy(), resume=True, hooks=[DiesAt(7)], learning_rate=0.3, eval_strategy="no")
+    assert rate("config.until-step-00000006.yaml") == 0.2
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path, Accuracy(), hooks=[DiesAt(4)], learning_rate=0.4, eval_strategy="no",
+            resume_from_checkpoint=str(tmp_path / "checkpoints" / checkpoint_name(3)))
+    assert rate("config.until-step-00000003.yaml") == 0.05 and rate("config.yaml") == 0.4
+    assert [p.name for p in tmp_path.glob("config.until-step-*")] == ["config.until-step-00000003.yaml"]
+    assert rate("checkpoints/superseded/config.until-step-00000006.yaml") == 0.2
+
+
 class EvaluateAfterFirstSave:
     """Asks for an evaluation at the step boundary of the first checkpoint, after it was written."""
 

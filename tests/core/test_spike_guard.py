@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train import run_cli
 from accel_train.core.guard import SpikeWatch
+from accel_train.rundir.async_checkpoint import CheckpointWriter
 from accel_train.rundir.checkpoint import list_checkpoints
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "--run_report", "false", "--learning_rate", "0.05"]
@@ -81,8 +82,9 @@ def test_a_skipped_steps_loss_leaves_the_logged_interval_with_its_update(tmp_pat
     """Logged every 4 steps: a skipped step's micro-batch stayed in its interval's loss. A non-finite one made the
     whole interval's loss null and train_loss left its 4 steps out; a spike (100x) dominated the interval's mean while
     its update was dropped (a rollback drops it from the log too). Its loss leaves the log with its update: each
-    interval logs the mean of its kept steps' losses (the same run logged every step: a skipped step logs none),
-    and train_loss is the step-weighted mean of the intervals."""
+    interval logs the mean of its kept steps' losses (the same run logged every step: a skipped step logs none).
+    train_loss weighed each interval by all its steps, a skipped one too (an interval of 4 with 1 skipped: the mean
+    of 3 with the weight of 4): it is the mean of the kept steps' losses, the every-step run's train_loss."""
     flags = [*QUIET, "--num_train_epochs", "3", *(["--poison_index", "13", "--on_nonfinite", "skip"]
                                                   if skipped == "nonfinite" else
                                                   [*GUARD, "--on_spike", "skip", "--spike_index", str(SPIKE)])]
@@ -96,10 +98,10 @@ def test_a_skipped_steps_loss_leaves_the_logged_interval_with_its_update(tmp_pat
     for before, record in zip([{"step": 0}, *logged], logged, strict=False):
         losses = [kept[s] for s in range(before["step"] + 1, record["step"] + 1) if s in kept]
         assert record["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5), record
-    weights = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *logged], logged, strict=False)]
-    results = json.loads((tmp_path / "fourth" / "all_results.json").read_text())
-    assert results["train_loss"] == pytest.approx(sum(w * r["loss"] for w, r in zip(weights, logged, strict=True))
-                                                  / sum(weights))
+    every_loss, fourth_loss = (json.loads((tmp_path / d / "all_results.json").read_text())["train_loss"]
+                               for d in ("every", "fourth"))
+    assert every_loss == pytest.approx(sum(kept.values()) / len(kept), rel=1e-6)
+    assert fourth_loss == pytest.approx(every_loss, rel=1e-5)
 
 
 def skipping(out, processes, *extra):
@@ -222,15 +224,26 @@ def test_the_training_clock_goes_on_through_a_rollback(tmp_path, monkeypatch):
     """train_seconds counts every step trained, the dropped ones too: time to a quality is paid in them. On a clock
     that reads one second later at each reading (Clock), the rolled-back run trained 7 steps more than the run that
     never held the batch (its rollbacks dropped steps 5, 25-27 and the three spiked steps; logged every step), each as
-    many readings as a step of the other run, and its clock holds them."""
-    Clock(monkeypatch)
-    rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1"])
+    many readings as a step of the other run, and its clock holds them (and two readings of each rollback's own: the
+    seconds it takes of the interval, the start of its wait). With --async_save, on a disk where a pending checkpoint
+    lands 1000 s after it is waited for: every save holds the clock while it waits, and the rollback's wait (for the
+    checkpoint it may go back to) counted as training, 1000 s a rollback."""
+    clock = Clock(monkeypatch)
+    settle = CheckpointWriter.settle
+
+    def slow_disk(writer):
+        if writer.thread is not None:  # a background write is pending
+            clock.now += 1000
+        return settle(writer)
+
+    monkeypatch.setattr(CheckpointWriter, "settle", slow_disk)
+    rolled, never = rollback_then_reference(tmp_path, extra=["--logging_steps", "1", "--async_save"])
     seconds = [[r["train_seconds"] for r in read_jsonl(d / "metrics.jsonl") if "train_seconds" in r] for d in
                (rolled, never)]
     per_step = seconds[1][-1] / len(seconds[1])  # every step logged: one record a step
     last = json.loads(sorted((rolled / "checkpoints").glob("step-*"))[-1].joinpath("train_state.json").read_text())
     assert last["tracker_offset"] == 4  # logged every step: the trackers' steps count on past steps 5, 25-27
-    assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step, rel=0.15), (seconds, per_step)
+    assert seconds[0][-1] - seconds[1][-1] == pytest.approx(7 * per_step + 2 * 3, rel=0.15), (seconds, per_step)
 
 
 class SeenOnSave:

@@ -372,7 +372,8 @@ def test_deepspeeds_float_grad_norm_is_judged_and_a_spike_it_has_applied_is_not_
                                   accelerator=SimpleNamespace(num_processes=1, process_index=0,
                                                               distributed_type=DistributedType[kind]))
         with pytest.raises(TrainingDiverged, match=said):
-            on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0))
+            on_spike(session, state, Verdict(spike=True, loss=50.0, reference=1.0),
+                     SimpleNamespace(hold=lambda: None, release=lambda: None))
 
 
 def prepared_under_deepspeed(ds: dict, batches_per_epoch: int | None = 12, given: tuple[str, ...] = (), **flags):

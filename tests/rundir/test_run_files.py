@@ -133,10 +133,14 @@ def test_what_no_attempt_recorded_is_classified_by_name(tmp_path):
     run_files.begin_attempt(out, replace=False)  # an attempt starts ...
     plant(out, {"config.yaml": b"", "metrics.jsonl": b"", "model.safetensors": b"w", "tokenizer.json": b"t",
                 "diagnostics/x.json": b"", "later.txt": b""})  # ... writes, and is SIGKILLed before it records
+    # ... inside a rewrite of the history (a resume's or a rollback's truncation) and of config.yaml, after the aside
+    # was written and before its rename: those were taken for the user's files, kept by every later replacement
+    plant(out, {".metrics.jsonl.tmp": b'{"step": 1}\n', ".config.yaml.tmp": b"seed: 0\n"})
     files = run_files.survey(out)
     assert files.open and files.foreign == {"config.json", "notes.txt", "later.txt"}
     assert files.written == {"config.yaml", "metrics.jsonl", "model.safetensors", "tokenizer.json", "diagnostics"}
     run_files.begin_attempt(out, replace=False)  # the next attempt resumes, and ends
+    assert not (out / ".metrics.jsonl.tmp").exists() and not (out / ".config.yaml.tmp").exists()
     run_files.end_attempt(out)
     plant(out, {"vocab.txt": b"v", "export/onnx/model.onnx": b"o"})  # after it: the user's, unless by our name
     files = run_files.survey(out)

@@ -44,19 +44,25 @@ JSON_FLAGS = {
     "scheduler.params.total_num_steps": ("max_steps", "num_train_epochs"), "gradient_clipping": ("max_grad_norm",),
     "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
 }
+# Values that are a list of one flag's value per element (the others stand for the whole value, any flag named):
+# compared element by element, so that a JSON's [0.8, 0.99] runs beside --adam_beta1 0.8 and --adam_beta2 unset.
+PER_ELEMENT = ("optimizer.params.betas",)
 
 
 def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     """A DeepSpeed JSON's explicit values run, not the flags' (only "auto" is filled): one that contradicts a flag the
-    user gave (`config.given`) is refused, naming both; those beside a flag left at its default are returned and kept
-    on the plugin as `explicit_json_values`, which `engine_notes` reports."""
+    user gave (`config.given`) is refused, naming both (a pair such as the betas element by element: --adam_beta1
+    against the first); those beside a flag left at its default are returned and kept on the plugin as
+    `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports."""
     wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
-    differ = {}
-    for key, flags in JSON_FLAGS.items():
+    differ: dict[str, Any] = {}
+    replaced: list[str] = []
+    for key in JSON_FLAGS:
         node, leaf = plugin.hf_ds_config.find_config_node(key)
         if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
             continue
-        given = [flag for flag in flags if flag in config.given]
+        stand_for = _flags_replaced(key, node[leaf], wanted[key])
+        given = [flag for flag in stand_for if flag in config.given]
         if given:
             raise ConfigError(
                 f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config sets \"{key}\": "
@@ -65,8 +71,19 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
                 f"the flag. Set \"{key}\" to \"auto\" in the JSON to take the flag, or drop --{given[0]} to run the "
                 "JSON's value.")
         differ[key] = node[leaf]
+        replaced += stand_for if key in PER_ELEMENT else stand_for[:1]  # the one named first
     plugin.explicit_json_values = differ
+    plugin.explicit_json_flags = list(dict.fromkeys(replaced))
     return differ
+
+
+def _flags_replaced(key: str, value: Any, wanted: Any) -> tuple[str, ...]:
+    """The flags a JSON value other than `wanted` replaces: for a per-element value, those of the elements that
+    differ; else all the flags the value stands for."""
+    flags = JSON_FLAGS[key]
+    if key in PER_ELEMENT and isinstance(value, list) and len(value) == len(flags) == len(wanted):
+        return tuple(flag for flag, theirs, ours in zip(flags, value, wanted, strict=True) if not _same(theirs, ours))
+    return flags
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -511,6 +511,39 @@ def test_explicit_deepspeed_json_values_that_contradict_a_given_flag_are_refused
                      '--max_grad_norm at their defaults (set them to "auto" in the JSON to take the flags)']
 
 
+def with_betas(betas: list[float]) -> dict:
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "betas": betas}
+    return zero3_json(optimizer=optimizer)
+
+
+def test_explicit_deepspeed_betas_are_compared_with_each_given_flag_on_its_own_element():
+    """"optimizer.params.betas" stands for two flags, one per element: a given --adam_beta1 equal to the JSON's first
+    beta runs (refused before: the pair was compared whole, --adam_beta2 at its default included), a given flag that
+    differs from its own element is refused, and the start-up note names only the flags whose elements the JSON
+    replaces (it named --adam_beta1 for any betas)."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    def explicit_notes(engine) -> list[str]:
+        return [n for n in engine_notes(engine) if "explicitly" in n]
+
+    engine = prepared_under_deepspeed(with_betas([0.8, 0.99]), given=("adam_beta1",), adam_beta1=0.8)
+    assert explicit_notes(engine) == [
+        'the DeepSpeed JSON config sets "optimizer.params.betas": [0.8, 0.99] explicitly: DeepSpeed runs them, not '
+        '--adam_beta2 at their defaults (set them to "auto" in the JSON to take the flags)']
+    both = ("adam_beta1", "adam_beta2")
+    assert explicit_notes(prepared_under_deepspeed(with_betas([0.8, 0.99]), given=both, adam_beta1=0.8,
+                                                   adam_beta2=0.99)) == []
+    with pytest.raises(ConfigError, match=r"--adam_beta2 0.95, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.betas\": \[0.8, 0.99\]"):
+        prepared_under_deepspeed(with_betas([0.8, 0.99]), given=both, adam_beta1=0.8, adam_beta2=0.95)
+    with pytest.raises(ConfigError, match=r"--adam_beta1 0.7, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.betas\": \[0.8, 0.99\]"):
+        prepared_under_deepspeed(with_betas([0.8, 0.99]), given=("adam_beta1",), adam_beta1=0.7)
+    assert "not --adam_beta2 at their defaults" in explicit_notes(prepared_under_deepspeed(with_betas([0.9, 0.99])))[0]
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

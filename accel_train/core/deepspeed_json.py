@@ -4,7 +4,8 @@ steps), and its explicit values, optimizer and scheduler where a flag asked for 
 DeepSpeed runs what its JSON says. Accelerate fills only some "auto" values (the learning rate and weight decay; betas
 and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and divides a scheduler's total
 steps by the number of processes; the values it does not fill, and the JSON's explicit ones, it never compares with
-the flags. core/sharded.py calls these before `accelerator.prepare`.
+the flags. core/sharded.py calls these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give
+the record of what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
 """
 
 from __future__ import annotations
@@ -96,14 +97,48 @@ def _same(a: Any, b: Any) -> bool:
 
 def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are."""
+    Values the JSON sets explicitly are left as they are; a JSON without "gradient_clipping" is filled as "auto" is
+    (DeepSpeed would clip at its default, 1.0, whatever --max_grad_norm says, and Accelerate fills only "auto")."""
     filled = {}
     for key, value in deepspeed_values(config, plan).items():
         node, leaf = plugin.hf_ds_config.find_config_node(key)
-        if node is not None and node.get(leaf) == "auto":
+        missing = "auto" if key == "gradient_clipping" else None
+        if node is not None and node.get(leaf, missing) == "auto":
             node[leaf] = value
             filled[key] = value
     return filled
+
+
+def engine_clipping(state) -> float | None:
+    """The norm a DeepSpeed engine clips the gradients to (0: not at all): its config's "gradient_clipping", the JSON's
+    explicit value or the one `fill_deepspeed_config` filled from --max_grad_norm; None for a run without DeepSpeed (the
+    loop clips at --max_grad_norm). `state`: Accelerate's AcceleratorState, or None."""
+    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    return float(state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 1.0))  # DeepSpeed's default
+
+
+def json_schedule_line(accelerator, config: TrainConfig, plan) -> str | None:
+    """The start-up report's schedule line where a DeepSpeed JSON decides the schedule or its peak, in the values the
+    engine runs (None: the line built from the flags is true): the JSON's scheduler with its own peak and warmup, or
+    accel_train's schedule over an optimizer "lr" the JSON sets explicitly (the flags' "auto" values are filled)."""
+    if getattr(accelerator.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    explicit = getattr(plugin, "explicit_json_values", {})  # check_explicit_values
+    if "scheduler" in ds:
+        params = ds["scheduler"].get("params", {})
+        said = [f"DeepSpeed's {ds['scheduler'].get('type')} (its JSON config's scheduler)"]
+        if "warmup_max_lr" in params:
+            said.append(f"peak lr {params['warmup_max_lr']}")
+        if "warmup_num_steps" in params:
+            said.append(f"{params['warmup_num_steps']} warmup step(s)")
+        return ", ".join(said)
+    if "optimizer.params.lr" in explicit:
+        return (f"{config.lr_scheduler_type}, peak lr {explicit['optimizer.params.lr']:g} (the DeepSpeed JSON config's "
+                f"\"optimizer.params.lr\"; --learning_rate does not apply), {plan.warmup_steps} warmup step(s)")
+    return None
 
 
 def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:

@@ -18,7 +18,7 @@ What `prepare_engine` adapts, and why:
   Every "auto" of the optimizer, the schedule and the clipping is filled from the config and the plan, in
   optimizer steps (core/deepspeed_json.py); Accelerate only fills what is still "auto". An explicit JSON value that
   contradicts a flag the user gave is refused (the betas element by element), one beside a flag at its default is
-  said (`check_explicit_values`).
+  said (`check_explicit_values`), and the record and the start-up report state it where it runs.
   The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
   (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`; with a scheduler in the JSON, a --lr_scheduler_type
   other than the default or --lr_scheduler_kwargs is refused (`use_json_scheduler`).

@@ -101,9 +101,9 @@ def build_loss(accelerator, config, towers: TowerArguments, datasets, mean, std,
                            freeze_steps=towers.freeze_steps())
 
 
-def build_metrics() -> ContrastiveMetrics:
+def build_metrics(has_classes: bool) -> ContrastiveMetrics:
     """Recall@1/5/10 and median rank both ways; zero-shot accuracy where the data has classes."""
-    return ContrastiveMetrics()
+    return ContrastiveMetrics(zero_shot=has_classes)
 
 
 class Finish:
@@ -151,10 +151,10 @@ def main(argv=None) -> dict[str, float]:
     finish = Finish(image_processor(size, mean, std) if processor is None else processor, config.output_dir)
     groups = tower_param_groups(model, towers.learning_rates(config.learning_rate),
                                 towers.weight_decays(config.weight_decay))
-    result = train(model, loaders.train, config=config, loss_fn=loss_fn, metrics_fn=build_metrics(),
-                   eval_loader=loaders.eval, final_eval_loaders=loaders.final, accelerator=accelerator,
-                   optimizer=groups, hooks=[finish], processing_class=tokenizer,
-                   extra_configs=[data_args, model_args, towers])
+    result = train(model, loaders.train, config=config, loss_fn=loss_fn,
+                   metrics_fn=build_metrics(bool(data.class_names)), eval_loader=loaders.eval,
+                   final_eval_loaders=loaders.final, accelerator=accelerator, optimizer=groups, hooks=[finish],
+                   processing_class=tokenizer, extra_configs=[data_args, model_args, towers])
     return result.metrics
 
 

@@ -21,6 +21,7 @@ from ..compat import unchecked_notes
 from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from ..rundir.outdir import refuse_mixed_runs
+from .deepspeed_json import json_schedule_line
 from .muon import refuse_sharded_muon
 from .peak import cpu_info, device_peak
 from .rendezvous import join_attempt_group, reuses_agent_store
@@ -323,7 +324,9 @@ def resolve_trackers(config: TrainConfig) -> list[str]:
 def startup_report(accelerator: Accelerator, config: TrainConfig, plan, num_train_samples: int | None,
                    schedule: str | None = None, objects: tuple[str, ...] = ()) -> str:
     """The numbers a user should check before trusting a run, printed once on the main process. `schedule`: the
-    schedule line for a scheduler of the user's; `objects`: the optimizer and clipping lines (core/objects.py)."""
+    schedule line for a scheduler of the user's; `objects`: the optimizer and clipping lines (core/objects.py). Under
+    DeepSpeed a JSON's scheduler or explicit learning rate is stated as it runs (`json_schedule_line`)."""
+    schedule = schedule or json_schedule_line(accelerator, config, plan)
     epochs = (f"{plan.steps_per_epoch} per epoch, {plan.total_steps} in total ({plan.num_epochs} epoch(s))"
               if plan.steps_per_epoch is not None else f"{plan.total_steps} in total (--max_steps; a stream of "
               "unknown length: an epoch ends where it runs out)")

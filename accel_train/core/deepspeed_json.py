@@ -4,7 +4,8 @@ steps), and its explicit values, optimizer and scheduler where a flag asked for 
 DeepSpeed runs what its JSON says. Accelerate fills only some "auto" values (the learning rate and weight decay; betas
 and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and divides a scheduler's total
 steps by the number of processes; the values it does not fill, and the JSON's explicit ones, it never compares with
-the flags. core/sharded.py calls these before `accelerator.prepare`.
+the flags. core/sharded.py calls these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give
+the record of what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
 """
 
 from __future__ import annotations
@@ -44,19 +45,25 @@ JSON_FLAGS = {
     "scheduler.params.total_num_steps": ("max_steps", "num_train_epochs"), "gradient_clipping": ("max_grad_norm",),
     "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
 }
+# Values that are a list of one flag's value per element (the others stand for the whole value, any flag named):
+# compared element by element, so that a JSON's [0.8, 0.99] runs beside --adam_beta1 0.8 and --adam_beta2 unset.
+PER_ELEMENT = ("optimizer.params.betas",)
 
 
 def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     """A DeepSpeed JSON's explicit values run, not the flags' (only "auto" is filled): one that contradicts a flag the
-    user gave (`config.given`) is refused, naming both; those beside a flag left at its default are returned and kept
-    on the plugin as `explicit_json_values`, which `engine_notes` reports."""
+    user gave (`config.given`) is refused, naming both (a pair such as the betas element by element: --adam_beta1
+    against the first); those beside a flag left at its default are returned and kept on the plugin as
+    `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports."""
     wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
-    differ = {}
-    for key, flags in JSON_FLAGS.items():
+    differ: dict[str, Any] = {}
+    replaced: list[str] = []
+    for key in JSON_FLAGS:
         node, leaf = plugin.hf_ds_config.find_config_node(key)
         if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
             continue
-        given = [flag for flag in flags if flag in config.given]
+        stand_for = _flags_replaced(key, node[leaf], wanted[key])
+        given = [flag for flag in stand_for if flag in config.given]
         if given:
             raise ConfigError(
                 f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config sets \"{key}\": "
@@ -65,8 +72,19 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
                 f"the flag. Set \"{key}\" to \"auto\" in the JSON to take the flag, or drop --{given[0]} to run the "
                 "JSON's value.")
         differ[key] = node[leaf]
+        replaced += stand_for if key in PER_ELEMENT else stand_for[:1]  # the one named first
     plugin.explicit_json_values = differ
+    plugin.explicit_json_flags = list(dict.fromkeys(replaced))
     return differ
+
+
+def _flags_replaced(key: str, value: Any, wanted: Any) -> tuple[str, ...]:
+    """The flags a JSON value other than `wanted` replaces: for a per-element value, those of the elements that
+    differ; else all the flags the value stands for."""
+    flags = JSON_FLAGS[key]
+    if key in PER_ELEMENT and isinstance(value, list) and len(value) == len(flags) == len(wanted):
+        return tuple(flag for flag, theirs, ours in zip(flags, value, wanted, strict=True) if not _same(theirs, ours))
+    return flags
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -79,14 +97,48 @@ def _same(a: Any, b: Any) -> bool:
 
 def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are."""
+    Values the JSON sets explicitly are left as they are; a JSON without "gradient_clipping" is filled as "auto" is
+    (DeepSpeed would clip at its default, 1.0, whatever --max_grad_norm says, and Accelerate fills only "auto")."""
     filled = {}
     for key, value in deepspeed_values(config, plan).items():
         node, leaf = plugin.hf_ds_config.find_config_node(key)
-        if node is not None and node.get(leaf) == "auto":
+        missing = "auto" if key == "gradient_clipping" else None
+        if node is not None and node.get(leaf, missing) == "auto":
             node[leaf] = value
             filled[key] = value
     return filled
+
+
+def engine_clipping(state) -> float | None:
+    """The norm a DeepSpeed engine clips the gradients to (0: not at all): its config's "gradient_clipping", the JSON's
+    explicit value or the one `fill_deepspeed_config` filled from --max_grad_norm; None for a run without DeepSpeed (the
+    loop clips at --max_grad_norm). `state`: Accelerate's AcceleratorState, or None."""
+    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    return float(state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 1.0))  # DeepSpeed's default
+
+
+def json_schedule_line(accelerator, config: TrainConfig, plan) -> str | None:
+    """The start-up report's schedule line where a DeepSpeed JSON decides the schedule or its peak, in the values the
+    engine runs (None: the line built from the flags is true): the JSON's scheduler with its own peak and warmup, or
+    accel_train's schedule over an optimizer "lr" the JSON sets explicitly (the flags' "auto" values are filled)."""
+    if getattr(accelerator.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    explicit = getattr(plugin, "explicit_json_values", {})  # check_explicit_values
+    if "scheduler" in ds:
+        params = ds["scheduler"].get("params", {})
+        said = [f"DeepSpeed's {ds['scheduler'].get('type')} (its JSON config's scheduler)"]
+        if "warmup_max_lr" in params:
+            said.append(f"peak lr {params['warmup_max_lr']}")
+        if "warmup_num_steps" in params:
+            said.append(f"{params['warmup_num_steps']} warmup step(s)")
+        return ", ".join(said)
+    if "optimizer.params.lr" in explicit:
+        return (f"{config.lr_scheduler_type}, peak lr {explicit['optimizer.params.lr']:g} (the DeepSpeed JSON config's "
+                f"\"optimizer.params.lr\"; --learning_rate does not apply), {plan.warmup_steps} warmup step(s)")
+    return None
 
 
 def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:

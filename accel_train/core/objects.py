@@ -20,6 +20,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from .accelerator import loop_steps_schedulers
 from .data import random_item_notes
+from .deepspeed_json import engine_clipping
 from .hyperparameters import group_peaks
 from .optim import steps_on_evaluation
 from .stream import idle_worker_notes
@@ -143,12 +144,24 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
                       "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},
-        "clipping": {"max_grad_norm": config.max_grad_norm if config.max_grad_norm > 0 else None},
+        "clipping": clipping_in_effect(optimizer, config),
     }
     if plateau is not None:
         ran["plateau"] = {"class": type(inner_object(plateau)).__name__, "given": "yours",
                           "stepped": f"at each evaluation, on {config.monitored_metric}"}
     return ran
+
+
+def clipping_in_effect(optimizer, config: TrainConfig) -> dict[str, Any]:
+    """What `what_ran` records of the clipping: the norm the gradients are clipped to (None: not clipped) and, where
+    that is not --max_grad_norm, what set it. A DeepSpeed engine clips at its config's "gradient_clipping", which a
+    JSON may set explicitly beside the flag at its default (core/deepspeed_json.py); the prepared optimizer carries
+    Accelerate's state (AcceleratedOptimizer.accelerator_state), where the engine's config is."""
+    flag = config.max_grad_norm if config.max_grad_norm > 0 else None
+    engine = engine_clipping(getattr(optimizer, "accelerator_state", None))
+    if engine is None or (engine if engine > 0 else None) == flag:
+        return {"max_grad_norm": flag}
+    return {"max_grad_norm": engine if engine > 0 else None, "set_by": "DeepSpeed's config (\"gradient_clipping\")"}
 
 
 def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0,
@@ -178,8 +191,12 @@ def report_lines(ran: dict[str, Any], config: TrainConfig, warmup_steps: int = 0
     scaled = f" (your rates x {lr_scale:.4g}: --scale_lr {config.scale_lr})" if opt["given"] == "yours" and \
         lr_scale != 1.0 else ""
     lines = [f"  optimizer        {opt['class']} ({opt['given']}{kernel}): {groups}{more}{scaled}"]
-    clip = ran["clipping"]["max_grad_norm"]
-    if clip is None:
+    clip, set_by = ran["clipping"]["max_grad_norm"], ran["clipping"].get("set_by")
+    if set_by:
+        clipped = "none" if clip is None else f"global grad norm clipped to {clip:g}"
+        lines.append(f"  clipping         {clipped} ({set_by}; --max_grad_norm {config.max_grad_norm:g} does not "
+                     "apply)")
+    elif clip is None:
         lines.append("  clipping         none (--max_grad_norm 0)")
     else:
         given = " (the default; --max_grad_norm 0 turns it off)" if config.max_grad_norm == 1.0 else ""

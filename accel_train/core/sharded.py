@@ -17,7 +17,8 @@ What `prepare_engine` adapts, and why:
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
   Every "auto" of the optimizer, the schedule and the clipping is filled from the config and the plan, in
   optimizer steps (core/deepspeed_json.py); Accelerate only fills what is still "auto". An explicit JSON value that
-  contradicts a flag the user gave is refused, one beside a flag at its default is said (`check_explicit_values`).
+  contradicts a flag the user gave is refused (the betas element by element), one beside a flag at its default is
+  said (`check_explicit_values`), and the record and the start-up report state it where it runs.
   The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
   (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`; with a scheduler in the JSON, a --lr_scheduler_type
   other than the default or --lr_scheduler_kwargs is refused (`use_json_scheduler`).
@@ -43,7 +44,6 @@ from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from .data import take_examples, take_real_tokens
 from .deepspeed_json import (
-    JSON_FLAGS,
     check_explicit_values,
     fill_deepspeed_config,
     use_json_optimizer,
@@ -262,10 +262,11 @@ def engine_notes(accelerator: Accelerator) -> list[str]:
     if "scheduler" in ds:
         notes.append(f"the schedule is DeepSpeed's {ds['scheduler'].get('type')} from its JSON config, not "
                      "--lr_scheduler_type (the pre-flight simulates it as the engine steps it)")
-    explicit = getattr(accelerator.state.deepspeed_plugin, "explicit_json_values", {})  # check_explicit_values
+    plugin = accelerator.state.deepspeed_plugin
+    explicit = getattr(plugin, "explicit_json_values", {})  # check_explicit_values
     if explicit:
         values = ", ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in explicit.items())
-        flags = ", ".join(dict.fromkeys(f"--{JSON_FLAGS[key][0]}" for key in explicit))
+        flags = ", ".join(f"--{flag}" for flag in getattr(plugin, "explicit_json_flags", []))
         notes.append(f"the DeepSpeed JSON config sets {values} explicitly: DeepSpeed runs them, not {flags} at their "
                      "defaults (set them to \"auto\" in the JSON to take the flags)")
     return notes

@@ -512,6 +512,93 @@ def test_explicit_deepspeed_json_values_that_contradict_a_given_flag_are_refused
                      '--max_grad_norm at their defaults (set them to "auto" in the JSON to take the flags)']
 
 
+def with_betas(betas: list[float]) -> dict:
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "betas": betas}
+    return zero3_json(optimizer=optimizer)
+
+
+def test_explicit_deepspeed_betas_are_compared_with_each_given_flag_on_its_own_element():
+    """"optimizer.params.betas" stands for two flags, one per element: a given --adam_beta1 equal to the JSON's first
+    beta runs (refused before: the pair was compared whole, --adam_beta2 at its default included), a given flag that
+    differs from its own element is refused, and the start-up note names only the flags whose elements the JSON
+    replaces (it named --adam_beta1 for any betas)."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    def explicit_notes(engine) -> list[str]:
+        return [n for n in engine_notes(engine) if "explicitly" in n]
+
+    engine = prepared_under_deepspeed(with_betas([0.8, 0.99]), given=("adam_beta1",), adam_beta1=0.8)
+    assert explicit_notes(engine) == [
+        'the DeepSpeed JSON config sets "optimizer.params.betas": [0.8, 0.99] explicitly: DeepSpeed runs them, not '
+        '--adam_beta2 at their defaults (set them to "auto" in the JSON to take the flags)']
+    both = ("adam_beta1", "adam_beta2")
+    assert explicit_notes(prepared_under_deepspeed(with_betas([0.8, 0.99]), given=both, adam_beta1=0.8,
+                                                   adam_beta2=0.99)) == []
+    with pytest.raises(ConfigError, match=r"--adam_beta2 0.95, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.betas\": \[0.8, 0.99\]"):
+        prepared_under_deepspeed(with_betas([0.8, 0.99]), given=both, adam_beta1=0.8, adam_beta2=0.95)
+    with pytest.raises(ConfigError, match=r"--adam_beta1 0.7, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.betas\": \[0.8, 0.99\]"):
+        prepared_under_deepspeed(with_betas([0.8, 0.99]), given=("adam_beta1",), adam_beta1=0.7)
+    assert "not --adam_beta2 at their defaults" in explicit_notes(prepared_under_deepspeed(with_betas([0.9, 0.99])))[0]
+
+
+def ds_optimizer(engine, config: TrainConfig):
+    """The prepared optimizer as the record reads it under DeepSpeed: Accelerate's wrapper, which carries its state
+    (AcceleratedOptimizer.accelerator_state), around the torch optimizer DeepSpeed built."""
+    from accelerate.utils import DistributedType
+
+    wrapper = type("DeepSpeedOptimizerWrapper", (), {})()
+    wrapper.optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), lr=config.learning_rate)
+    wrapper.accelerator_state = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                                deepspeed_plugin=engine.state.deepspeed_plugin)
+    return wrapper
+
+
+def test_the_record_states_the_clipping_and_schedule_deepspeed_runs_where_its_json_sets_them():
+    """A DeepSpeed engine clips at its config's "gradient_clipping" and steps from its JSON's rates: with a JSON that
+    sets them explicitly beside flags at their defaults, what_ran (config.yaml) and the start-up report's clipping
+    and schedule lines state the engine's values (they stated --max_grad_norm's 1.0 and --learning_rate's); a JSON
+    without "gradient_clipping" is filled from --max_grad_norm (DeepSpeed clipped at its default, 1.0, beside a given
+    --max_grad_norm 0.5), and a flag that runs is recorded as before."""
+    from accel_train.core.objects import report_lines, what_ran
+
+    def recorded(engine, **flags) -> tuple[dict, str]:
+        config = TrainConfig(output_dir="x", **flags)
+        ran = what_ran(ds_optimizer(engine, config), None, config, own_optimizer=False, own_scheduler=False)
+        return ran["clipping"], report_lines(ran, config)[1][1]
+
+    by_json = 'DeepSpeed\'s config ("gradient_clipping")'
+    assert recorded(prepared_under_deepspeed(zero3_json(gradient_clipping=0.5))) == (
+        {"max_grad_norm": 0.5, "set_by": by_json},
+        f"  clipping         global grad norm clipped to 0.5 ({by_json}; --max_grad_norm 1 does not apply)")
+    assert recorded(prepared_under_deepspeed(zero3_json(gradient_clipping=0.0))) == (
+        {"max_grad_norm": None, "set_by": by_json},
+        f"  clipping         none ({by_json}; --max_grad_norm 1 does not apply)")
+    engine = prepared_under_deepspeed(zero3_json(gradient_clipping=None), given=("max_grad_norm",), max_grad_norm=0.5)
+    assert engine.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.5
+    assert recorded(engine, max_grad_norm=0.5) == ({"max_grad_norm": 0.5},
+                                                   "  clipping         global grad norm clipped to 0.5")
+    assert recorded(prepared_under_deepspeed(zero3_json()))[0] == {"max_grad_norm": 1.0}  # "auto": the flag's
+
+    from accel_train.core.deepspeed_json import json_schedule_line
+
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "lr": 1e-4}
+    config = TrainConfig(output_dir="x", warmup_steps=3)
+    engine = prepared_under_deepspeed(zero3_json(optimizer=optimizer), warmup_steps=3)
+    assert json_schedule_line(engine, config, make_plan(config, 12, 2)) == (
+        'linear, peak lr 0.0001 (the DeepSpeed JSON config\'s "optimizer.params.lr"; --learning_rate does not apply), '
+        "3 warmup step(s)")
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": "auto"}}
+    engine = prepared_under_deepspeed(zero3_json(scheduler=scheduler), warmup_steps=3)
+    assert json_schedule_line(engine, config, make_plan(config, 12, 2)) == (
+        "DeepSpeed's WarmupLR (its JSON config's scheduler), peak lr 0.002, 3 warmup step(s)")
+    assert json_schedule_line(prepared_under_deepspeed(zero3_json()), config, make_plan(config, 12, 2)) is None
+
+
 def points(n: int = 16) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(4, generator=generator), "y": torch.randn((), generator=generator)} for _ in range(n)]

@@ -65,6 +65,22 @@ def test_report_pngs_decode_and_hold_the_run_series(toy_run):
         [(r["step"], pytest.approx(r["samples_per_second"])) for r in train]
 
 
+def test_the_gradient_norm_plot_draws_the_clipping_that_ran(tmp_path):
+    """The threshold line is config.yaml's record of the clipping that ran (what_ran), which a DeepSpeed JSON may
+    set beside --max_grad_norm at its default (the line was drawn at the flag's 1.0); a run without the record
+    draws the flag's."""
+    import yaml
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "grad_norm": 0.8}) + "\n"
+                                                    for s in (1, 2)))
+    config = {"max_grad_norm": 1.0, "what_ran": {"clipping": {"max_grad_norm": 0.5, "set_by": "DeepSpeed's config"}}}
+    for record, threshold in ((config, 0.5), ({"max_grad_norm": 1.0}, 1.0)):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(record))
+        assert cli(["report", str(tmp_path)]) == 0
+        panel = read_series(tmp_path / "report" / "grad_norm.png")["panels"][0]
+        assert panel["hlines"] == {f"clipping threshold {threshold:g}": threshold}
+
+
 def test_confusion_matrix_is_the_last_evaluation(toy_run):
     results = json.loads((toy_run / "all_results.json").read_text())
     matrix = np.array(read_series(toy_run / "report" / "confusion_matrix.png")["matrix"])

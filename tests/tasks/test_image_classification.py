@@ -16,7 +16,7 @@ from conftest import RECIPES, ROOT, SHARED_DATA, launch, reset_accelerate
 from PIL import Image
 from safetensors.torch import load_file
 
-from accel_train import ConfigError, DataError, ModelError, parse_config
+from accel_train import ConfigError, DataError, ModelError, TrainConfig, parse_config
 from accel_train.tasks.vision.data import (
     ImageDataArguments,
     ImageDataset,
@@ -54,6 +54,22 @@ def run(tmp_path, data_dir, *flags, name="out"):
     out = tmp_path / name
     metrics = recipe.main(["--data_dir", str(data_dir), "--output_dir", str(out), *QUIET, *flags])
     return out, metrics
+
+
+def test_the_metrics_declare_exactly_the_names_they_return():
+    """`metric_names` is what a call returns (per-class keys of names that clean up alike included), so the session
+    refuses a --metric_for_best_model no evaluation reports before training, not at the first evaluation."""
+    from accel_train.core.evaluation import check_monitored_metric
+    from accel_train.tasks.vision.classification import ClassificationMetrics
+
+    metrics = ClassificationMetrics(["red", "red!", "blue"], top_k=2)
+    returned = metrics({"logits": torch.eye(3), "labels": torch.tensor([0, 1, 1])})
+    assert list(returned) == metrics.metric_names == ["accuracy", "top2_accuracy", "accuracy_0_red",
+                                                      "accuracy_1_red", "accuracy_blue"]
+    mistyped = TrainConfig(output_dir="unused", metric_for_best_model="eval_acuracy")
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model eval_acuracy: the evaluations of this run report "
+                                          r"only eval_loss, .*eval_accuracy, eval_top2_accuracy, eval_accuracy_0_red"):
+        check_monitored_metric(mistyped, metrics, has_eval_loader=True)
 
 
 # ------------------------------------------------------------------------------------------- end to end

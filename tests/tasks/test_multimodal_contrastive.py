@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, DataError, TrainConfig, build_accelerator, build_scheduler, make_plan
+from accel_train.core.evaluation import LOSS_METRICS
 from accel_train.tasks.multimodal.collectives import gather_with_grad
 from accel_train.tasks.multimodal.contrastive_loss import ContrastiveLoss, clip_loss, draw_captions
 from accel_train.tasks.multimodal.contrastive_metrics import ContrastiveMetrics, retrieval_metrics, zero_shot_accuracy
@@ -276,7 +277,34 @@ def test_zero_shot_accuracy_counts_each_image_once():
     assert shared == pytest.approx(2 / 3)
     outputs = {"image_embeds": torch.eye(2), "text_embeds": torch.eye(2), "zero_shot_logits": torch.eye(2),
                "labels": torch.tensor([0, 1])}
-    assert ContrastiveMetrics()(outputs)["zero_shot_accuracy"] == 1.0
+    assert ContrastiveMetrics(zero_shot=True)(outputs)["zero_shot_accuracy"] == 1.0
+
+
+def test_the_metrics_declare_exactly_the_names_they_return():
+    """`metric_names` is what a call returns, with and without zero-shot, for other Ks too: the session checks
+    --metric_for_best_model against it before training (core/evaluation.py). Zero-shot asked for on outputs without
+    its logits is an error naming the fix, not a metric left out."""
+    outputs = {"image_embeds": torch.eye(3), "text_embeds": torch.eye(3), "zero_shot_logits": torch.eye(3),
+               "labels": torch.tensor([0, 1, 2])}
+    for ks in ((1, 5, 10), (1, 2)):
+        for zero_shot in (False, True):
+            metrics = ContrastiveMetrics(ks, zero_shot=zero_shot)
+            assert list(metrics(outputs)) == metrics.metric_names
+    assert "zero_shot_accuracy" not in ContrastiveMetrics().metric_names
+    with pytest.raises(ConfigError, match=r"zero_shot=True\), but the evaluation outputs hold no zero_shot_logits"):
+        ContrastiveMetrics(zero_shot=True)({"image_embeds": torch.eye(2), "text_embeds": torch.eye(2)})
+
+
+def test_a_metric_for_best_model_the_evaluations_never_report_is_refused_before_training(tmp_path, tiny_text):
+    """The recipe's metrics declare their names, so a mistyped --metric_for_best_model is refused before the first
+    step, naming what the evaluations report (before: a MetricsError at the first evaluation, after training)."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model eval_i2t_recall@l: the evaluations of this run "
+                                          r"report only eval_loss, .*eval_i2t_recall@1, .*eval_zero_shot_accuracy"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--eval_strategy", "steps", "--eval_steps", "1", "--label_column_name", "colour",
+            "--metric_for_best_model", "eval_i2t_recall@l")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 # ------------------------------------------------------------------------------------- per-tower training
@@ -332,6 +360,8 @@ def test_tiny_run_learns_colours_and_writes_retrieval_metrics(tmp_path, tiny_tex
     assert (results["eval_samples"], results["eval_retrieval_images"], results["eval_retrieval_captions"]) == (12, 6, 6)
     assert results["eval_t2i_recall@1"] == results["eval_i2t_recall@1"] == 1.0
     assert results["eval_zero_shot_accuracy"] == 1.0
+    declared = {f"eval_{name}" for name in recipe.build_metrics(has_classes=True).metric_names}
+    assert {k for k in results if k.startswith("eval_")} - set(LOSS_METRICS) == declared
     assert results["eval_t2i_chance_recall@1"] == pytest.approx(2 / 6)
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert losses[-1] < 0.5 * losses[0]

@@ -27,6 +27,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from accel_train import ConfigError, ModelError
+from accel_train.core.evaluation import LOSS_METRICS
 from accel_train.tasks.multimodal.fusion_loss import (
     FusionLoss,
     drop_tokens,
@@ -390,7 +391,9 @@ def test_fusion_metrics_rerank_and_score_itm_pairs_once(tmp_path):
     outputs = {"image_embeds": image_embeds, "text_embeds": text_embeds, "image_ids": image_ids,
                "caption_ids": caption_ids, "image_tokens": image_ids.float()[:, None, None].expand(6, 2, 3),
                "text_states": caption_ids.float()[:, None, None].expand(6, 4, 3), "text_mask": torch.ones(6, 4)}
-    m = FusionMetrics(model, ks=(1, 2), rerank_k=4, seed=0)(outputs)
+    metrics_fn = FusionMetrics(model, ks=(1, 2), rerank_k=4, seed=0)
+    m = metrics_fn(outputs)
+    assert sorted(m) == sorted(metrics_fn.metric_names)  # declared: a wrong --metric_for_best_model is refused early
     # ITC: image 0 finds captions 4, 5 first (image 2's), image 1 its own, image 2 captions 0, 1 first
     assert m["i2t_recall@1"] == pytest.approx(1 / 3)
     assert m["rerank_i2t_recall@1"] == 1.0 and m["rerank_t2i_recall@1"] == 1.0 and m["rerank_k"] == 3
@@ -416,6 +419,8 @@ def test_recipe_trains_itm_on_colours_and_writes_everything(tmp_path, tiny_text,
                        "--logging_steps", "5", "--freeze_text_tower_steps", "0", "--loss_weighting", "uncertainty",
                        "--token_dropout", "0.1")
     assert results["eval_itm_auc_random"] > 0.9 and results["eval_rerank_i2t_recall@1"] == 1.0
+    declared = {f"eval_{name}" for name in FusionMetrics(None).metric_names}  # the recipe's Ks
+    assert {k for k in results if k.startswith("eval_")} - set(LOSS_METRICS) == declared
     assert {"eval_itm_auc_hard", "eval_itc_auc_hard", "eval_itm_accuracy_random", "eval_rerank_t2i_median_rank",
             "itc_weight", "itm_weight", "logit_scale"} <= set(results)
     assert json.loads((out / "all_results.json").read_text())["itm_weight"] == results["itm_weight"] != 1.0
@@ -437,6 +442,18 @@ def test_the_demo_has_its_own_defaults_and_accumulation_is_refused(tmp_path, tin
     data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
     with pytest.raises(ConfigError, match=r"--gradient_accumulation_steps 2: .*raise --per_device_train_batch_size"):
         run(tmp_path, data, tiny_text, *TINY_VISION, "--gradient_accumulation_steps", "2")
+
+
+def test_a_metric_for_best_model_the_evaluations_never_report_is_refused_before_training(tmp_path, tiny_text):
+    """FusionMetrics declares its names, so a mistyped --metric_for_best_model is refused before the first step
+    (before: a MetricsError at the first evaluation, after training)."""
+    data = caption_folder(tmp_path / "data", {"train": 4, "test": 1})
+    with pytest.raises(ConfigError, match=r"--metric_for_best_model eval_rerank_i2t_recall@l: the evaluations of this "
+                                          r"run report only eval_loss, .*eval_rerank_i2t_recall@1, .*eval_rerank_k"):
+        run(tmp_path, data, tiny_text, *TINY_VISION, "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--eval_strategy", "steps", "--eval_steps", "1",
+            "--metric_for_best_model", "eval_rerank_i2t_recall@l")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_label_smoothing_is_refused_by_the_fusion_loss_before_anything_is_written(tmp_path, tiny_text):

@@ -142,7 +142,9 @@ def _plot_training(run: RunData, out: Path) -> dict[str, Path]:
                                         f"terms the loss function logged: {run.name}")
     gn_steps, grad_norm = run.curve("grad_norm")
     if grad_norm:
-        clip = run.config.get("max_grad_norm") or 0
+        # what_ran's clipping is the one that ran (a DeepSpeed JSON may set its own); older runs record only the flag
+        ran = (run.config.get("what_ran") or {}).get("clipping") or {"max_grad_norm": run.config.get("max_grad_norm")}
+        clip = ran.get("max_grad_norm") or 0
         plots["grad_norm"] = line_plot(out / "grad_norm.png", [Panel(
             "gradient norm (before clipping)", [Series("grad norm", gn_steps, grad_norm)], log_y=True,
             hlines={f"clipping threshold {clip:g}": clip} if clip > 0 else {})], f"gradient norm: {run.name}")

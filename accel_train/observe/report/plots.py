@@ -132,8 +132,8 @@ def line_plot(path: str | Path, panels: Sequence[Panel], title: str, xlabel: str
     low, high = axes[-1].get_xlim()
     meta = {"title": title, "xlabel": xlabel,
             "xticks": [float(t) for t in axes[-1].get_xticks() if low <= t <= high],
-            "panels": [{"ylabel": p.ylabel, "ylim": list(ax.get_ylim()), "series": [_thin(s) for s in p.series]}
-                       for p, ax in zip(panels, axes, strict=True)]}
+            "panels": [{"ylabel": p.ylabel, "ylim": list(ax.get_ylim()), "series": [_thin(s) for s in p.series],
+                        "hlines": dict(p.hlines)} for p, ax in zip(panels, axes, strict=True)]}
     return _save(fig, Path(path), meta)
 
 

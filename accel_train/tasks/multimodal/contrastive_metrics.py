@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ...errors import ConfigError
 from .collectives import distinct
 
 
@@ -65,6 +66,13 @@ def retrieval_metrics(image_embeds: torch.Tensor, text_embeds: torch.Tensor, ima
     return metrics
 
 
+def retrieval_metric_names(ks: Sequence[int] = (1, 5, 10)) -> list[str]:
+    """The keys `retrieval_metrics` returns for `ks`."""
+    per_direction = [f"{d}_{what}" for d in ("i2t", "t2i") for what in (*(f"recall@{k}" for k in ks), "median_rank")]
+    chance = [f"{d}_chance_recall@{k}" for d in ("i2t", "t2i") for k in ks]
+    return [*per_direction, "mean_recall", "retrieval_images", "retrieval_captions", *chance]
+
+
 def zero_shot_accuracy(logits: torch.Tensor, labels: torch.Tensor, image_ids: torch.Tensor | None = None) -> float:
     """Top-1 accuracy of classifying each distinct image by its most similar class prompt (logits [N, classes])."""
     if image_ids is not None:
@@ -75,15 +83,28 @@ def zero_shot_accuracy(logits: torch.Tensor, labels: torch.Tensor, image_ids: to
 
 class ContrastiveMetrics:
     """A `metrics_fn` for the loop: retrieval metrics from the gathered embeddings and ids, plus
-    ``zero_shot_accuracy`` when the outputs carry ``zero_shot_logits`` and ``labels``."""
+    ``zero_shot_accuracy`` with `zero_shot` (the outputs must then carry ``zero_shot_logits`` and ``labels``:
+    `ContrastiveLoss` with class prompts, on data with classes). `metric_names` lists what a call returns, so that a
+    --metric_for_best_model it never reports is refused before training.
 
-    def __init__(self, ks: Sequence[int] = (1, 5, 10)):
-        self.ks = tuple(ks)
+        ContrastiveMetrics(zero_shot=True).metric_names  # ["i2t_recall@1", ..., "zero_shot_accuracy"]
+    """
+
+    def __init__(self, ks: Sequence[int] = (1, 5, 10), zero_shot: bool = False):
+        self.ks, self.zero_shot = tuple(ks), zero_shot
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [*retrieval_metric_names(self.ks), *(["zero_shot_accuracy"] if self.zero_shot else [])]
 
     def __call__(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, float]:
         metrics = retrieval_metrics(outputs["image_embeds"], outputs["text_embeds"], outputs.get("image_ids"),
                                     outputs.get("caption_ids"), self.ks)
-        if "zero_shot_logits" in outputs and "labels" in outputs:
+        if self.zero_shot:
+            if "zero_shot_logits" not in outputs or "labels" not in outputs:
+                raise ConfigError("ContrastiveMetrics(zero_shot=True), but the evaluation outputs hold no "
+                                  "zero_shot_logits and labels: give ContrastiveLoss the class prompts (prompts=...) "
+                                  "and evaluate data with labels, or build the metrics with zero_shot=False.")
             metrics["zero_shot_accuracy"] = zero_shot_accuracy(outputs["zero_shot_logits"], outputs["labels"],
                                                                outputs.get("image_ids"))
         return metrics

@@ -31,7 +31,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from .collectives import distinct, gather_plain, rank, world_size
-from .contrastive_metrics import retrieval_metrics
+from .contrastive_metrics import retrieval_metric_names, retrieval_metrics
 
 # The ITM head trains on one positive per two negatives, so its logit is the log-odds under a prior of 1/3;
 # on balanced pairs the same evidence has log-odds logit + log 2, which crosses 0 at logit = -log 2.
@@ -91,6 +91,16 @@ class FusionMetrics:
     def __init__(self, model, ks: Sequence[int] = (1, 5, 10), rerank_k: int = 16, seed: int = 0,
                  batch_size: int = 256):
         self.model, self.ks, self.rerank_k, self.seed, self.batch_size = model, tuple(ks), rerank_k, seed, batch_size
+
+    @property
+    def metric_names(self) -> list[str]:
+        """What a call returns: a --metric_for_best_model it never reports is refused before training."""
+        pairs = [f"{score}_{negatives}" for negatives in ("random", "hard")
+                 for score in ("itm_auc", "itc_auc", "itm_accuracy")]
+        reranked = [f"{prefix}_{d}_{what}" for prefix in ("rerank", "rerank_sum") for d in ("i2t", "t2i")
+                    for what in (*(f"recall@{k}" for k in self.ks), "median_rank")]
+        return [*retrieval_metric_names(self.ks), *pairs, *reranked, "rerank_mean_recall", "rerank_sum_mean_recall",
+                "rerank_k"]
 
     def __call__(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, float]:
         metrics = retrieval_metrics(outputs["image_embeds"], outputs["text_embeds"], outputs["image_ids"],

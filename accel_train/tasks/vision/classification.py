@@ -32,6 +32,11 @@ class ClassificationMetrics:
         # a class name that cleans up to another's keeps its index, so no metric overwrites another
         self.keys = [f"accuracy_{n}" if names.count(n) == 1 else f"accuracy_{i}_{n}" for i, n in enumerate(names)]
 
+    @property
+    def metric_names(self) -> list[str]:
+        """What a call returns: a --metric_for_best_model it never reports is refused before training."""
+        return ["accuracy", f"top{self.top_k}_accuracy", *self.keys]
+
     def __call__(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         logits = outputs["logits"].float().cpu().numpy()
         labels = outputs["labels"].cpu().numpy()

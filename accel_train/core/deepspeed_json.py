@@ -48,13 +48,18 @@ JSON_FLAGS = {
 # Values that are a list of one flag's value per element (the others stand for the whole value, any flag named):
 # compared element by element, so that a JSON's [0.8, 0.99] runs beside --adam_beta1 0.8 and --adam_beta2 unset.
 PER_ELEMENT = ("optimizer.params.betas",)
+# Values every param group accel_train builds carries itself (decay, and 0.0 for biases and norms): Accelerate hands
+# DeepSpeed the groups, and a group's own value overrides the JSON's optimizer params, so an explicit one never runs.
+CARRIED_BY_GROUPS = {"optimizer.params.weight_decay": "weight_decay"}
 
 
 def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     """A DeepSpeed JSON's explicit values run, not the flags' (only "auto" is filled): one that contradicts a flag the
     user gave (`config.given`) is refused, naming both (a pair such as the betas element by element: --adam_beta1
     against the first); those beside a flag left at its default are returned and kept on the plugin as
-    `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports."""
+    `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports. A
+    value the param groups carry (CARRIED_BY_GROUPS: the weight decay) never runs, so an explicit one other than the
+    flag's is refused whether the flag was given or not."""
     wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
     differ: dict[str, Any] = {}
     replaced: list[str] = []
@@ -63,6 +68,8 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
         if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
             continue
         stand_for = _flags_replaced(key, node[leaf], wanted[key])
+        if key in CARRIED_BY_GROUPS:
+            _refuse_carried(key, node[leaf], config)
         given = [flag for flag in stand_for if flag in config.given]
         if given:
             raise ConfigError(
@@ -76,6 +83,15 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     plugin.explicit_json_values = differ
     plugin.explicit_json_flags = list(dict.fromkeys(replaced))
     return differ
+
+
+def _refuse_carried(key: str, value: Any, config: TrainConfig) -> None:
+    flag = CARRIED_BY_GROUPS[key]
+    raise ConfigError(
+        f"the DeepSpeed JSON config sets \"{key}\": {json.dumps(value)}, which would not run: accel_train's param "
+        f"groups carry --{flag} ({getattr(config, flag)}; 0.0 for biases and norms) and DeepSpeed builds its optimizer "
+        f"from them, a group's own value before the JSON's. Set \"{key}\" to \"auto\" in the JSON and give "
+        f"--{flag} {json.dumps(value)}.")
 
 
 def _flags_replaced(key: str, value: Any, wanted: Any) -> tuple[str, ...]:

@@ -805,3 +805,19 @@ def sharded_and_listed(checkpoint: Path, shards: str, average: bool) -> None:
     verify_checkpoint(checkpoint)
     if average:
         assert {f"weight_average_rank{r}.safetensors" for r in (0, 1)} <= set(files)
+
+
+def test_an_explicit_deepspeed_weight_decay_that_the_param_groups_override_is_refused():
+    """Accelerate gives DeepSpeed accel_train's param groups, each carrying its weight decay (--weight_decay, 0.0 for
+    biases and norms), and a group's own value wins over the JSON's optimizer params: a JSON "weight_decay": 0.01
+    beside --weight_decay left at 0.0 trained with 0.0 while the start-up note said DeepSpeed ran 0.01. Refused with
+    what to do; the JSON's value equal to the flag's runs."""
+    from accel_train import ConfigError
+
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "weight_decay": 0.01}
+    with pytest.raises(ConfigError, match=r"sets \"optimizer.params.weight_decay\": 0.01, which would not run: "
+                                          r"accel_train's param groups carry --weight_decay \(0.0;.*give "
+                                          r"--weight_decay 0.01"):
+        prepared_under_deepspeed(zero3_json(optimizer=optimizer))
+    prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("weight_decay",), weight_decay=0.01)

@@ -23,7 +23,7 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of, weigh_by_examples
 from .meter import StepMeter
 from .objects import fused_kernel, steps_each_epoch, steps_each_optimizer_step
-from .rescue import StepBoundary, pending_evaluation
+from .rescue import StepBoundary, pending_evaluation, preempt
 from .seeding import data_seed, seeded_generator
 from .session import Session
 from .state import TrainState
@@ -87,11 +87,11 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     # session.after_step: log, evaluate, save (SIGTERM: the evaluation left to the resumed run)
                     stop = boundary.after_step(epoch_end, grad_norm, verdict.preempt)
                     if verdict.preempt:
-                        session.preempt(state, meter)
+                        preempt(session, state, meter)
                     if stop or state.step >= plan.total_steps:
                         break
         if state.step >= plan.total_steps and not stop and any_rank(acc, guard.sigterm):
-            session.preempt(state, meter)  # received after the last step's verdict: the finish is the resumed run's
+            preempt(session, state, meter)  # received after the last step's verdict: the finish is the resumed run's
     session.control.close()  # no step boundary is left: a request from now on (on_finish, on_train_end) is refused
 
 

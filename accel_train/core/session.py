@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
 
 from ..config import TrainConfig
-from ..errors import ConfigError, FinishError, MetricsError, Preempted
+from ..errors import ConfigError, FinishError, MetricsError
 from ..rundir import checkpoint as ckpt
 from ..rundir.async_checkpoint import CheckpointWriter, refuse_async
 from ..rundir.final_model import final_model_names, save_final_model
@@ -313,17 +313,6 @@ class Session:
         parts = gather_object([pending]) if self.accelerator.num_processes > 1 else [pending]
         state.pending_loss = parts if any(p["micro_batches"] for p in parts) else []
         state.last_log_step = self.last_log_step
-
-    def preempt(self, state: TrainState, meter: StepMeter) -> None:
-        """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
-        path = checkpoints_dir(self.config.output_dir) / checkpoint_name(state.step)
-        self.keep_interval(state, meter)
-        self.save(state)
-        if self.accelerator.is_main_process:
-            end_attempt(self.config.output_dir)
-        self.log.close()
-        raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
-                        "Resume with --resume_from_checkpoint latest (or auto).")
 
     # ---------------------------------------------------------------------------------------------- finish
     def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:

@@ -111,31 +111,37 @@ class EvaluateAt:
             self.run.request_evaluate()
 
 
-@pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_by_a_hook"])
-def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluates_it(tmp_path, monkeypatch, asked):
+@pytest.mark.parametrize("asked, at, async_save", [(False, 4, False), (True, 4, False), (True, 3, False),
+                                                   (True, 3, True)],
+                         ids=["due", "asked_by_a_hook", "asked_after_the_steps_checkpoint", "asked_after_async_save"])
+def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluates_it(tmp_path, monkeypatch, asked,
+                                                                                     at, async_save):
     """A SIGTERM agreed at a step that is to be evaluated (due, or asked by a hook): the checkpoint is written at
     once, the evaluation marked pending (an evaluation first can outlast the grace period a scheduler gives, SLURM's
     KillWait, and the steps since the last checkpoint were lost), and the resumed run evaluates that step first:
-    bitwise the uninterrupted run's weights and evaluations."""
-    changes = {"eval_strategy": "no"} if asked else {}
+    bitwise the uninterrupted run's weights and evaluations. At step 3 the step's checkpoint (every 3 steps; with
+    --async_save, in the background) was written before the hook's request was agreed: it lacked the pending
+    evaluation, which the resumed run never ran; its train state is amended."""
+    changes = {"eval_strategy": "no", "async_save": async_save} if asked else {}
 
     def hooks():
-        return [EvaluateAt(4)] if asked else []
+        return [EvaluateAt(at)] if asked else []
 
     run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
-    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:3")  # received after step 3, agreed at step 4's verdict
+    # received after step at - 1, agreed at step at's verdict
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", f"sigterm_after_step:{at - 1}")
     metric = Accuracy()
-    with pytest.raises(Preempted, match="stopped at step 4"):
+    with pytest.raises(Preempted, match=f"stopped at step {at}"):
         run(tmp_path / "cut", metric, hooks=hooks(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
     assert metric.calls == (0 if asked else 1)  # step 2's only: step 4's was not run before its checkpoint
-    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(4) / "train_state.json").read_text())
-    assert saved["step"] == 4 and saved["evaluation_pending"] is True
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(at) / "train_state.json").read_text())
+    assert saved["step"] == at and saved["evaluation_pending"] is True
     run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
-    assert 4 in [s for s, *_ in evaluations(tmp_path / "whole")]
+    assert at in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
 def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finishes(tmp_path, monkeypatch):

@@ -185,7 +185,8 @@ class Session:
         schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps, self.plan.lr_scale)
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
-                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]), state.tracker_offset)
+                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]), state.tracker_offset,
+                      state.evaluation_pending, bool(state.pending_loss))  # what this run logs again at its step
         return state
 
     # --------------------------------------------------------------------------------------- between steps

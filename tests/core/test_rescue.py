@@ -111,6 +111,18 @@ class EvaluateAt:
             self.run.request_evaluate()
 
 
+class CrashAt:
+    """A crash at step `step` (from on_log), before anything of it is saved: a cut that leaves no checkpoint, as a
+    SIGKILL does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_log(self, state, logs):
+        if state.step == self.step:
+            raise RuntimeError(f"cut at step {self.step}")
+
+
 @pytest.mark.parametrize("asked, at, async_save", [(False, 4, False), (True, 4, False), (True, 3, False),
                                                    (True, 3, True)],
                          ids=["due", "asked_by_a_hook", "asked_after_the_steps_checkpoint", "asked_after_async_save"])
@@ -121,7 +133,9 @@ def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluat
     KillWait, and the steps since the last checkpoint were lost), and the resumed run evaluates that step first:
     bitwise the uninterrupted run's weights and evaluations. At step 3 the step's checkpoint (every 3 steps; with
     --async_save, in the background) was written before the hook's request was agreed: it lacked the pending
-    evaluation, which the resumed run never ran; its train state is amended."""
+    evaluation, which the resumed run never ran; its train state is amended. The resumed run, cut before its next
+    checkpoint (a crash at step 5) and resumed again from the same one, evaluates that step again: metrics.jsonl
+    holds the evaluation once (twice before)."""
     changes = {"eval_strategy": "no", "async_save": async_save} if asked else {}
 
     def hooks():
@@ -137,6 +151,9 @@ def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluat
     assert metric.calls == (0 if asked else 1)  # step 2's only: step 4's was not run before its checkpoint
     saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(at) / "train_state.json").read_text())
     assert saved["step"] == at and saved["evaluation_pending"] is True
+    with pytest.raises(RuntimeError, match="cut at step 5"):
+        run(tmp_path / "cut", Accuracy(), resume=True, hooks=[*hooks(), CrashAt(5)], **changes)
+    assert [s for s, *_ in evaluations(tmp_path / "cut")].count(at) == 1  # the resumed run ran it
     run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
@@ -164,6 +181,28 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     # step 8's evaluation ran before its checkpoint (which records it): the resumed finish reuses it, not logs it again
     finals = [[r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r.get("final")] for d in ("whole", "cut")]
     assert finals == [[], []]
+
+
+class CutInTheFinish:
+    def on_train_end(self, state, metrics):  # after the final records: the report, an export (SLURM's KillWait)
+        raise RuntimeError("cut in the finish")
+
+
+def test_a_finish_cut_after_its_records_and_resumed_logs_them_once(tmp_path):
+    """The finish at the last step logs the interval the last checkpoint fell inside (logged every 3 steps, saved at
+    step 8) and the final evaluation (step 8 is no evaluation step), then is cut: the run resumed from step 8 logs
+    both again, and metrics.jsonl held each twice. The resumed run drops the earlier attempt's: the history is the
+    uninterrupted run's."""
+    changes = {"eval_steps": 3, "logging_steps": 3, "save_steps": 4}
+    run(tmp_path / "whole", Accuracy(), **changes)
+    with pytest.raises(RuntimeError, match="cut in the finish"):
+        run(tmp_path / "cut", Accuracy(), hooks=[CutInTheFinish()], **changes)
+    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    whole, cut = ([(r["step"], r.get("final", False), r.get("loss"), r.get("eval_loss"))
+                   for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "loss" in r or "eval_loss" in r]
+                  for d in ("whole", "cut"))
+    assert [record[:2] for record in whole] == [(3, False), (3, False), (6, False), (6, False), (8, False), (8, True)]
+    assert cut == whole
 
 
 class SlowSetUp:

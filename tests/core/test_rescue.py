@@ -252,6 +252,30 @@ def test_a_resumed_run_with_no_step_left_publishes_no_throughput_of_zero(tmp_pat
     assert "train_samples_per_second" not in done and done.get("train_mfu", 1) > 0 and done["train_seconds"] > 0
 
 
+def resumed_on_two_ranks(out: str) -> None:
+    """The run of 1 process (micro-batches of 4) resumed on 2 (of 2: the same global batch), logged every 3 steps."""
+    run(Path(out), Accuracy(), accumulation=2, resume=True, logging_steps=3, gradient_accumulation_steps=1)
+
+
+def test_a_run_resumed_on_more_processes_at_its_last_step_logs_its_last_interval_once(tmp_path, ranks, monkeypatch):
+    """Preempted at its last step inside a logging interval (7-8 unlogged) on 1 process, resumed on 2: the interval
+    the checkpoint kept is the main process's alone (StepMeter.resume_interval), and the finish logs it. Each rank
+    decided by its own micro-batches whether it had an interval to log (before 119d2bf): the main process entered
+    the reduce alone, the other went on into the finish's checkpoint, and the run hung. The decision every rank
+    shares (the last logged step) logs the interval once, with the uninterrupted run's loss."""
+    run(tmp_path / "whole", Accuracy(), logging_steps=3)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:8")
+    with pytest.raises(Preempted, match="stopped at step 8"):
+        run(tmp_path / "cut", Accuracy(), logging_steps=3)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    ranks.run(resumed_on_two_ranks, str(tmp_path / "cut"), timeout=180)
+    whole, cut = ([r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "loss" in r] for d in ("whole", "cut"))
+    assert [r["step"] for r in cut] == [r["step"] for r in whole] == [3, 6, 8]
+    assert cut[-1]["loss"] == pytest.approx(whole[-1]["loss"], rel=1e-6)
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[1]["train_loss"] == pytest.approx(done[0]["train_loss"], rel=1e-6)
+
+
 def test_no_logging_still_measures_train_loss(tmp_path):
     """--logging_strategy no published train_loss null (the loss was summed only where a record was written): the
     run's one interval is measured, not written."""

@@ -75,14 +75,17 @@ def saved_before(session, state, meter, before: dict | None, error: MetricsError
                         "resumed run runs this evaluation first, then goes on as if it had never failed.")
 
 
-def preempt(session, state, meter) -> None:
+def preempt(session, state, meter, stop: bool = False) -> None:
     """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed). An evaluation left
-    pending at this step (Session.after_step, control.settle) is in it, also where a hook asked for it after the
-    step's checkpoint was written (the checkpoint's train state is amended): the resumed run runs it first."""
+    pending at this step (Session.after_step, control.settle) is in it, and `stop` (the run stops at this step: its
+    finish, which could outlast the grace period, is the resumed run's), also where they became known after the
+    step's checkpoint was written (its train state is amended): the resumed run evaluates first, then finishes."""
     path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
+    state.stopped = stop
     session.keep_interval(state, meter)
     session.save(state)  # nothing where this step's checkpoint was written already (it waits for a background one)
-    ckpt.amend_train_state(session.accelerator, path, {"evaluation_pending": state.evaluation_pending})
+    ckpt.amend_train_state(session.accelerator, path, {"evaluation_pending": state.evaluation_pending,
+                                                       "stopped": stop})
     if session.accelerator.is_main_process:
         end_attempt(session.config.output_dir)
     session.log.close()

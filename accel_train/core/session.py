@@ -352,6 +352,9 @@ class Session:
         if acc.is_main_process:  # `auto` leaves a finished run alone
             end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps,
                                          **ended(self.hooks, state.step)})
+        if state.stopped:  # the stop a SIGTERM saved is finished: a later resume continues it as any stopped run
+            saved = checkpoints_dir(cfg.output_dir) / checkpoint_name(state.step)
+            ckpt.amend_train_state(acc, saved, {"stopped": False})
         end_loader_workers(self.train_loader)
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)

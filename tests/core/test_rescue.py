@@ -183,6 +183,32 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
+def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch):
+    """Early stopping ends the run at step 6 (patience 2: no evaluation improves by 100), as a SIGTERM arrives after
+    that step's verdict: the run went into its finish (final evaluation, model, export) regardless, which SLURM's
+    KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with the stop saved
+    in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the resumed run trains
+    no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later resume continues
+    it, as any stopped run)."""
+    changes = {"metric_for_best_model": "loss", "early_stopping_patience": 2, "early_stopping_threshold": 100.0}
+    run(tmp_path / "whole", Accuracy(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
+    with pytest.raises(Preempted, match="stopped at step 6"):
+        run(tmp_path / "cut", Accuracy(), **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    saved = tmp_path / "cut" / "checkpoints" / checkpoint_name(6) / "train_state.json"
+    assert json.loads(saved.read_text())["stopped"] is True and not (tmp_path / "cut" / "all_results.json").exists()
+    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and evaluations(tmp_path / "whole")[-1][
+        0] == 6
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["train_steps"] == done[1]["train_steps"] == 6 and done[0]["eval_loss"] == done[1]["eval_loss"]
+    assert json.loads(saved.read_text())["stopped"] is False
+    assert json.loads((tmp_path / "cut" / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+
+
 class CutInTheFinish:
     def on_train_end(self, state, metrics):  # after the final records: the report, an export (SLURM's KillWait)
         raise RuntimeError("cut in the finish")

@@ -15,7 +15,8 @@
   saved position is the loader's, past the window's batches), nor before the first step (nothing to keep).
 
 * SIGTERM (agreed at a step boundary, `preempt`) saves that step and stops; an evaluation due or asked at that step
-  is not run first (it could outlast the grace period a scheduler gives) but saved as pending, as above.
+  is not run first (it could outlast the grace period a scheduler gives) but saved as pending, as above, and a stop
+  agreed there (early stopping) is saved too: the resumed run trains no step and finishes.
 
 The first two save nothing under --save_strategy no. A resumed run ends bitwise where the run that never failed ends
 (tests/core/test_rescue.py: 1 and 2 processes, with accumulation). The final evaluation needs none of this: finish()

@@ -220,12 +220,13 @@ def truncate_history(path: Path, step: int, evaluation: bool = False, interval: 
         records += [json.loads(lines[-1])] if lines else []
     except json.JSONDecodeError:
         pass
-    # a torn last line has no record: zip leaves it out
+
     def again(record: dict[str, Any]) -> bool:
         evaluated = any(key.startswith("eval_") for key in record)
         return record.get("final", False) or record.get("step") == step and (
             evaluation and evaluated or interval and "loss" in record and not evaluated)
 
+    # a torn last line has no record: zip leaves it out
     kept = [line for line, record in zip(lines, records, strict=False)
             if record.get("step", 0) <= step and not again(record)]
     aside = path.with_name(f".{path.name}.tmp")

@@ -156,7 +156,8 @@ def settle(session: Any, state: Any, meter: Any, stop: bool, acted: bool, preemp
     """The end of a step boundary, after the due log / evaluation / save: agree the ranks' requests and the hooks'
     returned stop, carry out an agreed evaluation or save this step has not done yet (their hooks may ask again: agreed
     again), and return whether every rank stops here. Without a steering hook and with nothing due, no collective.
-    `preempt` (SIGTERM): an asked evaluation is left pending, for the resumed run, as a due one (Session.after_step)."""
+    `preempt` (SIGTERM): an asked evaluation is left pending, for the resumed run, as a due one (Session.after_step;
+    rescue.preempt puts it in this step's checkpoint, written already or not)."""
     control: RunControl = session.control
     if not (acted or control.steering):
         return False

@@ -23,7 +23,7 @@ from .guard import SpikeWatch, StepGuard, on_nonfinite, on_spike
 from .loss import Window, as_loss_output, batch_size_of, weigh_by_examples
 from .meter import StepMeter
 from .objects import fused_kernel, steps_each_epoch, steps_each_optimizer_step
-from .rescue import StepBoundary, pending_evaluation
+from .rescue import StepBoundary, pending_evaluation, preempt
 from .seeding import data_seed, seeded_generator
 from .session import Session
 from .state import TrainState
@@ -45,7 +45,7 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                        state.spike_losses) if session.config.spike_window else None
     restored = session.position_restored  # a stream's loader that starts at its saved position skips nothing
     meter.hold()  # an evaluation, not training time
-    stop = pending_evaluation(session, state) or stop  # resumed where a failed evaluation saved the step (rescue.py)
+    stop = pending_evaluation(session, state) or state.stopped or stop  # resumed where a fault saved (rescue.py)
     meter.release()
     boundary = StepBoundary(session, state, meter)  # an error between steps saves the last step first (rescue.py)
     with StepGuard(acc, check_gradients=acc.scaler is None, spike=spike) as guard:
@@ -87,11 +87,13 @@ def run_loop(session: Session, state: TrainState, meter: StepMeter, probe: Any |
                     # session.after_step: log, evaluate, save (SIGTERM: the evaluation left to the resumed run)
                     stop = boundary.after_step(epoch_end, grad_norm, verdict.preempt)
                     if verdict.preempt:
-                        session.preempt(state, meter)
+                        preempt(session, state, meter, stop)
                     if stop or state.step >= plan.total_steps:
                         break
-        if state.step >= plan.total_steps and not stop and any_rank(acc, guard.sigterm):
-            session.preempt(state, meter)  # received after the last step's verdict: the finish is the resumed run's
+        # received after the last step's verdict, or the stop's: the finish is the resumed run's (a stop before the
+        # first step has nothing to save: it finishes)
+        if (state.step >= plan.total_steps or stop and state.step > 0) and any_rank(acc, guard.sigterm):
+            preempt(session, state, meter, stop)
     session.control.close()  # no step boundary is left: a request from now on (on_finish, on_train_end) is refused
 
 

@@ -14,7 +14,11 @@
   whether the others are waiting in the gradient all-reduce, and a checkpoint is a collective. Not for a stream (its
   saved position is the loader's, past the window's batches), nor before the first step (nothing to keep).
 
-Neither saves under --save_strategy no. A resumed run ends bitwise where the run that never failed ends
+* SIGTERM (agreed at a step boundary, `preempt`) saves that step and stops; an evaluation due or asked at that step
+  is not run first (it could outlast the grace period a scheduler gives) but saved as pending, as above, and a stop
+  agreed there (early stopping) is saved too: the resumed run trains no step and finishes.
+
+The first two save nothing under --save_strategy no. A resumed run ends bitwise where the run that never failed ends
 (tests/core/test_rescue.py: 1 and 2 processes, with accumulation). The final evaluation needs none of this: finish()
 saves the last step before it.
 """
@@ -28,8 +32,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..errors import MetricsError
+from ..errors import MetricsError, Preempted
+from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_name, checkpoints_dir
+from ..rundir.run_files import end_attempt
 from .hooks import call_hooks
 
 
@@ -68,6 +74,24 @@ def saved_before(session, state, meter, before: dict | None, error: MetricsError
     return MetricsError(f"{error} The training state of step {state.step} was saved first, before this evaluation, "
                         f"in {path}: fix the metrics function and resume with --resume_from_checkpoint latest; the "
                         "resumed run runs this evaluation first, then goes on as if it had never failed.")
+
+
+def preempt(session, state, meter, stop: bool = False) -> None:
+    """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed). An evaluation left
+    pending at this step (Session.after_step, control.settle) is in it, and `stop` (the run stops at this step: its
+    finish, which could outlast the grace period, is the resumed run's), also where they became known after the
+    step's checkpoint was written (its train state is amended): the resumed run evaluates first, then finishes."""
+    path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
+    state.stopped = stop
+    session.keep_interval(state, meter)
+    session.save(state)  # nothing where this step's checkpoint was written already (it waits for a background one)
+    ckpt.amend_train_state(session.accelerator, path, {"evaluation_pending": state.evaluation_pending,
+                                                       "stopped": stop})
+    if session.accelerator.is_main_process:
+        end_attempt(session.config.output_dir)
+    session.log.close()
+    raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
+                    "Resume with --resume_from_checkpoint latest (or auto).")
 
 
 def pending_evaluation(session, state) -> bool:

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
 
 from ..config import TrainConfig
-from ..errors import ConfigError, FinishError, MetricsError, Preempted
+from ..errors import ConfigError, FinishError, MetricsError
 from ..rundir import checkpoint as ckpt
 from ..rundir.async_checkpoint import CheckpointWriter, refuse_async
 from ..rundir.final_model import final_model_names, save_final_model
@@ -185,7 +185,8 @@ class Session:
         schedule, objects = report_lines(ran, self.config, self.plan.warmup_steps, self.plan.lr_scale)
         report = startup_report(acc, self.config, self.plan, dataset_size(self.train_loader), schedule, objects)
         self.log.open(state.step, {**hparams, **self.config.to_dict()},
-                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]), state.tracker_offset)
+                      "\n".join([report, *(f"  note             {note}" for note in self.notes)]), state.tracker_offset,
+                      state.evaluation_pending, bool(state.pending_loss))  # what this run logs again at its step
         return state
 
     # --------------------------------------------------------------------------------------- between steps
@@ -314,17 +315,6 @@ class Session:
         state.pending_loss = parts if any(p["micro_batches"] for p in parts) else []
         state.last_log_step = self.last_log_step
 
-    def preempt(self, state: TrainState, meter: StepMeter) -> None:
-        """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed)."""
-        path = checkpoints_dir(self.config.output_dir) / checkpoint_name(state.step)
-        self.keep_interval(state, meter)
-        self.save(state)
-        if self.accelerator.is_main_process:
-            end_attempt(self.config.output_dir)
-        self.log.close()
-        raise Preempted(f"SIGTERM received: stopped at step {state.step} after saving {path}. "
-                        "Resume with --resume_from_checkpoint latest (or auto).")
-
     # ---------------------------------------------------------------------------------------------- finish
     def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:
         """The last log and checkpoint, the best checkpoint restored if asked, the final evaluation, and the final
@@ -362,6 +352,9 @@ class Session:
         if acc.is_main_process:  # `auto` leaves a finished run alone
             end_attempt(cfg.output_dir, {"step": state.step, "total_steps": self.plan.total_steps,
                                          **ended(self.hooks, state.step)})
+        if state.stopped:  # the stop a SIGTERM saved is finished: a later resume continues it as any stopped run
+            saved = checkpoints_dir(cfg.output_dir) / checkpoint_name(state.step)
+            ckpt.amend_train_state(acc, saved, {"stopped": False})
         end_loader_workers(self.train_loader)
         self.log.close(end_training)
         return TrainResult(state=state, metrics=metrics, model=self.model, accelerator=acc)

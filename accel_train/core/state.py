@@ -33,6 +33,9 @@ class TrainState:
     # Saved True only in the checkpoint written because this step's evaluation failed (core/rescue.py): a run resumed
     # from it runs that evaluation before its first step, as the run that never failed did after this step.
     evaluation_pending: bool = False
+    # Saved True only by a SIGTERM at a step where the run stopped (a hook's stop: early stopping, a pause): a run
+    # resumed from it trains no step and finishes there, as the run that was not cut did; its finish sets it back.
+    stopped: bool = False
     # [step, metrics] of the last evaluation during training: the final evaluation reuses it at that step, also in a
     # run resumed from a checkpoint of the last step (its evaluation ran before the checkpoint: logged once, not twice)
     last_eval: list = field(default_factory=lambda: [-1, {}])

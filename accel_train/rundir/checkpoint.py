@@ -167,11 +167,13 @@ def any_rank(accelerator: Accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(tensor, reduction="sum").item())
 
 
-def write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None:
-    files = {}  # recursive: FSDP and DeepSpeed write sharded state in sub-directories
-    for f in sorted(path.rglob("*")):
-        if f.is_file() and f.name != MANIFEST:
-            files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+def write_manifest(path: Path, step: int, shapes: dict, world_size: int, files: dict | None = None) -> None:
+    """`files`: their entries, known already (else every file is hashed)."""
+    if files is None:
+        files = {}  # recursive: FSDP and DeepSpeed write sharded state in sub-directories
+        for f in sorted(path.rglob("*")):
+            if f.is_file() and f.name != MANIFEST:
+                files[str(f.relative_to(path))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "shapes": shapes}
     tmp = path / f"{MANIFEST}.tmp"
     with open(tmp, "w") as fh:
@@ -179,6 +181,48 @@ def write_manifest(path: Path, step: int, shapes: dict, world_size: int) -> None
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path / MANIFEST)
+
+
+def amend_train_state(accelerator: Accelerator, path: Path, changes: dict[str, Any]) -> None:
+    """Set `changes` in the train state of checkpoint `path`, written already (collective; the main process writes),
+    as safely as a save: a copy of the folder, its files hard-linked (nothing large copied or hashed again), gets the
+    new train_state.json and manifest and is published in its place (the old one keeps its name until the new one is
+    complete). Nothing is written where `path` holds `changes` already."""
+    error: BaseException | None = None
+    if accelerator.is_main_process:
+        try:
+            error = _amend(path, changes)
+        except Exception as err:  # noqa: BLE001 - agreed below: the other processes must not wait for this one
+            error = err
+    if any_rank(accelerator, error is not None):  # also the barrier: the checkpoint is in place for every process
+        raise CheckpointError(f"could not update {path / TRAIN_STATE}: {why_not_written(error)}") from error
+
+
+def _amend(path: Path, changes: dict[str, Any]) -> OSError | None:
+    saved, manifest = load_train_state(path), read_manifest(path)
+    if all(saved.get(key) == value for key, value in changes.items()):
+        return None
+    tmp = path.with_name(f".tmp-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(path, tmp, copy_function=_link)
+        for name in (TRAIN_STATE, MANIFEST):  # links to the published checkpoint's files: replaced, never written to
+            (tmp / name).unlink()
+        (tmp / TRAIN_STATE).write_text(json.dumps({**saved, **changes}, indent=2))
+        entry = {"bytes": (tmp / TRAIN_STATE).stat().st_size, "sha256": _sha256(tmp / TRAIN_STATE)}
+        write_manifest(tmp, manifest["step"], manifest["shapes"], manifest["world_size"],
+                       {**manifest["files"], TRAIN_STATE: entry})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, path)
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.link(source, target)  # no bytes copied
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
 
 
 def read_manifest(path: Path) -> dict:

@@ -39,10 +39,12 @@ class RunLog:
         # report and all_results.json keep the loop's names, which they (and accel-train report / compare) read back
         self.tracker_names: dict[str, str] = {}
 
-    def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str, replayed: int = 0) -> None:
-        """`replayed`: the steps rollbacks abandoned before the checkpoint a run resumes from (TrainState)."""
+    def open(self, initial_step: int, hparams: dict[str, Any], startup_report: str, replayed: int = 0,
+             evaluation: bool = False, interval: bool = False) -> None:
+        """`replayed`: the steps rollbacks abandoned before the checkpoint a run resumes from (TrainState);
+        `evaluation`, `interval`: what this run logs again at that checkpoint's step (truncate_history)."""
         if self.main:
-            truncate_history(self.path, initial_step)
+            truncate_history(self.path, initial_step, evaluation, interval)
         self.replayed = replayed
         store = local_mlflow_store(self.accelerator, self.path.parent)
         if self.accelerator.log_with:
@@ -201,12 +203,16 @@ def _number(value: float) -> str:
     return "nan" if isinstance(value, float) and math.isnan(value) else f"{value:.4g}"
 
 
-def truncate_history(path: Path, step: int) -> None:
+def truncate_history(path: Path, step: int, evaluation: bool = False, interval: bool = False) -> None:
     """On resume (and a rollback), drop records the interrupted run wrote after the checkpoint it resumes from, and a
     last line a crash cut short (a killed process or machine mid-write: it raised on the main process alone, and every
-    restart hung the others). Written aside and renamed into place: a kill mid-rewrite loses no history, and a reader
-    that follows the file (a sweep's pruner) sees another file, not a shorter one under its read position; an aside
-    a kill left is the next attempt's to remove (run_files.begin_attempt), not a file of the user's."""
+    restart hung the others). Also the records at the checkpoint's step that the resumed run writes again, which an
+    earlier attempt from the same checkpoint wrote before it was cut (each was logged twice): the evaluation the
+    checkpoint left pending (`evaluation`), the logging interval it fell inside (`interval`: the finish logs it at the
+    last step), and an earlier finish's final records (a resumed run finishes again). Written aside and renamed into
+    place: a kill mid-rewrite loses no history, and a reader that follows the file (a sweep's pruner) sees another
+    file, not a shorter one under its read position; an aside a kill left is the next attempt's to remove
+    (run_files.begin_attempt), not a file of the user's."""
     if not path.exists() or step == 0:
         return
     lines = [line for line in path.read_text().splitlines() if line]
@@ -215,8 +221,15 @@ def truncate_history(path: Path, step: int) -> None:
         records += [json.loads(lines[-1])] if lines else []
     except json.JSONDecodeError:
         pass
+
+    def again(record: dict[str, Any]) -> bool:
+        evaluated = any(key.startswith("eval_") for key in record)
+        return record.get("final", False) or record.get("step") == step and (
+            evaluation and evaluated or interval and "loss" in record and not evaluated)
+
     # a torn last line has no record: zip leaves it out
-    kept = [line for line, record in zip(lines, records, strict=False) if record.get("step", 0) <= step]
+    kept = [line for line, record in zip(lines, records, strict=False)
+            if record.get("step", 0) <= step and not again(record)]
     written = path.with_name(aside(path.name))
     written.write_text("".join(line + "\n" for line in kept))
     os.replace(written, path)

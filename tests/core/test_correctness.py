@@ -247,6 +247,37 @@ def test_a_same_step_checkpoint_is_replaced_only_once_the_new_one_is_in_place(tm
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000006"]
 
 
+def test_a_checkpoints_train_state_is_amended_as_safely_as_it_was_written(tmp_path, monkeypatch):
+    """amend_train_state (an evaluation a hook asked for at a SIGTERM's step, after the step's checkpoint was
+    written): the checkpoint verifies with the new train state, its other files hard links of the old ones (not
+    copied, not hashed again); a failure on the way (the manifest's write) raises a CheckpointError and leaves the old
+    checkpoint as it was, and nothing beside it."""
+    from accel_train.rundir import checkpoint as ckpt
+
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
+    path = tmp_path / "step-00000003"
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "train_state.json").write_text(json.dumps({"step": 3, "evaluation_pending": False}))
+    ckpt.write_manifest(path, 3, {"w": [2]}, 1)
+    weights = (path / "model.safetensors").stat().st_ino
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_manifest", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device. The previous checkpoints are untouched"):
+        ckpt.amend_train_state(accelerator, path, {"evaluation_pending": True})
+    assert ckpt.load_train_state(path)["evaluation_pending"] is False and ckpt.verify_checkpoint(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+    monkeypatch.undo()
+    ckpt.amend_train_state(accelerator, path, {"evaluation_pending": True})
+    assert ckpt.load_train_state(path) == {"step": 3, "evaluation_pending": True}
+    assert ckpt.verify_checkpoint(path)["shapes"] == {"w": [2]}
+    assert (path / "model.safetensors").stat().st_ino == weights  # linked, not copied
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+
+
 def test_latest_resumes_from_a_checkpoint_a_crash_left_aside(tmp_path, capsys):
     """A crash between publish()'s two renames leaves the same-step checkpoint as .old-step-*, its replacement not in
     place: `latest` resumes from it (before, from the checkpoint before it, training those steps again) and ends

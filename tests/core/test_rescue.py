@@ -111,31 +111,54 @@ class EvaluateAt:
             self.run.request_evaluate()
 
 
-@pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_by_a_hook"])
-def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluates_it(tmp_path, monkeypatch, asked):
+class CrashAt:
+    """A crash at step `step` (from on_log), before anything of it is saved: a cut that leaves no checkpoint, as a
+    SIGKILL does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_log(self, state, logs):
+        if state.step == self.step:
+            raise RuntimeError(f"cut at step {self.step}")
+
+
+@pytest.mark.parametrize("asked, at, async_save", [(False, 4, False), (True, 4, False), (True, 3, False),
+                                                   (True, 3, True)],
+                         ids=["due", "asked_by_a_hook", "asked_after_the_steps_checkpoint", "asked_after_async_save"])
+def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluates_it(tmp_path, monkeypatch, asked,
+                                                                                     at, async_save):
     """A SIGTERM agreed at a step that is to be evaluated (due, or asked by a hook): the checkpoint is written at
     once, the evaluation marked pending (an evaluation first can outlast the grace period a scheduler gives, SLURM's
     KillWait, and the steps since the last checkpoint were lost), and the resumed run evaluates that step first:
-    bitwise the uninterrupted run's weights and evaluations."""
-    changes = {"eval_strategy": "no"} if asked else {}
+    bitwise the uninterrupted run's weights and evaluations. At step 3 the step's checkpoint (every 3 steps; with
+    --async_save, in the background) was written before the hook's request was agreed: it lacked the pending
+    evaluation, which the resumed run never ran; its train state is amended. The resumed run, cut before its next
+    checkpoint (a crash at step 5) and resumed again from the same one, evaluates that step again: metrics.jsonl
+    holds the evaluation once (twice before)."""
+    changes = {"eval_strategy": "no", "async_save": async_save} if asked else {}
 
     def hooks():
-        return [EvaluateAt(4)] if asked else []
+        return [EvaluateAt(at)] if asked else []
 
     run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
-    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:3")  # received after step 3, agreed at step 4's verdict
+    # received after step at - 1, agreed at step at's verdict
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", f"sigterm_after_step:{at - 1}")
     metric = Accuracy()
-    with pytest.raises(Preempted, match="stopped at step 4"):
+    with pytest.raises(Preempted, match=f"stopped at step {at}"):
         run(tmp_path / "cut", metric, hooks=hooks(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
     assert metric.calls == (0 if asked else 1)  # step 2's only: step 4's was not run before its checkpoint
-    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(4) / "train_state.json").read_text())
-    assert saved["step"] == 4 and saved["evaluation_pending"] is True
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(at) / "train_state.json").read_text())
+    assert saved["step"] == at and saved["evaluation_pending"] is True
+    with pytest.raises(RuntimeError, match="cut at step 5"):
+        run(tmp_path / "cut", Accuracy(), resume=True, hooks=[*hooks(), CrashAt(5)], **changes)
+    assert [s for s, *_ in evaluations(tmp_path / "cut")].count(at) == 1  # the resumed run ran it
     run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
-    assert 4 in [s for s, *_ in evaluations(tmp_path / "whole")]
+    assert at in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
 def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finishes(tmp_path, monkeypatch):
@@ -158,6 +181,54 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     # step 8's evaluation ran before its checkpoint (which records it): the resumed finish reuses it, not logs it again
     finals = [[r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r.get("final")] for d in ("whole", "cut")]
     assert finals == [[], []]
+
+
+def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch):
+    """Early stopping ends the run at step 6 (patience 2: no evaluation improves by 100), as a SIGTERM arrives after
+    that step's verdict: the run went into its finish (final evaluation, model, export) regardless, which SLURM's
+    KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with the stop saved
+    in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the resumed run trains
+    no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later resume continues
+    it, as any stopped run)."""
+    changes = {"metric_for_best_model": "loss", "early_stopping_patience": 2, "early_stopping_threshold": 100.0}
+    run(tmp_path / "whole", Accuracy(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
+    with pytest.raises(Preempted, match="stopped at step 6"):
+        run(tmp_path / "cut", Accuracy(), **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    saved = tmp_path / "cut" / "checkpoints" / checkpoint_name(6) / "train_state.json"
+    assert json.loads(saved.read_text())["stopped"] is True and not (tmp_path / "cut" / "all_results.json").exists()
+    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and evaluations(tmp_path / "whole")[-1][
+        0] == 6
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["train_steps"] == done[1]["train_steps"] == 6 and done[0]["eval_loss"] == done[1]["eval_loss"]
+    assert json.loads(saved.read_text())["stopped"] is False
+    assert json.loads((tmp_path / "cut" / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+
+
+class CutInTheFinish:
+    def on_train_end(self, state, metrics):  # after the final records: the report, an export (SLURM's KillWait)
+        raise RuntimeError("cut in the finish")
+
+
+def test_a_finish_cut_after_its_records_and_resumed_logs_them_once(tmp_path):
+    """The finish at the last step logs the interval the last checkpoint fell inside (logged every 3 steps, saved at
+    step 8) and the final evaluation (step 8 is no evaluation step), then is cut: the run resumed from step 8 logs
+    both again, and metrics.jsonl held each twice. The resumed run drops the earlier attempt's: the history is the
+    uninterrupted run's."""
+    changes = {"eval_steps": 3, "logging_steps": 3, "save_steps": 4}
+    run(tmp_path / "whole", Accuracy(), **changes)
+    with pytest.raises(RuntimeError, match="cut in the finish"):
+        run(tmp_path / "cut", Accuracy(), hooks=[CutInTheFinish()], **changes)
+    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    whole, cut = ([(r["step"], r.get("final", False), r.get("loss"), r.get("eval_loss"))
+                   for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "loss" in r or "eval_loss" in r]
+                  for d in ("whole", "cut"))
+    assert [record[:2] for record in whole] == [(3, False), (3, False), (6, False), (6, False), (8, False), (8, True)]
+    assert cut == whole
 
 
 class SlowSetUp:
@@ -205,6 +276,30 @@ def test_a_resumed_run_with_no_step_left_publishes_no_throughput_of_zero(tmp_pat
     assert last["step"] == 8 and "samples_per_second" not in last and "mfu" not in last
     done = json.loads((tmp_path / "all_results.json").read_text())
     assert "train_samples_per_second" not in done and done.get("train_mfu", 1) > 0 and done["train_seconds"] > 0
+
+
+def resumed_on_two_ranks(out: str) -> None:
+    """The run of 1 process (micro-batches of 4) resumed on 2 (of 2: the same global batch), logged every 3 steps."""
+    run(Path(out), Accuracy(), accumulation=2, resume=True, logging_steps=3, gradient_accumulation_steps=1)
+
+
+def test_a_run_resumed_on_more_processes_at_its_last_step_logs_its_last_interval_once(tmp_path, ranks, monkeypatch):
+    """Preempted at its last step inside a logging interval (7-8 unlogged) on 1 process, resumed on 2: the interval
+    the checkpoint kept is the main process's alone (StepMeter.resume_interval), and the finish logs it. Each rank
+    decided by its own micro-batches whether it had an interval to log (before 119d2bf): the main process entered
+    the reduce alone, the other went on into the finish's checkpoint, and the run hung. The decision every rank
+    shares (the last logged step) logs the interval once, with the uninterrupted run's loss."""
+    run(tmp_path / "whole", Accuracy(), logging_steps=3)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:8")
+    with pytest.raises(Preempted, match="stopped at step 8"):
+        run(tmp_path / "cut", Accuracy(), logging_steps=3)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    ranks.run(resumed_on_two_ranks, str(tmp_path / "cut"), timeout=180)
+    whole, cut = ([r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "loss" in r] for d in ("whole", "cut"))
+    assert [r["step"] for r in cut] == [r["step"] for r in whole] == [3, 6, 8]
+    assert cut[-1]["loss"] == pytest.approx(whole[-1]["loss"], rel=1e-6)
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[1]["train_loss"] == pytest.approx(done[0]["train_loss"], rel=1e-6)
 
 
 def test_no_logging_still_measures_train_loss(tmp_path):

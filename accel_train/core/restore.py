@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_step, checkpoints_dir
+from ..rundir.outdir import supersede_newer
 from .accelerator import precision_in_effect
 from .data import data_fingerprint
 from .guard import window_batches
@@ -104,7 +105,7 @@ def resume(session) -> Resumed:
     restore_hooks(session, state)
     notes += check_best(session, state, path)
     if acc.is_main_process:  # this run's timeline continues from `path`: `latest` must never go back to the old
-        moved = ckpt.supersede_newer(config.output_dir, state.step)
+        moved = supersede_newer(config.output_dir, state.step)
         if moved:
             notes.append(f"{len(moved)} checkpoint(s) newer than step {state.step} belong to the abandoned "
                          f"timeline: moved to {moved[0].parent} ({', '.join(p.name for p in moved)})")

@@ -29,7 +29,7 @@ from accelerate import Accelerator
 
 from ..errors import CheckpointError
 from ..testing import faults
-from .layout import SUPERSEDED_DIR, checkpoint_name, checkpoint_step, checkpoints_dir
+from .layout import checkpoint_name, checkpoint_step, checkpoints_dir
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
@@ -270,39 +270,6 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
         if name == path.name or not (root / name).exists():
             found[step] = path
     return [found[step] for step in sorted(found)]
-
-
-def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
-    """Move the checkpoints newer than `step` (complete or not) into checkpoints/superseded/: a run that resumed
-    from step `step` starts a new timeline, and `latest` must never resume the abandoned one. Nothing is deleted.
-    Main process only; returns the new locations."""
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    moved = []
-    for path in sorted(root.iterdir()):
-        newer = checkpoint_step(path.name)
-        if not path.is_dir() or newer is None or newer <= step:
-            continue
-        target = superseded_place(output_dir, path.name)
-        os.replace(path, target)
-        moved.append(target)
-    if moved:
-        fsync_dir(root)
-    return moved
-
-
-def superseded_place(output_dir: str | Path, name: str) -> Path:
-    """Where an entry of an abandoned timeline named `name` goes: checkpoints/superseded/<name>, made ready; a new
-    name where one is there already (superseded twice at the same step: both kept)."""
-    folder = checkpoints_dir(output_dir) / SUPERSEDED_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / name
-    suffix = 1
-    while target.exists():  # step-00000012-1, config.until-step-00000012-1.yaml
-        target = folder / f"{Path(name).stem}-{suffix}{Path(name).suffix}"
-        suffix += 1
-    return target
 
 
 def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path | None:

@@ -22,7 +22,7 @@ from ..config import TrainConfig, save_config
 from ..config.validation import AUTO_TOKENS_VARY
 from ..errors import CheckpointError, ConfigError, RunFinished, UserError
 from . import run_files
-from .checkpoint import put_back_aside, resolve_checkpoint, superseded_place
+from .checkpoint import fsync_dir, put_back_aside, resolve_checkpoint
 from .layout import (
     CONFIG,
     CRASH_GLOB,
@@ -31,7 +31,9 @@ from .layout import (
     PACKAGE_NAMES,
     RESULTS,
     RUN_FILES,
+    SUPERSEDED_DIR,
     checkpoint_step,
+    checkpoints_dir,
     crash_file,
     earlier_config,
     earlier_config_step,
@@ -274,3 +276,36 @@ def peer_timeout_message(output_dir: str | Path, world_size: int, rank: int, ste
             f"({str(error).splitlines()[0][-160:]}): {who}. The processes stop here instead of waiting forever; "
             f"the crash records are in {output_dir}. If a step can legitimately take longer on one rank (a long "
             "evaluation or checkpoint write), raise --ddp_timeout; resume with --resume_from_checkpoint auto.")
+
+
+def supersede_newer(output_dir: str | Path, step: int) -> list[Path]:
+    """Move the checkpoints newer than `step` (complete or not) into checkpoints/superseded/: a run that resumed
+    from step `step` starts a new timeline, and `latest` must never resume the abandoned one. Nothing is deleted.
+    Main process only; returns the new locations."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    moved = []
+    for path in sorted(root.iterdir()):
+        newer = checkpoint_step(path.name)
+        if not path.is_dir() or newer is None or newer <= step:
+            continue
+        target = superseded_place(output_dir, path.name)
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        fsync_dir(root)
+    return moved
+
+
+def superseded_place(output_dir: str | Path, name: str) -> Path:
+    """Where an entry of an abandoned timeline named `name` goes: checkpoints/superseded/<name>, made ready; a new
+    name where one is there already (superseded twice at the same step: both kept)."""
+    folder = checkpoints_dir(output_dir) / SUPERSEDED_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
+    suffix = 1
+    while target.exists():  # step-00000012-1, config.until-step-00000012-1.yaml
+        target = folder / f"{Path(name).stem}-{suffix}{Path(name).suffix}"
+        suffix += 1
+    return target

@@ -109,13 +109,17 @@ def test_cell(runs, feature, invariant):
 
 
 def check_resume(runs: RunCache, name: str) -> None:
-    """verify's resume comparison: the weights bitwise, and the losses logged after the checkpoint bitwise."""
+    """verify's resume comparison: the weights bitwise, and the losses logged after the checkpoint bitwise; and the
+    run's train_loss."""
     r = runs.get(name)
     weights(r.full), weights(r.cut)  # both wrote their final weights
     compared = bitwise_comparison(r.full, r.cut, after=r.checkpoint_step)
     assert compared["weights_compared"] and compared["tensors_differing"] == 0, \
         f"{name}: the resumed run's weights differ: {compared['largest_differences']}"
     assert compared["first_loss_difference"] is None, f"{name}: {compared['first_loss_difference']}"
+    # the whole run's mean loss too: the interval the checkpoint left unlogged is in it (TrainState.pending_loss)
+    train = [read_metrics(out, "train").get("loss") for out in (r.full, r.cut)]
+    assert train[0] is not None and train[0] == train[1], f"{name}: train_loss {train[0]} resumed {train[1]}"
     if r.feature.record.get("ema_decay"):  # the average too: it is what eval_ema_* measured
         assert read_metrics(r.full, "eval_ema")["loss"] == read_metrics(r.cut, "eval_ema")["loss"]
 

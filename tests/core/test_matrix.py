@@ -26,7 +26,7 @@ from dataclasses import asdict
 import pytest
 import torch
 from conftest import ROOT
-from matrix_runs import Feature, Run, RunCache, argv_of, fed, forked_run, records, run_main, weights
+from matrix_runs import Feature, Run, RunCache, Runs, argv_of, fed, forked_run, records, run_main, weights
 
 from accel_train.verify import matrix
 from accel_train.verify.accounting import coverage_findings
@@ -63,6 +63,10 @@ HOW: dict[str, Run] = {
     "rollback + padding-free": Run("token", 8),
     "rollback + token budget": Run("token", 8),
     "spike skip": Run("toy", 7),
+    # SIGTERM: toy_train's stop acts on a logged step; this one, after step 6, checkpoints step 7 (inside 5-8)
+    "logging interval across the cut": Run("toy", 6, sigterm=True),
+    "non-finite skip + logging interval across the cut": Run("toy", 6, sigterm=True),
+    "sum loss + accumulation + logging interval across the cut": Run("token", 4),
     "dropout": Run("toy", 7),
     "weight averaging": Run("toy", 7),
     "gradient checkpointing": Run("token", 4),
@@ -120,8 +124,22 @@ def check_resume(runs: RunCache, name: str) -> None:
     # the whole run's mean loss too: the interval the checkpoint left unlogged is in it (TrainState.pending_loss)
     train = [read_metrics(out, "train").get("loss") for out in (r.full, r.cut)]
     assert train[0] is not None and train[0] == train[1], f"{name}: train_loss {train[0]} resumed {train[1]}"
+    if r.feature.record.get("logging_steps", 1) > 1:  # the cut fell inside an interval: the checkpoint carries it
+        check_unlogged_interval(r, name)
     if r.feature.record.get("ema_decay"):  # the average too: it is what eval_ema_* measured
         assert read_metrics(r.full, "eval_ema")["loss"] == read_metrics(r.cut, "eval_ema")["loss"]
+
+
+def check_unlogged_interval(r: Runs, name: str) -> None:
+    """The checkpoint holds the micro-batches of the steps since the last log, less those of a skipped step (their
+    losses left the interval, as the update left the weights)."""
+    state = json.loads((r.cut / "checkpoints" / f"step-{r.checkpoint_step:08d}" / "train_state.json").read_text())
+    last = state["last_log_step"]
+    skipped = [rec["nonfinite_skipped_step"] for rec in history(r.full) if "nonfinite_skipped_step" in rec]
+    steps = r.checkpoint_step - last - len([s for s in skipped if last < s <= r.checkpoint_step])
+    held = sum(part["micro_batches"] for part in state["pending_loss"])
+    accumulation = r.feature.record.get("gradient_accumulation_steps", 1)
+    assert steps > 0 and held == steps * accumulation, f"{name}: {held} micro-batches held after step {last}"
 
 
 def check_data(runs: RunCache, name: str) -> None:
@@ -149,6 +167,10 @@ def check_history(runs: RunCache, name: str) -> None:
     if r.feature.record.get("on_spike") == "rollback":
         marks = [rec for rec in history(r.full) if "spike_rollback_step" in rec]
         assert marks and all(m["step"] < m["spike_rollback_step"] for m in marks)
+    if r.feature.record.get("on_nonfinite") == "skip":  # the resumed run skips the steps, counted on from the cut
+        marks = [[rec for rec in history(out) if "nonfinite_skipped_step" in rec] for out in (r.full, r.cut)]
+        steps = [m["step"] for m in marks[0]]
+        assert marks[0] == marks[1] and min(steps) <= r.checkpoint_step < max(steps), f"{name}: {marks}"
 
 
 def check_two_processes(runs: RunCache, name: str) -> None:

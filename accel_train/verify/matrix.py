@@ -59,6 +59,7 @@ PARTS: dict[str, Callable[[dict], bool]] = {
     "best model": lambda c: bool(c.get("metric_for_best_model")),
     "Muon": lambda c: c.get("optim") == "muon",
     "async save": lambda c: bool(c.get("async_save")),
+    "torch.compile": lambda c: bool(c.get("torch_compile")),
 }
 
 
@@ -136,6 +137,14 @@ FEATURES: dict[str, Feature] = {
                            {"optim": "muon", "mixed_precision": "bf16"}, ("Muon", "bf16")),
     "Muon + weight averaging + SIGTERM": Feature(("--optim", "muon", "--ema_decay", "0.9"),
                                                  {"optim": "muon", "ema_decay": 0.9}),
+    # aot_eager: dynamo and AOTAutograd trace forward and backward as inductor's do, without generating kernels; the
+    # toy's layers in a model class of its own, as a user's model is (an nn.Sequential is not compiled under DDP:
+    # SPECIAL's 2-process cell)
+    "torch.compile + accumulation": Feature(
+        ("--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--gradient_accumulation_steps", "2",
+         "--own_module", "true"),
+        {"torch_compile": True, "torch_compile_backend": "aot_eager", "gradient_accumulation_steps": 2},
+        ("torch.compile", "accumulation")),
     # checkpoints written in the background (the race itself, a write slower than the steps: test_async_save.py)
     "async save": Feature(("--async_save", "true"), {"async_save": True}, ("async save",)),
     "async save + stream": Feature(("--max_steps", "20", "--async_save", "true"), {"async_save": True}),
@@ -189,6 +198,9 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
                                             "update-sized (Newton-Schulz lifts every direction of the gradient to "
                                             "~1: 0.012 after 3 steps at lr 0.05); bf16 on 2 processes is the bf16 "
                                             "row's (SGD), Muon on 2 the Muon rows' (fp32: 0 difference in its matrix)"),
+    ("torch.compile + accumulation", "2 processes"): (
+        "proven", "here, with a model class of the script's own; under DDP a model whose forward is torch.nn's own "
+                  "(an nn.Sequential) is not compiled at all, the run says 0 graphs compiled (pytorch/pytorch#140416)"),
     ("SIGTERM", "2 processes"): ("n/a", "dropout, as above; SIGTERM agreed across ranks: tests/rundir/"
                                         "test_reliability.py::test_sigterm_saves_at_the_step_boundary_and_exits_"
                                         "cleanly (slow)"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ HOW: dict[str, Run] = {
     "Muon + accumulation": Run("toy", 4),
     "Muon + bf16": Run("toy", 7),
     "Muon + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
+    "torch.compile + accumulation": Run("toy", 4),
     "async save": Run("toy", 7),
     "async save + stream": Run("toy", 7, stream=True),
     "async save + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
@@ -124,10 +126,19 @@ def check_resume(runs: RunCache, name: str) -> None:
     # the whole run's mean loss too: the interval the checkpoint left unlogged is in it (TrainState.pending_loss)
     train = [read_metrics(out, "train").get("loss") for out in (r.full, r.cut)]
     assert train[0] is not None and train[0] == train[1], f"{name}: train_loss {train[0]} resumed {train[1]}"
+    check_compiled(r.feature, name, r.full, r.cut)
     if r.feature.record.get("logging_steps", 1) > 1:  # the cut fell inside an interval: the checkpoint carries it
         check_unlogged_interval(r, name)
     if r.feature.record.get("ema_decay"):  # the average too: it is what eval_ema_* measured
         assert read_metrics(r.full, "eval_ema")["loss"] == read_metrics(r.cut, "eval_ema")["loss"]
+
+
+def check_compiled(feature: Feature, name: str, *runs: Path) -> None:
+    """A compiled row's runs ran compiled graphs (the resumed run and each process its own): dynamo falls back to the
+    uncompiled model without a word, and the row would prove the eager loop."""
+    if feature.record.get("torch_compile"):
+        graphs = [read_metrics(out, "train").get("compiled_graphs", 0) for out in runs]
+        assert all(graphs), f"{name}: graphs compiled {graphs} in {[out.name for out in runs]}"
 
 
 def check_unlogged_interval(r: Runs, name: str) -> None:
@@ -178,6 +189,7 @@ def check_two_processes(runs: RunCache, name: str) -> None:
     tolerance = TOLERANCE["bf16" if "bf16" in name else r.feature.script]
     worst = largest_difference(weights(r.one), weights(r.two))
     assert worst <= tolerance, f"{name}: 2 processes differ from 1 by {worst}"
+    check_compiled(r.feature, name, r.one, r.two)
     one, two = read_metrics(r.one), read_metrics(r.two)
     compared = compare_metrics(one, two)
     assert compared["missing"] == [] and compared["metrics"], f"{name}: {compared['missing']}"

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import token_train
+import torch
 import toy_train
 from conftest import reset_accelerate
 
@@ -68,13 +71,27 @@ def argv_of(feature: Feature, out: Path, data: Path) -> list[str]:
 def run_main(feature: Feature, argv: list[str], monkeypatch, fault: str = "") -> None:
     reset_accelerate()
     main = toy_train.main if feature.script == "toy" else token_train.main
-    with monkeypatch.context() as env:
+    with monkeypatch.context() as env, fresh_dynamo(argv):
         faults = [f for f in (feature.fault, fault) if f]
         env.setenv("ACCEL_TRAIN_FAULT", faults[-1]) if faults else env.delenv("ACCEL_TRAIN_FAULT", raising=False)
         try:
             run_cli(main, argv)
         except SystemExit as stop:  # run_cli exits 0 after a SIGTERM checkpoint
             assert stop.code == 0, f"{argv}: exit {stop.code}"
+
+
+@contextmanager
+def fresh_dynamo(argv: list[str]) -> Iterator[None]:
+    """Dynamo's caches are process-wide: a compiled run starts and leaves them empty, so that the graphs of an earlier
+    run (its models, past the recompilation limit) cannot leave this one uncompiled."""
+    compiled = "--torch_compile" in argv
+    if compiled:
+        torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        if compiled:
+            torch._dynamo.reset()
 
 
 class RunCache:
@@ -129,7 +146,8 @@ class RunCache:
 def forked_run(script: str, argv: list[str]) -> None:
     """One rank of a 2-process run (conftest's Ranks calls it on each)."""
     try:
-        run_cli(toy_train.main if script == "toy" else token_train.main, argv)
+        with fresh_dynamo(argv):
+            run_cli(toy_train.main if script == "toy" else token_train.main, argv)
     except SystemExit as stop:
         assert stop.code == 0
 

@@ -52,12 +52,14 @@ PARTS: dict[str, Callable[[dict], bool]] = {
     "token budget": lambda c: bool(c.get("max_tokens_per_batch")),
     "rollback": lambda c: bool(c.get("spike_window")) and c.get("on_spike") == "rollback",
     "spike skip": lambda c: bool(c.get("spike_window")) and c.get("on_spike") == "skip",
+    "non-finite skip": lambda c: c.get("on_nonfinite") == "skip",
     "weight averaging": lambda c: bool(c.get("ema_decay")),
     "gradient checkpointing": lambda c: bool(c.get("gradient_checkpointing")),
     "automatic batch size": lambda c: bool(c.get("auto_find_batch_size")),
     "best model": lambda c: bool(c.get("metric_for_best_model")),
     "Muon": lambda c: c.get("optim") == "muon",
     "async save": lambda c: bool(c.get("async_save")),
+    "torch.compile": lambda c: bool(c.get("torch_compile")),
 }
 
 
@@ -103,6 +105,19 @@ FEATURES: dict[str, Feature] = {
                                        ("rollback", "token budget")),
     "spike skip": Feature(("--spike_window", "3", "--spike_threshold", "10", "--on_spike", "skip", "--spike_index",
                            "20", "--spike_scale", "1e4"), {"on_spike": "skip"}, ("spike skip",)),
+    # logged every 4 steps, cut at step 7 (SIGTERM): the checkpoint carries steps 5-7's unlogged losses
+    # (TrainState.pending_loss), and the resumed run logs step 8, and train_loss, from them (in nearly every run: not
+    # looked up)
+    "logging interval across the cut": Feature(("--logging_steps", "4"), {"logging_steps": 4}),
+    # training point 21 is NaN: steps 6 and 16 are skipped, step 6 inside the interval 5-8 that the cut splits
+    "non-finite skip + logging interval across the cut": Feature(
+        ("--poison_index", "21", "--on_nonfinite", "skip", "--logging_steps", "4"),
+        {"on_nonfinite": "skip", "logging_steps": 4}, ("non-finite skip",)),
+    # the token script's loss returns per-token sums and their count: the loop divides by the count over the whole
+    # window and every process; logged every 3 steps, cut at 4: the checkpoint carries step 4's sums and count
+    "sum loss + accumulation + logging interval across the cut": Feature(
+        ("--gradient_accumulation_steps", "2", "--logging_steps", "3"),
+        {"gradient_accumulation_steps": 2, "logging_steps": 3}),
     "dropout": Feature(("--dropout", "0.2"), {"dropout": 0.2}),
     "weight averaging": Feature(("--ema_decay", "0.9"), {"ema_decay": 0.9}, ("weight averaging",)),
     "gradient checkpointing": Feature(("--gradient_checkpointing", "true"), {"gradient_checkpointing": True},
@@ -122,6 +137,14 @@ FEATURES: dict[str, Feature] = {
                            {"optim": "muon", "mixed_precision": "bf16"}, ("Muon", "bf16")),
     "Muon + weight averaging + SIGTERM": Feature(("--optim", "muon", "--ema_decay", "0.9"),
                                                  {"optim": "muon", "ema_decay": 0.9}),
+    # aot_eager: dynamo and AOTAutograd trace forward and backward as inductor's do, without generating kernels; the
+    # toy's layers in a model class of its own, as a user's model is (an nn.Sequential is not compiled under DDP:
+    # SPECIAL's 2-process cell)
+    "torch.compile + accumulation": Feature(
+        ("--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--gradient_accumulation_steps", "2",
+         "--own_module", "true"),
+        {"torch_compile": True, "torch_compile_backend": "aot_eager", "gradient_accumulation_steps": 2},
+        ("torch.compile", "accumulation")),
     # checkpoints written in the background (the race itself, a write slower than the steps: test_async_save.py)
     "async save": Feature(("--async_save", "true"), {"async_save": True}, ("async save",)),
     "async save + stream": Feature(("--max_steps", "20", "--async_save", "true"), {"async_save": True}),
@@ -175,6 +198,9 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
                                             "update-sized (Newton-Schulz lifts every direction of the gradient to "
                                             "~1: 0.012 after 3 steps at lr 0.05); bf16 on 2 processes is the bf16 "
                                             "row's (SGD), Muon on 2 the Muon rows' (fp32: 0 difference in its matrix)"),
+    ("torch.compile + accumulation", "2 processes"): (
+        "proven", "here, with a model class of the script's own; under DDP a model whose forward is torch.nn's own "
+                  "(an nn.Sequential) is not compiled at all, the run says 0 graphs compiled (pytorch/pytorch#140416)"),
     ("SIGTERM", "2 processes"): ("n/a", "dropout, as above; SIGTERM agreed across ranks: tests/rundir/"
                                         "test_reliability.py::test_sigterm_saves_at_the_step_boundary_and_exits_"
                                         "cleanly (slow)"),
@@ -216,7 +242,8 @@ def table() -> str:
 CHECK_INVARIANTS = {"resume": ("resume", "data"), "world_size": ("2 processes",), "evaluation": ("2 processes",),
                     "data_accounting": ("data",)}
 JUDGED = {"resume": "resume", "world_size": "2 processes", "data_accounting": "data"}
-NOT_SEEN = ("a stream, dropout, SIGTERM and a dataset's own augmentation are not in config.yaml: the rows that need "
+NOT_SEEN = ("a stream, dropout, SIGTERM, a dataset's own augmentation and a loss that returns sums are not in "
+            "config.yaml, and a logging interval split by a checkpoint is in nearly every run: the rows that need "
             "them are not looked up")
 
 

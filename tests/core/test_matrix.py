@@ -12,32 +12,29 @@ verify's evidence functions (accel_train/verify/evidence.py, checks.bitwise_comp
 evaluation's metrics): the code that judges a user's run judges the project's own cells.
 
 The runs are tiny and in-process (`main(argv)`); each feature's three runs — uninterrupted, cut (stopped by a hook or
-by SIGTERM, which checkpoints), resumed with `latest` — are made once and shared by that feature's cells. The
-2-process cells run on the session's two gloo ranks (conftest's `ranks`, spawned once): the launcher is not what they
-test, `tests/launch/` launches for real.
+by SIGTERM, which checkpoints), resumed with `latest` — are made once and shared by that feature's cells
+(tests/scripts/matrix_runs.py makes them, as HOW here says). The 2-process cells run on the session's two gloo ranks
+(conftest's `ranks`, spawned once): the launcher is not what they test, `tests/launch/` launches for real.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import token_train
 import torch
-import toy_train
-from conftest import ROOT, reset_accelerate
+from conftest import ROOT
+from matrix_runs import Feature, Run, RunCache, Runs, argv_of, fed, forked_run, records, run_main, weights
 
-from accel_train import run_cli
 from accel_train.verify import matrix
 from accel_train.verify.accounting import coverage_findings
 from accel_train.verify.checks import bitwise_comparison
 from accel_train.verify.evaluation import compare_metrics, read_metrics
 from accel_train.verify.evidence import (
     feed_across_resume,
-    final_weights,
     flop_count,
     history,
     largest_difference,
@@ -48,32 +45,6 @@ from accel_train.verify.evidence import (
 from accel_train.verify.matrix import INVARIANTS, SAID, SPECIAL, cell_status, table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-QUIET = ("--report_to", "none", "--disable_tqdm", "--run_report", "false", "--logging_steps", "1")
-# 48 points, 4 a micro-batch: 12 micro-batches an epoch, 2 epochs; evaluated and saved every 3 steps
-TOY = ("--num_samples", "48", "--per_device_train_batch_size", "4", "--num_train_epochs", "2", "--learning_rate",
-       "0.05", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "steps", "--eval_steps", "3")
-# 24 sequences of 3 to 40 tokens, 4 a micro-batch: 6 an epoch, 2 epochs (a tiny GPT-2; the default token loss); the
-# hook that cuts it stops at a checkpoint (token_train's StopAt acts on_save), hence even steps
-TOKEN = ("--num_sequences", "24", "--per_device_train_batch_size", "4", "--num_train_epochs", "2", "--learning_rate",
-         "0.01", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2")
-@dataclass(frozen=True)
-class Run:
-    """How this module runs a row of the table (accel_train/verify/matrix.py holds the row: its flags, its record)."""
-
-    script: str  # "toy" (tests/scripts/toy_train.py) or "token" (token_train.py)
-    cut_after: int  # the step after which the cut run is interrupted (mid-epoch)
-    sigterm: bool = False  # interrupted by SIGTERM (the loop checkpoints at the next step) instead of a hook's stop
-    fault: str = ""  # ACCEL_TRAIN_FAULT for every run of it
-    stream: bool = False  # the flags need the stream's parquet files (--stream_dir)
-    parity: tuple[str, ...] = ()  # flags of both sides of the 2-process comparison (bf16: a few plain SGD steps)
-
-
-@dataclass(frozen=True)
-class Feature(Run):
-    flags: tuple[str, ...] = ()
-    record: dict = field(default_factory=dict)  # config.yaml entries that name the feature
-
 
 HOW: dict[str, Run] = {
     "map-style data": Run("toy", 7),
@@ -93,6 +64,10 @@ HOW: dict[str, Run] = {
     "rollback + padding-free": Run("token", 8),
     "rollback + token budget": Run("token", 8),
     "spike skip": Run("toy", 7),
+    # SIGTERM: toy_train's stop acts on a logged step; this one, after step 6, checkpoints step 7 (inside 5-8)
+    "logging interval across the cut": Run("toy", 6, sigterm=True),
+    "non-finite skip + logging interval across the cut": Run("toy", 6, sigterm=True),
+    "sum loss + accumulation + logging interval across the cut": Run("token", 4),
     "dropout": Run("toy", 7),
     "weight averaging": Run("toy", 7),
     "gradient checkpointing": Run("token", 4),
@@ -103,6 +78,7 @@ HOW: dict[str, Run] = {
     "Muon + accumulation": Run("toy", 4),
     "Muon + bf16": Run("toy", 7),
     "Muon + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
+    "torch.compile + accumulation": Run("toy", 4),
     "async save": Run("toy", 7),
     "async save + stream": Run("toy", 7, stream=True),
     "async save + weight averaging + SIGTERM": Run("toy", 7, sigterm=True),
@@ -118,111 +94,10 @@ RUNS = {**FEATURES, "token baseline": Feature("token", 4)}  # what RunCache can 
 TOLERANCE = {"toy": 1e-5, "token": 1e-4, "bf16": 2e-3}
 
 
-# ------------------------------------------------------------------------------------------------------ the runs
-
-
-@dataclass
-class Runs:
-    """One feature's uninterrupted, cut and resumed runs (and its 2-process run, made when first asked for)."""
-
-    feature: Feature
-    full: Path
-    cut: Path
-    checkpoint_step: int  # the step the resumed run started from
-    two: Path | None = None
-    one: Path | None = None  # the 1-process side of the 2-process comparison (the full run, unless parity flags)
-
-
-def _argv(feature: Feature, out: Path, data: Path) -> list[str]:
-    base = TOY if feature.script == "toy" else TOKEN
-    stream = ("--stream_dir", str(data)) if feature.stream else ()
-    return ["--output_dir", str(out), *QUIET, *base, *stream, *feature.flags]
-
-
-def _run(feature: Feature, argv: list[str], monkeypatch, fault: str = "") -> None:
-    reset_accelerate()
-    main = toy_train.main if feature.script == "toy" else token_train.main
-    with monkeypatch.context() as env:
-        faults = [f for f in (feature.fault, fault) if f]
-        env.setenv("ACCEL_TRAIN_FAULT", faults[-1]) if faults else env.delenv("ACCEL_TRAIN_FAULT", raising=False)
-        try:
-            run_cli(main, argv)
-        except SystemExit as stop:  # run_cli exits 0 after a SIGTERM checkpoint
-            assert stop.code == 0, f"{argv}: exit {stop.code}"
-
-
-class RunCache:
-    def __init__(self, root: Path, monkeypatch, ranks):
-        self.root, self.monkeypatch, self.runs, self.ranks = root, monkeypatch, {}, ranks
-        self.data = root / "stream"
-        toy_train.write_stream_shards(self.data, 48, 8)
-
-    def get(self, name: str) -> Runs:
-        if name not in self.runs:
-            self.runs[name] = self.make(name)
-        return self.runs[name]
-
-    def make(self, name: str) -> Runs:
-        feature = RUNS[name]
-        folder = self.root / re.sub(r"\W+", "_", name)
-        full, cut = folder / "full", folder / "cut"
-        _run(feature, _argv(feature, full, self.data), self.monkeypatch)
-        if feature.sigterm:  # SIGTERM after step k: the loop checkpoints at k + 1 and stops
-            _run(feature, _argv(feature, cut, self.data), self.monkeypatch, f"sigterm_after_step:{feature.cut_after}")
-            at = feature.cut_after + 1
-        else:
-            _run(feature, [*_argv(feature, cut, self.data), "--stop_at_step", str(feature.cut_after)], self.monkeypatch)
-            at = feature.cut_after
-        newest = sorted((cut / "checkpoints").glob("step-*"))[-1]
-        state = json.loads((newest / "train_state.json").read_text())
-        assert newest.name == f"step-{at:08d}" and state["batch_in_epoch"] > 0, \
-            f"{name}: the cut must checkpoint step {at} inside an epoch: {newest.name}, batch {state['batch_in_epoch']}"
-        _run(feature, [*_argv(feature, cut, self.data), "--resume_from_checkpoint", "latest"], self.monkeypatch)
-        return Runs(feature, full, cut, at)
-
-    def two_processes(self, name: str) -> Runs:
-        runs = self.get(name)
-        if runs.two is None:
-            feature, runs.two, runs.one = runs.feature, runs.full.parent / "two", runs.full
-            steps = list(feature.parity)
-            if steps:
-                runs.one = runs.full.parent / "one"
-                _run(feature, [*_argv(feature, runs.one, self.data), *steps], self.monkeypatch)
-            argv = [*_argv(feature, runs.two, self.data), "--per_device_train_batch_size", "2", *steps]
-            if "--gradient_accumulation_steps" not in feature.flags:
-                argv += ["--gradient_accumulation_steps", "1"]
-            fault = {"ACCEL_TRAIN_FAULT": feature.fault} if feature.fault else None
-            self.ranks.run(_forked_run, feature.script, argv, env=fault)
-        return runs
-
-
-def _forked_run(script: str, argv: list[str]) -> None:
-    """One rank of a 2-process run (conftest's Ranks calls it on each)."""
-    try:
-        run_cli(toy_train.main if script == "toy" else token_train.main, argv)
-    except SystemExit as stop:
-        assert stop.code == 0
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ranks):
     with pytest.MonkeyPatch.context() as monkeypatch:
-        yield RunCache(tmp_path_factory.mktemp("matrix"), monkeypatch, ranks)
-
-
-def records(out: Path, script: str) -> list[dict]:
-    """The run records of rank 0, oldest first (tests/scripts: toy_rank0_<pid>.json or token_rank0_<pid>.json)."""
-    paths = sorted(out.glob(f"{script}_rank0_*.json"), key=lambda p: p.stat().st_mtime_ns)
-    return [json.loads(p.read_text()) for p in paths]
-
-
-def fed(record: dict) -> list:
-    return record["indices"] if "indices" in record else record["fed"]
-
-
-def weights(out: Path) -> dict:
-    assert (out / "model.safetensors").is_file(), f"{out}: no final weights"
-    return final_weights(out)
+        yield RunCache(tmp_path_factory.mktemp("matrix"), monkeypatch, ranks, RUNS)
 
 
 # ----------------------------------------------------------------------------------------------- the cells
@@ -240,15 +115,42 @@ def test_cell(runs, feature, invariant):
 
 
 def check_resume(runs: RunCache, name: str) -> None:
-    """verify's resume comparison: the weights bitwise, and the losses logged after the checkpoint bitwise."""
+    """verify's resume comparison: the weights bitwise, and the losses logged after the checkpoint bitwise; and the
+    run's train_loss."""
     r = runs.get(name)
     weights(r.full), weights(r.cut)  # both wrote their final weights
     compared = bitwise_comparison(r.full, r.cut, after=r.checkpoint_step)
     assert compared["weights_compared"] and compared["tensors_differing"] == 0, \
         f"{name}: the resumed run's weights differ: {compared['largest_differences']}"
     assert compared["first_loss_difference"] is None, f"{name}: {compared['first_loss_difference']}"
+    # the whole run's mean loss too: the interval the checkpoint left unlogged is in it (TrainState.pending_loss)
+    train = [read_metrics(out, "train").get("loss") for out in (r.full, r.cut)]
+    assert train[0] is not None and train[0] == train[1], f"{name}: train_loss {train[0]} resumed {train[1]}"
+    check_compiled(r.feature, name, r.full, r.cut)
+    if r.feature.record.get("logging_steps", 1) > 1:  # the cut fell inside an interval: the checkpoint carries it
+        check_unlogged_interval(r, name)
     if r.feature.record.get("ema_decay"):  # the average too: it is what eval_ema_* measured
         assert read_metrics(r.full, "eval_ema")["loss"] == read_metrics(r.cut, "eval_ema")["loss"]
+
+
+def check_compiled(feature: Feature, name: str, *runs: Path) -> None:
+    """A compiled row's runs ran compiled graphs (the resumed run and each process its own): dynamo falls back to the
+    uncompiled model without a word, and the row would prove the eager loop."""
+    if feature.record.get("torch_compile"):
+        graphs = [read_metrics(out, "train").get("compiled_graphs", 0) for out in runs]
+        assert all(graphs), f"{name}: graphs compiled {graphs} in {[out.name for out in runs]}"
+
+
+def check_unlogged_interval(r: Runs, name: str) -> None:
+    """The checkpoint holds the micro-batches of the steps since the last log, less those of a skipped step (their
+    losses left the interval, as the update left the weights)."""
+    state = json.loads((r.cut / "checkpoints" / f"step-{r.checkpoint_step:08d}" / "train_state.json").read_text())
+    last = state["last_log_step"]
+    skipped = [rec["nonfinite_skipped_step"] for rec in history(r.full) if "nonfinite_skipped_step" in rec]
+    steps = r.checkpoint_step - last - len([s for s in skipped if last < s <= r.checkpoint_step])
+    held = sum(part["micro_batches"] for part in state["pending_loss"])
+    accumulation = r.feature.record.get("gradient_accumulation_steps", 1)
+    assert steps > 0 and held == steps * accumulation, f"{name}: {held} micro-batches held after step {last}"
 
 
 def check_data(runs: RunCache, name: str) -> None:
@@ -276,6 +178,10 @@ def check_history(runs: RunCache, name: str) -> None:
     if r.feature.record.get("on_spike") == "rollback":
         marks = [rec for rec in history(r.full) if "spike_rollback_step" in rec]
         assert marks and all(m["step"] < m["spike_rollback_step"] for m in marks)
+    if r.feature.record.get("on_nonfinite") == "skip":  # the resumed run skips the steps, counted on from the cut
+        marks = [[rec for rec in history(out) if "nonfinite_skipped_step" in rec] for out in (r.full, r.cut)]
+        steps = [m["step"] for m in marks[0]]
+        assert marks[0] == marks[1] and min(steps) <= r.checkpoint_step < max(steps), f"{name}: {marks}"
 
 
 def check_two_processes(runs: RunCache, name: str) -> None:
@@ -283,6 +189,7 @@ def check_two_processes(runs: RunCache, name: str) -> None:
     tolerance = TOLERANCE["bf16" if "bf16" in name else r.feature.script]
     worst = largest_difference(weights(r.one), weights(r.two))
     assert worst <= tolerance, f"{name}: 2 processes differ from 1 by {worst}"
+    check_compiled(r.feature, name, r.one, r.two)
     one, two = read_metrics(r.one), read_metrics(r.two)
     compared = compare_metrics(one, two)
     assert compared["missing"] == [] and compared["metrics"], f"{name}: {compared['missing']}"
@@ -317,7 +224,7 @@ def test_every_rank_rolls_back_to_the_main_processes_checkpoint_whatever_its_own
     """On a shared file system a rank may not see the newest checkpoint yet: each rank picking its own "latest" would
     restore different steps (and hang in the next collective). Rank 1 here sees one checkpoint fewer."""
     one = runs.get("rollback").full
-    argv = [*_argv(FEATURES["rollback"], tmp_path / "two", runs.data), "--per_device_train_batch_size", "2",
+    argv = [*argv_of(FEATURES["rollback"], tmp_path / "two", runs.data), "--per_device_train_batch_size", "2",
             "--ddp_timeout", "60"]
     runs.ranks.run(_forked_stale_view, argv)
     assert largest_difference(weights(one), weights(tmp_path / "two")) <= TOLERANCE["toy"]
@@ -333,7 +240,7 @@ def _forked_stale_view(argv: list[str]) -> None:
     listed = guard.list_checkpoints
     guard.list_checkpoints = lambda out: listed(out)[:-1] if torch.distributed.get_rank() == 1 else listed(out)
     try:
-        _forked_run("toy", argv)
+        forked_run("toy", argv)
     finally:
         guard.list_checkpoints = listed
 
@@ -362,7 +269,7 @@ def test_the_evidence_the_cells_are_judged_with_sees_each_difference(tmp_path):
 
 def test_augmentation_from_the_global_generator_is_said_before_training(tmp_path, capsys, monkeypatch):
     feature = Feature("toy", 1, flags=("--augment", "0.3", "--max_steps", "2"))
-    _run(feature, _argv(feature, tmp_path, tmp_path), monkeypatch)
+    run_main(feature, argv_of(feature, tmp_path, tmp_path), monkeypatch)
     assert SAID["augmentation (global RNG)"] in capsys.readouterr().out
 
 

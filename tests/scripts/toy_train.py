@@ -35,6 +35,8 @@ class ToyArgs:
     augment: float = 0.0  # > 0: noise of this scale on each training point, drawn in __getitem__ from torch's global
     # generator (a user's random augmentation)
     seeded_items: bool = False  # wrap the training set in accel_train.SeededItems (its draws from (seed, epoch, index))
+    own_module: bool = False  # the layers inside a model class of this script's (Net), as a user's model is: under
+    # DDP, torch.compile compiles the wrapped model's forward only where it is not torch.nn's (an nn.Sequential's is)
 
 
 class Points(Dataset):
@@ -52,6 +54,17 @@ class Points(Dataset):
     def __getitem__(self, i):
         x = self.x[i] + self.noise * torch.randn(6) if self.noise else self.x[i]
         return {"x": x, "labels": self.y[i], "index": i}
+
+
+class Net(torch.nn.Module):
+    """The toy's layers in a model class of the script's own (--own_module)."""
+
+    def __init__(self, layers: torch.nn.Module):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        return self.layers(x)
 
 
 class StopAt:
@@ -111,6 +124,7 @@ def main(argv=None, hooks=()):
     model = torch.nn.Sequential(
         torch.nn.Linear(6, toy.hidden), torch.nn.Tanh(), torch.nn.Dropout(toy.dropout), torch.nn.Linear(toy.hidden, 2)
     )
+    model = Net(model) if toy.own_module else model
     seen: list[list[int]] = []
 
     def loss_fn(model, batch):

@@ -95,7 +95,7 @@ def train(
     session = Session(dataclasses.replace(spec, metrics_fn=recorder))
     observer = Observer(session, recorder)
     factory = _factory_hook(model, spec, session.accelerator.is_main_process)
-    compiled = [CompileCount()] if compiling(session.accelerator) else []  # train_compiled_graphs
+    compiled = [CompileCount(session.log.write)] if compiling(session.accelerator) else []  # train_compiled_graphs
     # fed_recorder: ACCEL_TRAIN_RECORD_FED=1, what verify's data accounting reads; evaluate_again:
     # ACCEL_TRAIN_EVAL_AGAIN=1, a second evaluation of the final weights, what verify's evaluation check compares
     state = session.start([*spec.hooks, *_builtin_hooks(session.config, session.log.write), *factory, observer,

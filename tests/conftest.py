@@ -340,6 +340,18 @@ def printing_to_a_file(main, argv: list[str]) -> None:
         main(argv)
 
 
+def printing_fresh_dynamo(main, argv: list[str]) -> None:
+    """`printing_to_a_file(main, argv)` with dynamo's process-wide caches empty before and after: a pooled rank's
+    earlier compiles (past the recompile limit) cannot leave this run uncompiled, nor this run's a later one."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        printing_to_a_file(main, argv)
+    finally:
+        torch._dynamo.reset()
+
+
 def printed_per_rank(output_dir: Path, world: int = 2) -> list[str]:
     return [(Path(output_dir) / f"stdout_rank{rank}.txt").read_text() for rank in range(world)]
 

@@ -15,6 +15,7 @@ gradient buckets (DDPOptimizer), so a compile can count more than one graph.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,14 +35,35 @@ def compiling(accelerator: Any) -> bool:
     return str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO"
 
 
-class CompileCount:
-    """A hook: the graphs compiled from the first training step to the finish seam (train_compiled_graphs)."""
+UNCOMPILED = ("torch.compile: no graph compiled in {steps} training step(s): the model trains uncompiled, not as the "
+              "start-up report says. On several processes Accelerate compiles the DDP wrapper, and dynamo does not "
+              "compile a forward that is torch.nn's own code (a bare nn.Sequential: pytorch/pytorch#140416): give "
+              "the model a class of your own whose forward calls it. On one process, dynamo may have met its "
+              "recompile limit (torch._dynamo.config.recompile_limit) on this model's code earlier in the process.")
 
-    def __init__(self):
+
+class CompileCount:
+    """A hook: the graphs compiled from the first training step to the finish seam (train_compiled_graphs); at the
+    first log two training steps in, a line where none was compiled (`write`: the run log's), since dynamo falls back
+    to the uncompiled model without a word."""
+
+    def __init__(self, write: Callable[[str], None] | None = None):
         self.at_start = compiled_graphs()
+        self.write = write
+        self.first_step: int | None = None  # the step training starts from; None once the check is done
 
     def on_train_start(self, state) -> None:
         self.at_start = compiled_graphs()  # after the pre-flight check, whose batches compile graphs of their own
+        self.first_step = state.step
+
+    def on_log(self, state, record) -> None:
+        # two steps in: a fresh run's first micro-batch runs eager (the FLOP count, core/meter.py), so step 1 may not
+        # have compiled yet; the second step's batches run the compiled model
+        if self.first_step is None or state.step - self.first_step < 2:
+            return
+        if compiled_graphs() == self.at_start and self.write is not None:
+            self.write(UNCOMPILED.format(steps=state.step - self.first_step))
+        self.first_step = None
 
     def on_finish(self, session, metrics: dict[str, float]) -> None:
         count = compiled_graphs() - self.at_start

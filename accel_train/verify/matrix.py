@@ -200,7 +200,7 @@ SPECIAL: dict[tuple[str, str], tuple[str, str]] = {
                                             "row's (SGD), Muon on 2 the Muon rows' (fp32: 0 difference in its matrix)"),
     ("torch.compile + accumulation", "2 processes"): (
         "proven", "here, with a model class of the script's own; under DDP a model whose forward is torch.nn's own "
-                  "(an nn.Sequential) is not compiled at all, the run says 0 graphs compiled (pytorch/pytorch#140416)"),
+                  "(an nn.Sequential) is not compiled at all, said in its log two steps in (pytorch/pytorch#140416)"),
     ("SIGTERM", "2 processes"): ("n/a", "dropout, as above; SIGTERM agreed across ranks: tests/rundir/"
                                         "test_reliability.py::test_sigterm_saves_at_the_step_boundary_and_exits_"
                                         "cleanly (slow)"),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import toy_train
-from conftest import read_jsonl, reset_accelerate, toy_main, toy_on
+from conftest import printed_per_rank, printing_fresh_dynamo, read_jsonl, reset_accelerate, toy_main, toy_on
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -149,6 +149,25 @@ def test_torch_compile_leaks_no_prefix_and_resumes(tmp_path):
     toy_main([*common[:-1], "--output_dir", str(tmp_path / "eager")])
     a, b = load_file(tmp_path / "c" / "model.safetensors"), load_file(tmp_path / "eager" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # compiled kernels round differently
+
+
+def test_a_compile_that_compiles_nothing_is_said_at_the_first_log(tmp_path, ranks):
+    """On 2 processes Accelerate compiles the DDP wrapper, and dynamo compiles nothing of a bare nn.Sequential
+    (pytorch/pytorch#140416): the run trained eager while its start-up report said compile, and only the finish's
+    count (0 graphs) showed it. The first log two training steps in (the first micro-batch runs eager: the FLOP count)
+    says so, with what to do; the same toy in a model class of its own compiles and has no such line."""
+    compile_flags = [*QUIET, "--max_steps", "3", "--eval_strategy", "no", "--save_strategy", "no", "--torch_compile",
+                     "true", "--torch_compile_backend", "aot_eager"]
+    printed = {}
+    for name, extra in (("bare", []), ("own", ["--own_module", "true"])):
+        out = tmp_path / name
+        ranks.run(printing_fresh_dynamo, toy_main, [*compile_flags, *extra, "--output_dir", str(out)])
+        printed[name] = printed_per_rank(out)[0]
+        graphs = json.loads((out / "all_results.json").read_text())["train_compiled_graphs"]
+        assert (graphs == 0) == (name == "bare"), (name, graphs)
+    assert "torch.compile: no graph compiled in 2 training step(s): the model trains uncompiled" in printed["bare"]
+    assert "a bare nn.Sequential: pytorch/pytorch#140416" in printed["bare"]
+    assert "no graph compiled" not in printed["own"]
 
 
 def test_auto_batch_size_agrees_across_processes(tmp_path, ranks):

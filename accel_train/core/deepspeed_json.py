@@ -48,9 +48,19 @@ JSON_FLAGS = {
 # Values that are a list of one flag's value per element (the others stand for the whole value, any flag named):
 # compared element by element, so that a JSON's [0.8, 0.99] runs beside --adam_beta1 0.8 and --adam_beta2 unset.
 PER_ELEMENT = ("optimizer.params.betas",)
-# Values every param group accel_train builds carries itself (decay, and 0.0 for biases and norms): Accelerate hands
-# DeepSpeed the groups, and a group's own value overrides the JSON's optimizer params, so an explicit one never runs.
-CARRIED_BY_GROUPS = {"optimizer.params.weight_decay": "weight_decay"}
+# Values the run takes from elsewhere, so that an explicit one other than the flag's never runs, the flag given or not
+# (flag, what runs instead): every param group accel_train builds carries its decay (0.0 for biases and norms) and
+# Accelerate hands DeepSpeed the groups, whose own values override the JSON's optimizer params; each process trains
+# the prepared loader's batches, and DeepSpeed, which batches no data here, counts samples with its micro-batch only
+# (train_batch_size = micro-batch x accumulation x processes, its throughput and sample counters).
+NEVER_RUN = {
+    "optimizer.params.weight_decay": ("weight_decay", "accel_train's param groups carry --weight_decay ({value}; 0.0 "
+                                      "for biases and norms) and DeepSpeed builds its optimizer from them, a group's "
+                                      "own value before the JSON's"),
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "each process trains the loader's batches of "
+                                       "--per_device_train_batch_size ({value}), and DeepSpeed only counts samples "
+                                       "with its micro-batch (its train_batch_size, throughput and sample counters)"),
+}
 
 
 def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
@@ -58,8 +68,8 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     user gave (`config.given`) is refused, naming both (a pair such as the betas element by element: --adam_beta1
     against the first); those beside a flag left at its default are returned and kept on the plugin as
     `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports. A
-    value the param groups carry (CARRIED_BY_GROUPS: the weight decay) never runs, so an explicit one other than the
-    flag's is refused whether the flag was given or not."""
+    value the run takes from elsewhere (NEVER_RUN: the weight decay the param groups carry, the loader's micro-batch)
+    never runs, so an explicit one other than the flag's is refused whether the flag was given or not."""
     wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
     differ: dict[str, Any] = {}
     replaced: list[str] = []
@@ -68,8 +78,8 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
         if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
             continue
         stand_for = _flags_replaced(key, node[leaf], wanted[key])
-        if key in CARRIED_BY_GROUPS:
-            _refuse_carried(key, node[leaf], config)
+        if key in NEVER_RUN:
+            _refuse_never_run(key, node[leaf], config)
         given = [flag for flag in stand_for if flag in config.given]
         if given:
             raise ConfigError(
@@ -85,13 +95,12 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     return differ
 
 
-def _refuse_carried(key: str, value: Any, config: TrainConfig) -> None:
-    flag = CARRIED_BY_GROUPS[key]
+def _refuse_never_run(key: str, value: Any, config: TrainConfig) -> None:
+    flag, why = NEVER_RUN[key]
     raise ConfigError(
-        f"the DeepSpeed JSON config sets \"{key}\": {json.dumps(value)}, which would not run: accel_train's param "
-        f"groups carry --{flag} ({getattr(config, flag)}; 0.0 for biases and norms) and DeepSpeed builds its optimizer "
-        f"from them, a group's own value before the JSON's. Set \"{key}\" to \"auto\" in the JSON and give "
-        f"--{flag} {json.dumps(value)}.")
+        f"the DeepSpeed JSON config sets \"{key}\": {json.dumps(value)}, which would not run: "
+        f"{why.format(value=getattr(config, flag))}. Set \"{key}\" to \"auto\" in the JSON and give --{flag} "
+        f"{json.dumps(value)}.")
 
 
 def _flags_replaced(key: str, value: Any, wanted: Any) -> tuple[str, ...]:

@@ -821,3 +821,19 @@ def test_an_explicit_deepspeed_weight_decay_that_the_param_groups_override_is_re
                                           r"--weight_decay 0.01"):
         prepared_under_deepspeed(zero3_json(optimizer=optimizer))
     prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("weight_decay",), weight_decay=0.01)
+
+
+def test_an_explicit_deepspeed_micro_batch_other_than_the_loaders_is_refused():
+    """DeepSpeed never batches the data here: each process trains the prepared loader's batches of
+    --per_device_train_batch_size, and the JSON's "train_micro_batch_size_per_gpu" only sizes DeepSpeed's sample
+    counts (train_batch_size = micro x accumulation x processes, its throughput). A JSON micro-batch of 4 beside the
+    flag's 8 trained 8 while the start-up note said DeepSpeed ran 4: refused whether the flag was given or not."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    with pytest.raises(ConfigError, match=r"sets \"train_micro_batch_size_per_gpu\": 4, which would not run: each "
+                                          r"process trains the loader's batches of --per_device_train_batch_size "
+                                          r"\(8\).*give --per_device_train_batch_size 4"):
+        prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4))
+    engine = prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4), per_device_train_batch_size=4)
+    assert not [note for note in engine_notes(engine) if "explicitly" in note]

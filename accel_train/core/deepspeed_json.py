@@ -36,11 +36,13 @@ def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
     }
 
 
-# The flags each value of `deepspeed_values` (and the micro-batch Accelerate fills) stands for, the one named first.
+# The flags each value of `deepspeed_values` (and the micro-batch Accelerate fills) stands for, the one named first;
+# the peak rate is --learning_rate scaled by --scale_lr, so an explicit rate replaces both.
+PEAK = ("learning_rate", "scale_lr")
 JSON_FLAGS = {
-    "optimizer.params.lr": ("learning_rate",), "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
+    "optimizer.params.lr": PEAK, "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
     "optimizer.params.eps": ("adam_epsilon",), "optimizer.params.weight_decay": ("weight_decay",),
-    "optimizer.params.momentum": ("sgd_momentum",), "scheduler.params.warmup_max_lr": ("learning_rate",),
+    "optimizer.params.momentum": ("sgd_momentum",), "scheduler.params.warmup_max_lr": PEAK,
     "scheduler.params.warmup_num_steps": ("warmup_steps", "warmup_ratio"),
     "scheduler.params.total_num_steps": ("max_steps", "num_train_epochs"), "gradient_clipping": ("max_grad_norm",),
     "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
@@ -80,7 +82,7 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
         stand_for = _flags_replaced(key, node[leaf], wanted[key])
         if key in NEVER_RUN:
             _refuse_never_run(key, node[leaf], config)
-        given = [flag for flag in stand_for if flag in config.given]
+        given = _asked(stand_for, config)
         if given:
             raise ConfigError(
                 f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config sets \"{key}\": "
@@ -93,6 +95,13 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     plugin.explicit_json_values = differ
     plugin.explicit_json_flags = list(dict.fromkeys(replaced))
     return differ
+
+
+def _asked(flags: tuple[str, ...], config: TrainConfig, zero_asks: bool = True) -> list[str]:
+    """Those of `flags` the user gave (`config.given`) that ask for something: --scale_lr none asks for no scaling,
+    and where `zero_asks` is False a 0 (no warmup) asks for nothing either."""
+    return [flag for flag in flags if flag in config.given and getattr(config, flag) != "none"
+            and (zero_asks or bool(getattr(config, flag)))]
 
 
 def _refuse_never_run(key: str, value: Any, config: TrainConfig) -> None:

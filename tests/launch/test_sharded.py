@@ -837,3 +837,23 @@ def test_an_explicit_deepspeed_micro_batch_other_than_the_loaders_is_refused():
         prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4))
     engine = prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4), per_device_train_batch_size=4)
     assert not [note for note in engine_notes(engine) if "explicitly" in note]
+
+
+def test_a_given_scale_lr_beside_an_explicit_deepspeed_json_rate_is_refused():
+    """--scale_lr scales the peak rate with the global batch: filled into the JSON's "auto" rates, but an explicit
+    optimizer "lr" (or scheduler "warmup_max_lr") ran unscaled beside a given --scale_lr, which the check did not
+    compare (it stood for --learning_rate only). Refused as a given --learning_rate is; --scale_lr none asks for
+    nothing, and the scaled value in the JSON runs."""
+    from accel_train import ConfigError
+
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "lr": 1e-4}
+    with pytest.raises(ConfigError, match=r"--scale_lr linear, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.lr\": 0.0001, which DeepSpeed would run instead"):
+        prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="linear")
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4}}
+    with pytest.raises(ConfigError, match=r"--scale_lr sqrt, but .* \"scheduler.params.warmup_max_lr\": 0.0001"):
+        prepared_under_deepspeed(zero3_json(scheduler=scheduler), given=("scale_lr",), scale_lr="sqrt")
+    prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="none")
+    optimizer["params"]["lr"] = 5e-5 * 16 / 256  # 8 per device x 2 processes against the reference batch of 256
+    prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="linear")

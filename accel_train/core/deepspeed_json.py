@@ -1,11 +1,12 @@
 """A DeepSpeed JSON config against the run's flags: what its "auto" values mean for this run (filled here, in optimizer
 steps), and its explicit values, optimizer and scheduler where a flag asked for something else (refused by name).
 
-DeepSpeed runs what its JSON says. Accelerate fills only some "auto" values (the learning rate and weight decay; betas
-and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and divides a scheduler's total
-steps by the number of processes; the values it does not fill, and the JSON's explicit ones, it never compares with
-the flags. core/sharded.py calls these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give
-the record of what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
+DeepSpeed runs what its JSON says, and its own defaults for a param the JSON leaves out. Accelerate fills only some
+"auto" values (the learning rate and weight decay; betas and eps stay "auto" and DeepSpeed fails), clips at 1.0
+whatever --max_grad_norm says, and divides a scheduler's total steps by the number of processes; the values it does
+not fill, those left out, and the JSON's explicit ones, it never compares with the flags. core/sharded.py calls
+these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give the record of what ran
+(config.yaml's what_ran) and the start-up report the values the engine runs.
 """
 
 from __future__ import annotations
@@ -129,14 +130,45 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# The params of `deepspeed_values` that each optimizer / scheduler type takes, filled where the JSON leaves them out as
+# where it says "auto": DeepSpeed (or torch) would build them with its own defaults whatever the flags say (lr 1e-3,
+# betas (0.9, 0.999), a warmup of 1000 steps, WarmupDecayLR's peak 0.001; WarmupDecayLR and WarmupCosineLR fail
+# without a total). Every optimizer takes a rate (any other type: "lr" only); the --adam_* flags are Adam's and
+# AdamW's, --sgd_momentum is SGD's. WarmupLR's peak is not filled: its default is each param group's own rate (the
+# JSON's "lr", filled from the flags or set, or a group's own such as --layerwise_lr_decay's). The weight decay is
+# the groups' own (NEVER_RUN), and warmup_min_lr's default, 0, is the value "auto" takes.
+OPTIMIZER_TAKES = {"adam": ("lr", "betas", "eps"), "adamw": ("lr", "betas", "eps"), "sgd": ("lr", "momentum")}
+SCHEDULER_TAKES = {"WarmupLR": ("warmup_num_steps",),
+                   "WarmupDecayLR": ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
+                   "WarmupCosineLR": ("warmup_num_steps", "total_num_steps")}
+# DeepSpeed's schedulers that set every group's rate from their own params, whatever the optimizer's rate
+OWN_RATES = {"OneCycle": "cycle_min_lr, cycle_max_lr", "LRRangeTest": "lr_range_test_min_lr"}
+
+
+def filled_when_missing(ds: dict[str, Any]) -> set[str]:
+    """The keys of `deepspeed_values` that `fill_deepspeed_config` fills where the JSON `ds` leaves them out."""
+    keys = {"gradient_clipping"}  # DeepSpeed's default is 1.0, and Accelerate fills only "auto"
+    if "optimizer" in ds:
+        kind = str(ds["optimizer"].get("type", "")).lower()
+        keys |= {f"optimizer.params.{leaf}" for leaf in OPTIMIZER_TAKES.get(kind, ("lr",))}
+    if "scheduler" in ds:
+        keys |= {f"scheduler.params.{leaf}" for leaf in SCHEDULER_TAKES.get(ds["scheduler"].get("type"), ())}
+    return keys
+
+
 def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
-    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are; a JSON without "gradient_clipping" is filled as "auto" is
-    (DeepSpeed would clip at its default, 1.0, whatever --max_grad_norm says, and Accelerate fills only "auto")."""
+    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config, and those its optimizer or
+    scheduler type takes that the JSON leaves out (`filled_when_missing`, "gradient_clipping" too); return what was
+    filled. Values the JSON sets explicitly are left as they are (`check_explicit_values` compares them)."""
+    ds = plugin.hf_ds_config.config
+    missing_too = filled_when_missing(ds)
+    for section in ("optimizer", "scheduler"):
+        if section in ds and any(key.startswith(f"{section}.") for key in missing_too):
+            ds[section].setdefault("params", {})
     filled = {}
     for key, value in deepspeed_values(config, plan).items():
         node, leaf = plugin.hf_ds_config.find_config_node(key)
-        missing = "auto" if key == "gradient_clipping" else None
+        missing = "auto" if key in missing_too else None
         if node is not None and node.get(leaf, missing) == "auto":
             node[leaf] = value
             filled[key] = value
@@ -195,6 +227,45 @@ def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
             raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
                               f"{json.dumps(params['fused'])}: drop one of the two.")
         params["fused"] = True
+
+
+def refuse_unfilled_flags(ds: dict[str, Any], config: TrainConfig) -> None:
+    """A flag the user gave for a param the JSON's optimizer or scheduler leaves out and `fill_deepspeed_config` does
+    not fill would not run: --adam_beta1/2 or --adam_epsilon beside an optimizer other than Adam, AdamW or SGD without
+    "betas" / "eps" (--sgd_momentum without "momentum"), whose param accel_train cannot tell it takes; --warmup_steps
+    or --warmup_ratio beside a scheduler with no "warmup_num_steps" to fill; --learning_rate or --scale_lr beside one
+    that sets every rate itself (OWN_RATES). Refused, with what to do (a flag of another optimizer, such as
+    --sgd_momentum beside AdamW, asks nothing of it, as without DeepSpeed)."""
+    optimizer, scheduler = ds.get("optimizer"), ds.get("scheduler")
+    if optimizer is not None and str(optimizer.get("type", "")).lower() not in OPTIMIZER_TAKES:
+        kind, params = optimizer.get("type"), optimizer.get("params") or {}
+        for leaf, flags in (("betas", ("adam_beta1", "adam_beta2")), ("eps", ("adam_epsilon",)),
+                            ("momentum", ("sgd_momentum",))):
+            given = _asked(flags, config) if leaf not in params else []
+            if given:
+                raise ConfigError(
+                    f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config's optimizer, {kind}, "
+                    f"has no \"{leaf}\", and accel_train fills it from the flags only for Adam, AdamW and SGD: "
+                    f"DeepSpeed would build {kind} with its own default, and --{given[0]} would not run. Set "
+                    f"\"{leaf}\" in its params (\"auto\" takes the flag's value) if {kind} takes it, or drop "
+                    f"--{given[0]}.")
+    if scheduler is None:
+        return
+    kind, params = scheduler.get("type"), scheduler.get("params") or {}
+    takes = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
+    warmup = _asked(("warmup_steps", "warmup_ratio"), config, zero_asks=False)
+    if warmup and kind not in SCHEDULER_TAKES and "warmup_num_steps" not in params:
+        raise ConfigError(
+            f"--{warmup[0]} {getattr(config, warmup[0])}, but the DeepSpeed JSON config's scheduler, {kind}, has no "
+            f"warmup accel_train can set (it fills \"warmup_num_steps\" for {takes}): DeepSpeed would step it "
+            f"without the warmup asked for. Use one of those (its warmup is filled from the flag), or drop "
+            f"--{warmup[0]}.")
+    peak = _asked(PEAK, config)
+    if peak and kind in OWN_RATES:
+        raise ConfigError(
+            f"--{peak[0]} {getattr(config, peak[0])}, but the DeepSpeed JSON config's scheduler, {kind}, sets every "
+            f"rate from its own params ({OWN_RATES[kind]}) over the optimizer's, so --{peak[0]} would not run. Set "
+            f"the rates in its params and drop --{peak[0]}, or use {takes}, whose peak comes from the flags.")
 
 
 def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:

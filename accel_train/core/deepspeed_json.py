@@ -5,8 +5,8 @@ DeepSpeed runs what its JSON says, and its own defaults for a param the JSON lea
 "auto" values (the learning rate and weight decay; betas and eps stay "auto" and DeepSpeed fails), clips at 1.0
 whatever --max_grad_norm says, and divides a scheduler's total steps by the number of processes; the values it does
 not fill, those left out, and the JSON's explicit ones, it never compares with the flags. core/sharded.py calls
-these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give the record of what ran
-(config.yaml's what_ran) and the start-up report the values the engine runs.
+these before `accelerator.prepare`; `engine_clipping`, `engine_schedule` and `json_schedule_line` give the record of
+what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
 """
 
 from __future__ import annotations
@@ -182,6 +182,21 @@ def engine_clipping(state) -> float | None:
     if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
         return None
     return float(state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 1.0))  # DeepSpeed's default
+
+
+def engine_schedule(state, scheduler) -> dict[str, Any] | None:
+    """What the record says of a schedule a DeepSpeed JSON's "scheduler" built (None: no such schedule): who built it
+    and each param group's peak rate as that scheduler holds it ("peaks"; None where the groups' `initial_lr` says it,
+    as a torch scheduler's). DeepSpeed's WarmupLR, WarmupDecayLR and OneCycle keep theirs in `max_lrs`,
+    WarmupCosineLR in `org_lrs`: built, they set every group's rate to the warmup's start (0 by default) and keep no
+    `initial_lr`. `state`: Accelerate's AcceleratorState, or None; `scheduler`: the one inside the wrappers."""
+    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    if "scheduler" not in state.deepspeed_plugin.deepspeed_config:
+        return None
+    peaks = getattr(scheduler, "max_lrs", None) or getattr(scheduler, "org_lrs", None)
+    return {"given": "DeepSpeed's JSON config (\"scheduler\"; --lr_scheduler_type does not apply)",
+            "peaks": [float(peak) for peak in peaks] if peaks else None}
 
 
 def json_schedule_line(accelerator, config: TrainConfig, plan) -> str | None:

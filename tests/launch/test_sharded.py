@@ -927,3 +927,28 @@ def test_a_given_flag_that_a_deepspeed_json_type_would_not_take_is_refused():
     filled_json("scheduler", "StepLR", {"step_size": 4}, given=("warmup_steps", "learning_rate"), warmup_steps=0,
                 learning_rate=3e-3)  # no warmup asked for; StepLR multiplies the optimizer's rate
     assert filled_json("scheduler", "OneCycle", one_cycle)["params"] == one_cycle  # the flags at their defaults
+
+
+def test_the_record_states_a_deepspeed_json_scheduler_and_its_peak_rate():
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR set every group's rate to the warmup's start (0) when
+    they are built and keep no `initial_lr`: what_ran recorded lr 0 and "built: --lr_scheduler_type linear" though the
+    JSON's scheduler ran. The record names the JSON's scheduler and each group's peak, as the scheduler holds it."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from accel_train.core.objects import report_lines, what_ran
+
+    config = TrainConfig(output_dir="x")
+    for scheduler, peak in (({"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3}}, 2e-3),
+                            ({"type": "WarmupCosineLR", "params": {}}, 5e-5)):
+        engine = prepared_under_deepspeed(zero3_json(scheduler=scheduler))
+        optimizer = ds_optimizer(engine, config)
+        params = engine.state.deepspeed_plugin.deepspeed_config["scheduler"]["params"]
+        wrapper = type("DeepSpeedSchedulerWrapper", (), {})()
+        wrapper.scheduler = getattr(lr_schedules, scheduler["type"])(optimizer.optimizer, **params)
+        assert optimizer.optimizer.param_groups[0]["lr"] == 0.0  # as DeepSpeed leaves it before the first step
+        ran = what_ran(optimizer, wrapper, config, own_optimizer=False, own_scheduler=False)
+        assert ran["scheduler"] == {"class": scheduler["type"], "stepped": "each optimizer step",
+                                    "given": "DeepSpeed's JSON config (\"scheduler\"; --lr_scheduler_type does not "
+                                             "apply)"}
+        assert ran["optimizer"]["groups"] == [{"lr": peak, "weight_decay": 0.01}]  # torch's AdamW default decay
+        assert report_lines(ran, config)[1][0] == (f"  optimizer        AdamW (built from the config): lr {peak:g}, "
+                                                   "weight decay 0.01")

@@ -1,11 +1,12 @@
 """A DeepSpeed JSON config against the run's flags: what its "auto" values mean for this run (filled here, in optimizer
 steps), and its explicit values, optimizer and scheduler where a flag asked for something else (refused by name).
 
-DeepSpeed runs what its JSON says. Accelerate fills only some "auto" values (the learning rate and weight decay; betas
-and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and divides a scheduler's total
-steps by the number of processes; the values it does not fill, and the JSON's explicit ones, it never compares with
-the flags. core/sharded.py calls these before `accelerator.prepare`; `engine_clipping` and `json_schedule_line` give
-the record of what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
+DeepSpeed runs what its JSON says, and its own defaults for a param the JSON leaves out. Accelerate fills only some
+"auto" values (the learning rate and weight decay; betas and eps stay "auto" and DeepSpeed fails), clips at 1.0
+whatever --max_grad_norm says, and divides a scheduler's total steps by the number of processes; the values it does
+not fill, those left out, and the JSON's explicit ones, it never compares with the flags. core/sharded.py calls
+these before `accelerator.prepare`; `engine_clipping`, `engine_schedule` and `json_schedule_line` give the record of
+what ran (config.yaml's what_ran) and the start-up report the values the engine runs.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def deepspeed_values(config: TrainConfig, plan) -> dict[str, Any]:
     }
 
 
-# The flags each value of `deepspeed_values` (and the micro-batch Accelerate fills) stands for, the one named first.
+# The flags each value of `deepspeed_values` (and the micro-batch Accelerate fills) stands for, the one named first;
+# the peak rate is --learning_rate scaled by --scale_lr, so an explicit rate replaces both.
+PEAK = ("learning_rate", "scale_lr")
 JSON_FLAGS = {
-    "optimizer.params.lr": ("learning_rate",), "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
+    "optimizer.params.lr": PEAK, "optimizer.params.betas": ("adam_beta1", "adam_beta2"),
     "optimizer.params.eps": ("adam_epsilon",), "optimizer.params.weight_decay": ("weight_decay",),
-    "optimizer.params.momentum": ("sgd_momentum",), "scheduler.params.warmup_max_lr": ("learning_rate",),
+    "optimizer.params.momentum": ("sgd_momentum",), "scheduler.params.warmup_max_lr": PEAK,
     "scheduler.params.warmup_num_steps": ("warmup_steps", "warmup_ratio"),
     "scheduler.params.total_num_steps": ("max_steps", "num_train_epochs"), "gradient_clipping": ("max_grad_norm",),
     "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",),
@@ -48,9 +51,19 @@ JSON_FLAGS = {
 # Values that are a list of one flag's value per element (the others stand for the whole value, any flag named):
 # compared element by element, so that a JSON's [0.8, 0.99] runs beside --adam_beta1 0.8 and --adam_beta2 unset.
 PER_ELEMENT = ("optimizer.params.betas",)
-# Values every param group accel_train builds carries itself (decay, and 0.0 for biases and norms): Accelerate hands
-# DeepSpeed the groups, and a group's own value overrides the JSON's optimizer params, so an explicit one never runs.
-CARRIED_BY_GROUPS = {"optimizer.params.weight_decay": "weight_decay"}
+# Values the run takes from elsewhere, so that an explicit one other than the flag's never runs, the flag given or not
+# (flag, what runs instead): every param group accel_train builds carries its decay (0.0 for biases and norms) and
+# Accelerate hands DeepSpeed the groups, whose own values override the JSON's optimizer params; each process trains
+# the prepared loader's batches, and DeepSpeed, which batches no data here, counts samples with its micro-batch only
+# (train_batch_size = micro-batch x accumulation x processes, its throughput and sample counters).
+NEVER_RUN = {
+    "optimizer.params.weight_decay": ("weight_decay", "accel_train's param groups carry --weight_decay ({value}; 0.0 "
+                                      "for biases and norms) and DeepSpeed builds its optimizer from them, a group's "
+                                      "own value before the JSON's"),
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "each process trains the loader's batches of "
+                                       "--per_device_train_batch_size ({value}), and DeepSpeed only counts samples "
+                                       "with its micro-batch (its train_batch_size, throughput and sample counters)"),
+}
 
 
 def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
@@ -58,8 +71,8 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     user gave (`config.given`) is refused, naming both (a pair such as the betas element by element: --adam_beta1
     against the first); those beside a flag left at its default are returned and kept on the plugin as
     `explicit_json_values`, with the flags they replace as `explicit_json_flags`, which `engine_notes` reports. A
-    value the param groups carry (CARRIED_BY_GROUPS: the weight decay) never runs, so an explicit one other than the
-    flag's is refused whether the flag was given or not."""
+    value the run takes from elsewhere (NEVER_RUN: the weight decay the param groups carry, the loader's micro-batch)
+    never runs, so an explicit one other than the flag's is refused whether the flag was given or not."""
     wanted = {**deepspeed_values(config, plan), "train_micro_batch_size_per_gpu": config.per_device_train_batch_size}
     differ: dict[str, Any] = {}
     replaced: list[str] = []
@@ -68,9 +81,9 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
         if node is None or node.get(leaf, "auto") == "auto" or _same(node[leaf], wanted[key]):
             continue
         stand_for = _flags_replaced(key, node[leaf], wanted[key])
-        if key in CARRIED_BY_GROUPS:
-            _refuse_carried(key, node[leaf], config)
-        given = [flag for flag in stand_for if flag in config.given]
+        if key in NEVER_RUN:
+            _refuse_never_run(key, node[leaf], config)
+        given = _asked(stand_for, config)
         if given:
             raise ConfigError(
                 f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config sets \"{key}\": "
@@ -85,13 +98,19 @@ def check_explicit_values(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     return differ
 
 
-def _refuse_carried(key: str, value: Any, config: TrainConfig) -> None:
-    flag = CARRIED_BY_GROUPS[key]
+def _asked(flags: tuple[str, ...], config: TrainConfig, zero_asks: bool = True) -> list[str]:
+    """Those of `flags` the user gave (`config.given`) that ask for something: --scale_lr none asks for no scaling,
+    and where `zero_asks` is False a 0 (no warmup) asks for nothing either."""
+    return [flag for flag in flags if flag in config.given and getattr(config, flag) != "none"
+            and (zero_asks or bool(getattr(config, flag)))]
+
+
+def _refuse_never_run(key: str, value: Any, config: TrainConfig) -> None:
+    flag, why = NEVER_RUN[key]
     raise ConfigError(
-        f"the DeepSpeed JSON config sets \"{key}\": {json.dumps(value)}, which would not run: accel_train's param "
-        f"groups carry --{flag} ({getattr(config, flag)}; 0.0 for biases and norms) and DeepSpeed builds its optimizer "
-        f"from them, a group's own value before the JSON's. Set \"{key}\" to \"auto\" in the JSON and give "
-        f"--{flag} {json.dumps(value)}.")
+        f"the DeepSpeed JSON config sets \"{key}\": {json.dumps(value)}, which would not run: "
+        f"{why.format(value=getattr(config, flag))}. Set \"{key}\" to \"auto\" in the JSON and give --{flag} "
+        f"{json.dumps(value)}.")
 
 
 def _flags_replaced(key: str, value: Any, wanted: Any) -> tuple[str, ...]:
@@ -111,14 +130,45 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# The params of `deepspeed_values` that each optimizer / scheduler type takes, filled where the JSON leaves them out as
+# where it says "auto": DeepSpeed (or torch) would build them with its own defaults whatever the flags say (lr 1e-3,
+# betas (0.9, 0.999), a warmup of 1000 steps, WarmupDecayLR's peak 0.001; WarmupDecayLR and WarmupCosineLR fail
+# without a total). Every optimizer takes a rate (any other type: "lr" only); the --adam_* flags are Adam's and
+# AdamW's, --sgd_momentum is SGD's. WarmupLR's peak is not filled: its default is each param group's own rate (the
+# JSON's "lr", filled from the flags or set, or a group's own such as --layerwise_lr_decay's). The weight decay is
+# the groups' own (NEVER_RUN), and warmup_min_lr's default, 0, is the value "auto" takes.
+OPTIMIZER_TAKES = {"adam": ("lr", "betas", "eps"), "adamw": ("lr", "betas", "eps"), "sgd": ("lr", "momentum")}
+SCHEDULER_TAKES = {"WarmupLR": ("warmup_num_steps",),
+                   "WarmupDecayLR": ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
+                   "WarmupCosineLR": ("warmup_num_steps", "total_num_steps")}
+# DeepSpeed's schedulers that set every group's rate from their own params, whatever the optimizer's rate
+OWN_RATES = {"OneCycle": "cycle_min_lr, cycle_max_lr", "LRRangeTest": "lr_range_test_min_lr"}
+
+
+def filled_when_missing(ds: dict[str, Any]) -> set[str]:
+    """The keys of `deepspeed_values` that `fill_deepspeed_config` fills where the JSON `ds` leaves them out."""
+    keys = {"gradient_clipping"}  # DeepSpeed's default is 1.0, and Accelerate fills only "auto"
+    if "optimizer" in ds:
+        kind = str(ds["optimizer"].get("type", "")).lower()
+        keys |= {f"optimizer.params.{leaf}" for leaf in OPTIMIZER_TAKES.get(kind, ("lr",))}
+    if "scheduler" in ds:
+        keys |= {f"scheduler.params.{leaf}" for leaf in SCHEDULER_TAKES.get(ds["scheduler"].get("type"), ())}
+    return keys
+
+
 def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
-    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config; return what was filled.
-    Values the JSON sets explicitly are left as they are; a JSON without "gradient_clipping" is filled as "auto" is
-    (DeepSpeed would clip at its default, 1.0, whatever --max_grad_norm says, and Accelerate fills only "auto")."""
+    """Replace the "auto" values `deepspeed_values` knows in the plugin's DeepSpeed config, and those its optimizer or
+    scheduler type takes that the JSON leaves out (`filled_when_missing`, "gradient_clipping" too); return what was
+    filled. Values the JSON sets explicitly are left as they are (`check_explicit_values` compares them)."""
+    ds = plugin.hf_ds_config.config
+    missing_too = filled_when_missing(ds)
+    for section in ("optimizer", "scheduler"):
+        if section in ds and any(key.startswith(f"{section}.") for key in missing_too):
+            ds[section].setdefault("params", {})
     filled = {}
     for key, value in deepspeed_values(config, plan).items():
         node, leaf = plugin.hf_ds_config.find_config_node(key)
-        missing = "auto" if key == "gradient_clipping" else None
+        missing = "auto" if key in missing_too else None
         if node is not None and node.get(leaf, missing) == "auto":
             node[leaf] = value
             filled[key] = value
@@ -132,6 +182,21 @@ def engine_clipping(state) -> float | None:
     if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
         return None
     return float(state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 1.0))  # DeepSpeed's default
+
+
+def engine_schedule(state, scheduler) -> dict[str, Any] | None:
+    """What the record says of a schedule a DeepSpeed JSON's "scheduler" built (None: no such schedule): who built it
+    and each param group's peak rate as that scheduler holds it ("peaks"; None where the groups' `initial_lr` says it,
+    as a torch scheduler's). DeepSpeed's WarmupLR, WarmupDecayLR and OneCycle keep theirs in `max_lrs`,
+    WarmupCosineLR in `org_lrs`: built, they set every group's rate to the warmup's start (0 by default) and keep no
+    `initial_lr`. `state`: Accelerate's AcceleratorState, or None; `scheduler`: the one inside the wrappers."""
+    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    if "scheduler" not in state.deepspeed_plugin.deepspeed_config:
+        return None
+    peaks = getattr(scheduler, "max_lrs", None) or getattr(scheduler, "org_lrs", None)
+    return {"given": "DeepSpeed's JSON config (\"scheduler\"; --lr_scheduler_type does not apply)",
+            "peaks": [float(peak) for peak in peaks] if peaks else None}
 
 
 def json_schedule_line(accelerator, config: TrainConfig, plan) -> str | None:
@@ -177,6 +242,45 @@ def use_json_optimizer(ds_optimizer: dict[str, Any], optim: str) -> None:
             raise ConfigError(f"--optim adamw_torch_fused, but the DeepSpeed JSON config's optimizer sets \"fused\": "
                               f"{json.dumps(params['fused'])}: drop one of the two.")
         params["fused"] = True
+
+
+def refuse_unfilled_flags(ds: dict[str, Any], config: TrainConfig) -> None:
+    """A flag the user gave for a param the JSON's optimizer or scheduler leaves out and `fill_deepspeed_config` does
+    not fill would not run: --adam_beta1/2 or --adam_epsilon beside an optimizer other than Adam, AdamW or SGD without
+    "betas" / "eps" (--sgd_momentum without "momentum"), whose param accel_train cannot tell it takes; --warmup_steps
+    or --warmup_ratio beside a scheduler with no "warmup_num_steps" to fill; --learning_rate or --scale_lr beside one
+    that sets every rate itself (OWN_RATES). Refused, with what to do (a flag of another optimizer, such as
+    --sgd_momentum beside AdamW, asks nothing of it, as without DeepSpeed)."""
+    optimizer, scheduler = ds.get("optimizer"), ds.get("scheduler")
+    if optimizer is not None and str(optimizer.get("type", "")).lower() not in OPTIMIZER_TAKES:
+        kind, params = optimizer.get("type"), optimizer.get("params") or {}
+        for leaf, flags in (("betas", ("adam_beta1", "adam_beta2")), ("eps", ("adam_epsilon",)),
+                            ("momentum", ("sgd_momentum",))):
+            given = _asked(flags, config) if leaf not in params else []
+            if given:
+                raise ConfigError(
+                    f"--{given[0]} {getattr(config, given[0])}, but the DeepSpeed JSON config's optimizer, {kind}, "
+                    f"has no \"{leaf}\", and accel_train fills it from the flags only for Adam, AdamW and SGD: "
+                    f"DeepSpeed would build {kind} with its own default, and --{given[0]} would not run. Set "
+                    f"\"{leaf}\" in its params (\"auto\" takes the flag's value) if {kind} takes it, or drop "
+                    f"--{given[0]}.")
+    if scheduler is None:
+        return
+    kind, params = scheduler.get("type"), scheduler.get("params") or {}
+    takes = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
+    warmup = _asked(("warmup_steps", "warmup_ratio"), config, zero_asks=False)
+    if warmup and kind not in SCHEDULER_TAKES and "warmup_num_steps" not in params:
+        raise ConfigError(
+            f"--{warmup[0]} {getattr(config, warmup[0])}, but the DeepSpeed JSON config's scheduler, {kind}, has no "
+            f"warmup accel_train can set (it fills \"warmup_num_steps\" for {takes}): DeepSpeed would step it "
+            f"without the warmup asked for. Use one of those (its warmup is filled from the flag), or drop "
+            f"--{warmup[0]}.")
+    peak = _asked(PEAK, config)
+    if peak and kind in OWN_RATES:
+        raise ConfigError(
+            f"--{peak[0]} {getattr(config, peak[0])}, but the DeepSpeed JSON config's scheduler, {kind}, sets every "
+            f"rate from its own params ({OWN_RATES[kind]}) over the optimizer's, so --{peak[0]} would not run. Set "
+            f"the rates in its params and drop --{peak[0]}, or use {takes}, whose peak comes from the flags.")
 
 
 def use_json_scheduler(ds_scheduler: dict[str, Any], config: TrainConfig) -> None:

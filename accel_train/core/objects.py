@@ -20,7 +20,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from .accelerator import loop_steps_schedulers
 from .data import random_item_notes
-from .deepspeed_json import engine_clipping
+from .deepspeed_json import engine_clipping, engine_schedule
 from .hyperparameters import group_peaks
 from .optim import steps_on_evaluation
 from .stream import idle_worker_notes
@@ -127,8 +127,10 @@ def fused_kernel(opt) -> bool:
 def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own_scheduler: bool,
              plateau=None) -> dict[str, Any]:
     """The record config.yaml keeps under `what_ran` (and the start-up report prints): what the loop really steps;
-    `plateau`: a ReduceLROnPlateau of the user's beside the clock schedule."""
+    `plateau`: a ReduceLROnPlateau of the user's beside the clock schedule. A DeepSpeed JSON's scheduler is named as
+    the JSON's, with each group's peak as it holds it (`engine_schedule`: the groups read the warmup's start)."""
     opt, sched = inner_object(optimizer), inner_object(scheduler)
+    engine = None if own_scheduler else engine_schedule(getattr(optimizer, "accelerator_state", None), sched)
     if steps_on_evaluation(scheduler):
         clock = f"at each evaluation, on {config.monitored_metric}"
     elif own_scheduler:
@@ -136,13 +138,16 @@ def what_ran(optimizer, scheduler, config: TrainConfig, own_optimizer: bool, own
     else:
         clock = "each optimizer step"
     groups = [{"lr": lr, "weight_decay": wd} for lr, wd in group_peaks(opt)]
+    for group, peak in zip(groups, (engine or {}).get("peaks") or (), strict=False):
+        group["lr"] = peak
     for group, label in zip(groups, getattr(opt, "group_labels", ()), strict=False):
         group["params"] = label  # a composite optimizer (--optim muon) says which of its parts steps each group
     ran = {
         "optimizer": {"class": type(opt).__name__, "given": "yours" if own_optimizer else "built from the config",
                       "groups": groups, **({"fused": True} if fused_kernel(opt) else {})},
         "scheduler": {"class": type(sched).__name__ if sched is not None else None,
-                      "given": "yours" if own_scheduler else f"built: --lr_scheduler_type {config.lr_scheduler_type}",
+                      "given": "yours" if own_scheduler else engine["given"] if engine else
+                      f"built: --lr_scheduler_type {config.lr_scheduler_type}",
                       "stepped": clock},
         "clipping": clipping_in_effect(optimizer, config),
     }

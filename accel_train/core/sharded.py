@@ -16,7 +16,9 @@ What `prepare_engine` adapts, and why:
   decay only (betas and eps stay "auto" and DeepSpeed fails), clips at 1.0 whatever --max_grad_norm says, and
   divides the schedule's total steps by the number of processes (the rate reaches its end after 1/N of the run).
   Every "auto" of the optimizer, the schedule and the clipping is filled from the config and the plan, in
-  optimizer steps (core/deepspeed_json.py); Accelerate only fills what is still "auto". An explicit JSON value that
+  optimizer steps (core/deepspeed_json.py), and so is a param the JSON leaves out where its optimizer or scheduler
+  type takes it (DeepSpeed would run its own default); a flag given for a param left out that cannot be filled is
+  refused (`refuse_unfilled_flags`). Accelerate only fills what is still "auto". An explicit JSON value that
   contradicts a flag the user gave is refused (the betas element by element), one beside a flag at its default is
   said (`check_explicit_values`), and the record and the start-up report state it where it runs.
   The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
@@ -46,6 +48,7 @@ from .data import take_examples, take_real_tokens
 from .deepspeed_json import (
     check_explicit_values,
     fill_deepspeed_config,
+    refuse_unfilled_flags,
     use_json_optimizer,
     use_json_scheduler,
 )
@@ -123,7 +126,8 @@ def prepare_engine(accelerator: Accelerator, model: torch.nn.Module, config: Tra
 
 def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
-    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), --max_tokens_per_batch and
+    (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), a flag given for a param they
+    leave out and that cannot be filled (`refuse_unfilled_flags`), --max_tokens_per_batch and
     --on_spike skip (the engine has applied the update when the loop judges the step).
     They need only the config and the JSON: build_accelerator calls this, before a recipe loads its data or builds
     its model."""
@@ -148,6 +152,7 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
         use_json_optimizer(ds["optimizer"], config.optim)
     if "scheduler" in ds:
         use_json_scheduler(ds["scheduler"], config)
+    refuse_unfilled_flags(ds, config)
 
 
 def check_accumulation_count(accelerator: Accelerator, config: TrainConfig) -> None:

@@ -821,3 +821,134 @@ def test_an_explicit_deepspeed_weight_decay_that_the_param_groups_override_is_re
                                           r"--weight_decay 0.01"):
         prepared_under_deepspeed(zero3_json(optimizer=optimizer))
     prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("weight_decay",), weight_decay=0.01)
+
+
+def test_an_explicit_deepspeed_micro_batch_other_than_the_loaders_is_refused():
+    """DeepSpeed never batches the data here: each process trains the prepared loader's batches of
+    --per_device_train_batch_size, and the JSON's "train_micro_batch_size_per_gpu" only sizes DeepSpeed's sample
+    counts (train_batch_size = micro x accumulation x processes, its throughput). A JSON micro-batch of 4 beside the
+    flag's 8 trained 8 while the start-up note said DeepSpeed ran 4: refused whether the flag was given or not."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    with pytest.raises(ConfigError, match=r"sets \"train_micro_batch_size_per_gpu\": 4, which would not run: each "
+                                          r"process trains the loader's batches of --per_device_train_batch_size "
+                                          r"\(8\).*give --per_device_train_batch_size 4"):
+        prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4))
+    engine = prepared_under_deepspeed(zero3_json(train_micro_batch_size_per_gpu=4), per_device_train_batch_size=4)
+    assert not [note for note in engine_notes(engine) if "explicitly" in note]
+
+
+def test_a_given_scale_lr_beside_an_explicit_deepspeed_json_rate_is_refused():
+    """--scale_lr scales the peak rate with the global batch: filled into the JSON's "auto" rates, but an explicit
+    optimizer "lr" (or scheduler "warmup_max_lr") ran unscaled beside a given --scale_lr, which the check did not
+    compare (it stood for --learning_rate only). Refused as a given --learning_rate is; --scale_lr none asks for
+    nothing, and the scaled value in the JSON runs."""
+    from accel_train import ConfigError
+
+    optimizer = zero3_json()["optimizer"]
+    optimizer["params"] = {**optimizer["params"], "lr": 1e-4}
+    with pytest.raises(ConfigError, match=r"--scale_lr linear, but the DeepSpeed JSON config sets "
+                                          r"\"optimizer.params.lr\": 0.0001, which DeepSpeed would run instead"):
+        prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="linear")
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4}}
+    with pytest.raises(ConfigError, match=r"--scale_lr sqrt, but .* \"scheduler.params.warmup_max_lr\": 0.0001"):
+        prepared_under_deepspeed(zero3_json(scheduler=scheduler), given=("scale_lr",), scale_lr="sqrt")
+    prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="none")
+    optimizer["params"]["lr"] = 5e-5 * 16 / 256  # 8 per device x 2 processes against the reference batch of 256
+    prepared_under_deepspeed(zero3_json(optimizer=optimizer), given=("scale_lr",), scale_lr="linear")
+
+
+def filled_json(section: str, type_: str, params: dict | None = None, given: tuple[str, ...] = (), **flags) -> dict:
+    """The preset's JSON with `section` ("optimizer" or "scheduler") of `type_` and `params` (None: no "params"),
+    as prepare_engine leaves it for a run of `flags`."""
+    part = {"type": type_, **({"params": params} if params is not None else {})}
+    engine = prepared_under_deepspeed(zero3_json(**{section: part}), given=given, **flags)
+    return engine.state.deepspeed_plugin.deepspeed_config[section]
+
+
+def test_deepspeed_json_params_left_out_are_filled_from_the_flags_where_the_type_takes_them():
+    """A DeepSpeed JSON's optimizer or scheduler without a param DeepSpeed builds it with ran DeepSpeed's (or torch's)
+    default whatever the flags said: an AdamW without "betas" beside --adam_beta1 0.8 ran (0.9, 0.999), a WarmupLR
+    without "warmup_num_steps" warmed up over 1000 steps beside --warmup_steps 3, a WarmupDecayLR without
+    "warmup_max_lr" peaked at 0.001 beside --learning_rate 3e-3. Where the type takes the param it is filled as "auto"
+    is (and returned as filled); WarmupLR's peak is left out, its default being each group's own rate."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    adamw = filled_json("optimizer", "AdamW", {"lr": "auto", "torch_adam": True}, given=("adam_beta1", "adam_epsilon"),
+                        adam_beta1=0.8, adam_epsilon=1e-6)
+    assert adamw["params"] == {"lr": 5e-5, "betas": [0.8, 0.999], "eps": 1e-6, "torch_adam": True}
+    assert filled_json("optimizer", "SGD", {}, given=("sgd_momentum",), sgd_momentum=0.5)["params"] == {
+        "lr": 5e-5, "momentum": 0.5}
+    assert filled_json("optimizer", "Lamb", None)["params"] == {"lr": 5e-5}  # every optimizer takes a rate
+    warmup = filled_json("scheduler", "WarmupLR", None, given=("warmup_steps",), warmup_steps=3)
+    assert warmup["params"] == {"warmup_num_steps": 3}
+    decay = filled_json("scheduler", "WarmupDecayLR", {"warmup_type": "linear"}, given=("learning_rate",),
+                        learning_rate=3e-3)
+    assert decay["params"] == {"warmup_type": "linear", "warmup_max_lr": 3e-3, "warmup_num_steps": 1,
+                               "total_num_steps": 36}
+    cosine = filled_json("scheduler", "WarmupCosineLR", {}, warmup_steps=3)
+    assert cosine["params"] == {"warmup_num_steps": 3, "total_num_steps": 36}
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)  # as DeepSpeed builds them
+    assert lr_schedules.WarmupLR(optimizer, **warmup["params"]).warmup_num_steps == 3
+    assert lr_schedules.WarmupDecayLR(optimizer, **decay["params"]).max_lrs == [3e-3]
+
+    config = TrainConfig(output_dir="x", adam_beta2=0.98)
+    plugin = SimpleNamespace(hf_ds_config=HfDeepSpeedConfig({"optimizer": {"type": "Adam"}}))
+    assert fill_deepspeed_config(plugin, config, make_plan(config, 12, 2)) == {
+        "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.98], "optimizer.params.eps": 1e-8,
+        "gradient_clipping": 1.0}
+
+
+def test_a_given_flag_that_a_deepspeed_json_type_would_not_take_is_refused():
+    """Where accel_train does not fill a param the JSON leaves out, a flag the user gave for it would not run: an
+    optimizer other than Adam, AdamW or SGD (whose params accel_train cannot name) without "betas" beside --adam_beta1,
+    a scheduler that has no warmup to fill beside --warmup_steps, one that sets every rate from its own params beside
+    --learning_rate. Refused before anything is built, naming the flag and what to do; the flags left at their
+    defaults, or asking for nothing, run."""
+    from accel_train import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--adam_beta1 0.8, but the DeepSpeed JSON config's optimizer, Lamb, has "
+                                          r"no \"betas\".*Set \"betas\" in its params \(\"auto\" takes the flag's "
+                                          r"value\)"):
+        filled_json("optimizer", "Lamb", {"lr": "auto"}, given=("adam_beta1",), adam_beta1=0.8)
+    filled_json("optimizer", "Lamb", {"lr": "auto", "betas": "auto"}, given=("adam_beta1",), adam_beta1=0.8)
+    filled_json("optimizer", "AdamW", {}, given=("sgd_momentum",), sgd_momentum=0.5)  # SGD's flag: not for AdamW
+    one_cycle = {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3}
+    with pytest.raises(ConfigError, match=r"--warmup_steps 3, but the DeepSpeed JSON config's scheduler, OneCycle, "
+                                          r"has no warmup accel_train can set.*or drop --warmup_steps"):
+        filled_json("scheduler", "OneCycle", one_cycle, given=("warmup_steps",), warmup_steps=3)
+    with pytest.raises(ConfigError, match=r"--learning_rate 0.003, but the DeepSpeed JSON config's scheduler, "
+                                          r"OneCycle, sets every rate from its own params"):
+        filled_json("scheduler", "OneCycle", one_cycle, given=("learning_rate",), learning_rate=3e-3)
+    with pytest.raises(ConfigError, match=r"--warmup_ratio 0.1, but .* scheduler, StepLR, has no warmup"):
+        filled_json("scheduler", "StepLR", {"step_size": 4}, given=("warmup_ratio",), warmup_ratio=0.1)
+    filled_json("scheduler", "StepLR", {"step_size": 4}, given=("warmup_steps", "learning_rate"), warmup_steps=0,
+                learning_rate=3e-3)  # no warmup asked for; StepLR multiplies the optimizer's rate
+    assert filled_json("scheduler", "OneCycle", one_cycle)["params"] == one_cycle  # the flags at their defaults
+
+
+def test_the_record_states_a_deepspeed_json_scheduler_and_its_peak_rate():
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR set every group's rate to the warmup's start (0) when
+    they are built and keep no `initial_lr`: what_ran recorded lr 0 and "built: --lr_scheduler_type linear" though the
+    JSON's scheduler ran. The record names the JSON's scheduler and each group's peak, as the scheduler holds it."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from accel_train.core.objects import report_lines, what_ran
+
+    config = TrainConfig(output_dir="x")
+    for scheduler, peak in (({"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3}}, 2e-3),
+                            ({"type": "WarmupCosineLR", "params": {}}, 5e-5)):
+        engine = prepared_under_deepspeed(zero3_json(scheduler=scheduler))
+        optimizer = ds_optimizer(engine, config)
+        params = engine.state.deepspeed_plugin.deepspeed_config["scheduler"]["params"]
+        wrapper = type("DeepSpeedSchedulerWrapper", (), {})()
+        wrapper.scheduler = getattr(lr_schedules, scheduler["type"])(optimizer.optimizer, **params)
+        assert optimizer.optimizer.param_groups[0]["lr"] == 0.0  # as DeepSpeed leaves it before the first step
+        ran = what_ran(optimizer, wrapper, config, own_optimizer=False, own_scheduler=False)
+        assert ran["scheduler"] == {"class": scheduler["type"], "stepped": "each optimizer step",
+                                    "given": "DeepSpeed's JSON config (\"scheduler\"; --lr_scheduler_type does not "
+                                             "apply)"}
+        assert ran["optimizer"]["groups"] == [{"lr": peak, "weight_decay": 0.01}]  # torch's AdamW default decay
+        assert report_lines(ran, config)[1][0] == (f"  optimizer        AdamW (built from the config): lr {peak:g}, "
+                                                   "weight decay 0.01")

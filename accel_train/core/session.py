@@ -312,7 +312,8 @@ class Session:
         """Before a checkpoint: the logging interval in progress goes into the state (collective)."""
         pending = meter.pending()
         parts = gather_object([pending]) if self.accelerator.num_processes > 1 else [pending]
-        state.pending_loss = parts if any(p["micro_batches"] for p in parts) else []
+        # a step since the last log: kept (its micro-batches) or skipped (its losses left the interval, not its seconds)
+        state.pending_loss = parts if any(p["micro_batches"] or p["dropped"] for p in parts) else []
         state.last_log_step = self.last_log_step
 
     # ---------------------------------------------------------------------------------------------- finish

@@ -7,6 +7,7 @@ and 2 processes on the session's ranks (a metric that fails on one rank only: ev
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -312,22 +313,43 @@ def test_no_logging_still_measures_train_loss(tmp_path):
     assert not [r for r in read_jsonl(tmp_path / "none" / "metrics.jsonl") if "loss" in r]
 
 
-def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_logging_interval(tmp_path, monkeypatch):
+def poisoned(steps: set[int]):
+    """cross_entropy, NaN at the training steps in `steps`, counted from the run's start (a resumed run's first: 1)."""
+    calls = []
+
+    def loss(model, batch):
+        calls.append(model.training)  # the pre-flight's call is in eval mode
+        out = cross_entropy(model, batch)
+        return {**out, "loss": out["loss"] * (math.nan if model.training and sum(calls) in steps else 1.0)}
+
+    return loss
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["trained", "every_step_skipped"])
+def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_logging_interval(tmp_path, monkeypatch,
+                                                                                               skipped):
     """Logged every 4 steps, preempted at step 6: train_seconds (time to a quality) lost the seconds of steps 5-6,
     spent before the checkpoint but after the last log (every preemption at another step than a log's, every
     epoch-end checkpoint inside an interval). They are carried in the checkpoint's interval: on a clock that moves a
     second a reading, the resumed run ends with at least the uninterrupted run's seconds (and a few readings more:
-    its start)."""
+    its start). Also where steps 5 and 6 were both skipped (--on_nonfinite skip, a NaN loss): the interval had no
+    micro-batch left and the checkpoint kept none of it (5 s short before)."""
     Clock(monkeypatch)
-    run(tmp_path / "whole", Accuracy(), logging_steps=4, eval_strategy="no")
+    changes = {"logging_steps": 4, "eval_strategy": "no"} | ({"on_nonfinite": "skip"} if skipped else {})
+
+    def loss():  # a resumed run counts its steps from 1: its steps 7 and 8 are not poisoned
+        return poisoned({5, 6} if skipped else set())
+
+    run(tmp_path / "whole", Accuracy(), loss_fn=loss(), **changes)
     monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:5")
     with pytest.raises(Preempted, match="stopped at step 6"):
-        run(tmp_path / "cut", Accuracy(), logging_steps=4, eval_strategy="no")
+        run(tmp_path / "cut", Accuracy(), loss_fn=loss(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
-    run(tmp_path / "cut", Accuracy(), resume=True, logging_steps=4, eval_strategy="no")
-    whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
+    run(tmp_path / "cut", Accuracy(), resume=True, loss_fn=loss(), **changes)
+    whole, cut = ([r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
                   for d in ("whole", "cut"))
-    assert whole <= cut <= whole + 5, (whole, cut)
+    assert whole["train_seconds"] <= cut["train_seconds"] <= whole["train_seconds"] + 5, (whole, cut)
+    assert cut.get("nonfinite_skips") == whole.get("nonfinite_skips") == (2 if skipped else None)
 
 
 def test_a_resume_with_changed_settings_keeps_the_config_that_trained_the_steps_before(tmp_path):

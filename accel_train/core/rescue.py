@@ -26,6 +26,7 @@ saves the last step before it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -36,7 +37,7 @@ from ..errors import MetricsError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_name, checkpoints_dir
 from ..rundir.run_files import end_attempt
-from .hooks import call_hooks
+from .hooks import call_hooks, hook_states
 
 
 def random_states() -> dict:
@@ -80,13 +81,18 @@ def preempt(session, state, meter, stop: bool = False) -> None:
     """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed). An evaluation left
     pending at this step (Session.after_step, control.settle) is in it, and `stop` (the run stops at this step: its
     finish, which could outlast the grace period, is the resumed run's), also where they became known after the
-    step's checkpoint was written (its train state is amended): the resumed run evaluates first, then finishes."""
+    step's checkpoint was written: its train state is then amended to the state the step ended with (an evaluation
+    asked after the checkpoint: its metrics, the best, the hooks' state: early stopping's stop, which `auto` reads).
+    The resumed run evaluates first, then finishes or trains on."""
     path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
+    written = session.last_save == state.step  # before the step's later work, which the amendment adds
     state.stopped = stop
     session.keep_interval(state, meter)
     session.save(state)  # nothing where this step's checkpoint was written already (it waits for a background one)
-    ckpt.amend_train_state(session.accelerator, path, {"evaluation_pending": state.evaluation_pending,
-                                                       "stopped": stop})
+    if written:
+        state.hooks = hook_states(session.hooks)
+    ckpt.amend_train_state(session.accelerator, path, dataclasses.asdict(state) if written else
+                           {"evaluation_pending": state.evaluation_pending, "stopped": stop})
     if session.accelerator.is_main_process:
         end_attempt(session.config.output_dir)
     session.log.close()

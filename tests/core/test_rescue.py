@@ -18,7 +18,7 @@ from conftest import Clock, StopOnSave, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_train import ConfigError, MetricsError, Preempted, TrainConfig, train
+from accel_train import ConfigError, MetricsError, Preempted, RunFinished, TrainConfig, train
 from accel_train.rundir.layout import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -184,30 +184,46 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
-def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch):
-    """Early stopping ends the run at step 6 (patience 2: no evaluation improves by 100), as a SIGTERM arrives after
-    that step's verdict: the run went into its finish (final evaluation, model, export) regardless, which SLURM's
-    KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with the stop saved
-    in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the resumed run trains
-    no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later resume continues
-    it, as any stopped run)."""
-    changes = {"metric_for_best_model": "loss", "early_stopping_patience": 2, "early_stopping_threshold": 100.0}
-    run(tmp_path / "whole", Accuracy(), **changes)
+@pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_after_the_steps_checkpoint"])
+def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch, asked):
+    """Early stopping ends the run at step 6 (no evaluation improves by 100: patience 2 of the evaluations every 2
+    steps; or patience 1, at the evaluation a hook asks for at step 6, after the step's checkpoint), as a SIGTERM
+    arrives after that step's verdict: the run went into its finish (final evaluation, model, export) regardless,
+    which SLURM's KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with
+    the stop saved in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the
+    resumed run trains no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later
+    `latest` continues it, as any stopped run; `auto` leaves it finished, as the uninterrupted run). Where the
+    evaluation came after the checkpoint, the amendment once held the stop alone: the resumed run's early stopping
+    (its saved state) had not stopped, so run_files.json recorded no `ended_by` and `auto` trained on to step 8, and
+    --load_best_model_at_end restored step 4, the best the checkpoint knew (step 6 in the uninterrupted run). The
+    checkpoint now gets the state the step ended with."""
+    changes = {"metric_for_best_model": "loss", "early_stopping_threshold": 100.0, "load_best_model_at_end": True,
+               "early_stopping_patience": 1 if asked else 2} | ({"eval_steps": 4} if asked else {})
+
+    def hooks():
+        return [EvaluateAt(6)] if asked else []
+
+    run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
     monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
     with pytest.raises(Preempted, match="stopped at step 6"):
-        run(tmp_path / "cut", Accuracy(), **changes)
+        run(tmp_path / "cut", Accuracy(), hooks=hooks(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
     saved = tmp_path / "cut" / "checkpoints" / checkpoint_name(6) / "train_state.json"
     assert json.loads(saved.read_text())["stopped"] is True and not (tmp_path / "cut" / "all_results.json").exists()
-    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and evaluations(tmp_path / "whole")[-1][
         0] == 6
+    finals = [[r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r.get("final")] for d in ("whole", "cut")]
+    assert finals[0] == finals[1]  # the best model restored (step 6), evaluated once
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["train_steps"] == done[1]["train_steps"] == 6 and done[0]["eval_loss"] == done[1]["eval_loss"]
     assert json.loads(saved.read_text())["stopped"] is False
-    assert json.loads((tmp_path / "cut" / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+    for d in ("whole", "cut"):
+        assert json.loads((tmp_path / d / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+        with pytest.raises(RunFinished, match="stopped early by EarlyStopping"):
+            run(tmp_path / d, Accuracy(), hooks=hooks(), resume_from_checkpoint="auto", **changes)
 
 
 class CutInTheFinish:

@@ -162,6 +162,53 @@ def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluat
     assert at in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
+class EvaluateOnSave:
+    """Asks for an evaluation when the checkpoint of step `step` lands (its on_save)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def attach(self, run):
+        self.run = run
+
+    def on_save(self, state, checkpoint_dir):
+        if state.step == self.step:
+            self.run.request_evaluate()
+
+
+@pytest.mark.parametrize("at, async_save", [(3, True), (4, False)], ids=["landed", "the_preemptions_own"])
+def test_what_on_save_asks_at_a_sigterm_is_carried_out_where_the_uninterrupted_run_asks_it(tmp_path, monkeypatch, at,
+                                                                                           async_save):
+    """Hooks whose on_save asks for an evaluation (request_evaluate) and a stop (returns True) when the checkpoint of
+    step `at` lands; checkpoints every 3 steps, a SIGTERM agreed at step `at`, and the reference, the uninterrupted
+    run, saves synchronously (its on_save comes as the checkpoint is written). `landed`: step 3's checkpoint, written
+    in the background (--async_save), lands in the preemption's save, and what its on_save asked was dropped (the loop
+    was over): the resumed run trained on to step 8 where the reference evaluates step 3 and stops there. It is
+    carried out at that step now: the stop saved, the evaluation pending; the resumed run evaluates step 3 and
+    finishes, bitwise the reference. `the_preemptions_own`: step 4's checkpoint is the preemption's own, one the
+    uninterrupted run does not write: what its on_save asks is dropped, and the resumed run is the uninterrupted run
+    (no evaluation, 8 steps)."""
+    changes = {"eval_strategy": "no"}
+
+    def hooks():
+        return [EvaluateOnSave(at), StopOnSave(at)]
+
+    run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", f"sigterm_after_step:{at - 1}")
+    with pytest.raises(Preempted, match=f"stopped at step {at}"):
+        run(tmp_path / "cut", Accuracy(), hooks=hooks(), async_save=async_save, **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(at) / "train_state.json").read_text())
+    assert saved["stopped"] is saved["evaluation_pending"] is async_save
+    run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), async_save=async_save, **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    steps = [step for step, *_ in evaluations(tmp_path / "whole")]
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and steps == ([3] if async_save else [])
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["train_steps"] == done[1]["train_steps"] == (3 if async_save else 8)
+
+
 def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finishes(tmp_path, monkeypatch):
     """A SIGTERM received while the last step is logged, evaluated and saved (after its verdict, the last the loop
     agrees) was dropped: the run went on into the final evaluation and the finish, which a scheduler's SIGKILL cuts

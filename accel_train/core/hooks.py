@@ -79,6 +79,12 @@ def hook_keys(hooks) -> list[str]:
     return keys
 
 
+def hook_states(hooks) -> dict[str, Any]:
+    """Each hook's own state (its state_dict), keyed by `hook_keys`: what a checkpoint saves of the hooks."""
+    return {key: hook.state_dict() for key, hook in zip(hook_keys(hooks), hooks, strict=True)
+            if hasattr(hook, "state_dict")}
+
+
 def saved_hook_state(saved: dict[str, Any], key: str) -> Any:
     """The state saved under `key`, also from checkpoints that keyed hooks by position ("<index>:<class>")."""
     if key in saved:

@@ -16,7 +16,8 @@
 
 * SIGTERM (agreed at a step boundary, `preempt`) saves that step and stops; an evaluation due or asked at that step
   is not run first (it could outlast the grace period a scheduler gives) but saved as pending, as above, and a stop
-  agreed there (early stopping) is saved too: the resumed run trains no step and finishes.
+  agreed there (early stopping) is saved too: the resumed run trains no step and finishes. A stop or an evaluation
+  asked in the on_save of a background checkpoint (--async_save) that lands in the SIGTERM's save is saved alike.
 
 The first two save nothing under --save_strategy no. A resumed run ends bitwise where the run that never failed ends
 (tests/core/test_rescue.py: 1 and 2 processes, with accumulation). The final evaluation needs none of this: finish()
@@ -26,6 +27,7 @@ saves the last step before it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -36,7 +38,7 @@ from ..errors import MetricsError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_name, checkpoints_dir
 from ..rundir.run_files import end_attempt
-from .hooks import call_hooks
+from .hooks import call_hooks, hook_states
 
 
 def random_states() -> dict:
@@ -80,13 +82,28 @@ def preempt(session, state, meter, stop: bool = False) -> None:
     """SIGTERM: save a checkpoint at this step boundary and stop on purpose (every rank agreed). An evaluation left
     pending at this step (Session.after_step, control.settle) is in it, and `stop` (the run stops at this step: its
     finish, which could outlast the grace period, is the resumed run's), also where they became known after the
-    step's checkpoint was written (its train state is amended): the resumed run evaluates first, then finishes."""
+    step's checkpoint was written: its train state is then amended to the state the step ended with (an evaluation
+    asked after the checkpoint: its metrics, the best, the hooks' state: early stopping's stop, which `auto` reads).
+    The resumed run evaluates first, then finishes or trains on.
+
+    A checkpoint written in the background (--async_save) lands here: what its on_save hooks ask is carried out at
+    this step (a stop saved, an evaluation left pending; a save adds nothing), as a synchronous run does where it
+    writes that checkpoint (the uninterrupted --async_save run asks it at its next save; that on_save ran, and a
+    resumed run does not call it again). Where this step had no checkpoint, the one written here is one the
+    uninterrupted run never writes: what its on_save asks is dropped, and the run resumed from it, its hooks' state
+    taken before that on_save, goes on as the uninterrupted run."""
     path = checkpoints_dir(session.config.output_dir) / checkpoint_name(state.step)
-    state.stopped = stop
+    written = session.last_save == state.step  # before the step's later work, which the amendment adds
     session.keep_interval(state, meter)
-    session.save(state)  # nothing where this step's checkpoint was written already (it waits for a background one)
-    ckpt.amend_train_state(session.accelerator, path, {"evaluation_pending": state.evaluation_pending,
-                                                       "stopped": stop})
+    asked = session.control.agree(session.settle_writes(state))  # collective: every rank preempts here
+    stop = stop or "stop" in asked
+    state.evaluation_pending |= "evaluate" in asked and state.last_eval[0] != state.step
+    state.stopped = stop
+    session.save(state)  # nothing where this step's checkpoint was written already (it waited for a background one)
+    if written:
+        state.hooks = hook_states(session.hooks)
+    ckpt.amend_train_state(session.accelerator, path, dataclasses.asdict(state) if written else
+                           {"evaluation_pending": state.evaluation_pending, "stopped": stop})
     if session.accelerator.is_main_process:
         end_attempt(session.config.output_dir)
     session.log.close()

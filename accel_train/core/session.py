@@ -41,7 +41,7 @@ from .data import dataset_size
 from .ema import evaluate_with_average, weight_average
 from .evaluation import MetricsFn, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
-from .hooks import call_hooks, ended, hook_keys
+from .hooks import call_hooks, ended, hook_states
 from .hyperparameters import group_peaks
 from .loss import check_loss, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
@@ -274,8 +274,7 @@ class Session:
         if best:  # this step's checkpoint (perhaps written already) is the best one
             state.best_checkpoint = checkpoint_name(state.step)
         if self.last_save != state.step:
-            state.hooks = {key: hook.state_dict() for key, hook in zip(hook_keys(self.hooks), self.hooks, strict=True)
-                           if hasattr(hook, "state_dict")}
+            state.hooks = hook_states(self.hooks)
             self.writer.write(self.config.output_dir, state.step, state, self.shapes)
             self.last_save = state.step
         return (self.settle_writes(state) if wait or not self.writer.asynchronous else False) or stop
@@ -312,7 +311,8 @@ class Session:
         """Before a checkpoint: the logging interval in progress goes into the state (collective)."""
         pending = meter.pending()
         parts = gather_object([pending]) if self.accelerator.num_processes > 1 else [pending]
-        state.pending_loss = parts if any(p["micro_batches"] for p in parts) else []
+        # a step since the last log: kept (its micro-batches) or skipped (its losses left the interval, not its seconds)
+        state.pending_loss = parts if any(p["micro_batches"] or p["dropped"] for p in parts) else []
         state.last_log_step = self.last_log_step
 
     # ---------------------------------------------------------------------------------------------- finish

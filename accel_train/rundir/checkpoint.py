@@ -200,6 +200,7 @@ def amend_train_state(accelerator: Accelerator, path: Path, changes: dict[str, A
 
 def _amend(path: Path, changes: dict[str, Any]) -> OSError | None:
     saved, manifest = load_train_state(path), read_manifest(path)
+    changes = json.loads(json.dumps(changes))  # as written and read back (a tuple is a list): equal is unchanged
     if all(saved.get(key) == value for key, value in changes.items()):
         return None
     tmp = path.with_name(f".tmp-{path.name}")

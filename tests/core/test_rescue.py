@@ -7,6 +7,7 @@ and 2 processes on the session's ranks (a metric that fails on one rank only: ev
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from conftest import Clock, StopOnSave, read_jsonl, reset_accelerate
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_train import ConfigError, MetricsError, Preempted, TrainConfig, train
+from accel_train import ConfigError, MetricsError, Preempted, RunFinished, TrainConfig, train
 from accel_train.rundir.layout import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,6 +162,53 @@ def test_a_sigterm_at_an_evaluation_step_saves_first_and_the_resumed_run_evaluat
     assert at in [s for s, *_ in evaluations(tmp_path / "whole")]
 
 
+class EvaluateOnSave:
+    """Asks for an evaluation when the checkpoint of step `step` lands (its on_save)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def attach(self, run):
+        self.run = run
+
+    def on_save(self, state, checkpoint_dir):
+        if state.step == self.step:
+            self.run.request_evaluate()
+
+
+@pytest.mark.parametrize("at, async_save", [(3, True), (4, False)], ids=["landed", "the_preemptions_own"])
+def test_what_on_save_asks_at_a_sigterm_is_carried_out_where_the_uninterrupted_run_asks_it(tmp_path, monkeypatch, at,
+                                                                                           async_save):
+    """Hooks whose on_save asks for an evaluation (request_evaluate) and a stop (returns True) when the checkpoint of
+    step `at` lands; checkpoints every 3 steps, a SIGTERM agreed at step `at`, and the reference, the uninterrupted
+    run, saves synchronously (its on_save comes as the checkpoint is written). `landed`: step 3's checkpoint, written
+    in the background (--async_save), lands in the preemption's save, and what its on_save asked was dropped (the loop
+    was over): the resumed run trained on to step 8 where the reference evaluates step 3 and stops there. It is
+    carried out at that step now: the stop saved, the evaluation pending; the resumed run evaluates step 3 and
+    finishes, bitwise the reference. `the_preemptions_own`: step 4's checkpoint is the preemption's own, one the
+    uninterrupted run does not write: what its on_save asks is dropped, and the resumed run is the uninterrupted run
+    (no evaluation, 8 steps)."""
+    changes = {"eval_strategy": "no"}
+
+    def hooks():
+        return [EvaluateOnSave(at), StopOnSave(at)]
+
+    run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", f"sigterm_after_step:{at - 1}")
+    with pytest.raises(Preempted, match=f"stopped at step {at}"):
+        run(tmp_path / "cut", Accuracy(), hooks=hooks(), async_save=async_save, **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / checkpoint_name(at) / "train_state.json").read_text())
+    assert saved["stopped"] is saved["evaluation_pending"] is async_save
+    run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), async_save=async_save, **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    steps = [step for step, *_ in evaluations(tmp_path / "whole")]
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and steps == ([3] if async_save else [])
+    done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
+    assert done[0]["train_steps"] == done[1]["train_steps"] == (3 if async_save else 8)
+
+
 def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finishes(tmp_path, monkeypatch):
     """A SIGTERM received while the last step is logged, evaluated and saved (after its verdict, the last the loop
     agrees) was dropped: the run went on into the final evaluation and the finish, which a scheduler's SIGKILL cuts
@@ -183,30 +231,46 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
-def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch):
-    """Early stopping ends the run at step 6 (patience 2: no evaluation improves by 100), as a SIGTERM arrives after
-    that step's verdict: the run went into its finish (final evaluation, model, export) regardless, which SLURM's
-    KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with the stop saved
-    in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the resumed run trains
-    no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later resume continues
-    it, as any stopped run)."""
-    changes = {"metric_for_best_model": "loss", "early_stopping_patience": 2, "early_stopping_threshold": 100.0}
-    run(tmp_path / "whole", Accuracy(), **changes)
+@pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_after_the_steps_checkpoint"])
+def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch, asked):
+    """Early stopping ends the run at step 6 (no evaluation improves by 100: patience 2 of the evaluations every 2
+    steps; or patience 1, at the evaluation a hook asks for at step 6, after the step's checkpoint), as a SIGTERM
+    arrives after that step's verdict: the run went into its finish (final evaluation, model, export) regardless,
+    which SLURM's KillWait cuts, and a run resumed from step 6 trained on past the stop. It is preempted there with
+    the stop saved in the step's checkpoint (written before the evaluation's hooks stopped the run: amended); the
+    resumed run trains no step and finishes: bitwise the uninterrupted run, its finish then clears the stop (a later
+    `latest` continues it, as any stopped run; `auto` leaves it finished, as the uninterrupted run). Where the
+    evaluation came after the checkpoint, the amendment once held the stop alone: the resumed run's early stopping
+    (its saved state) had not stopped, so run_files.json recorded no `ended_by` and `auto` trained on to step 8, and
+    --load_best_model_at_end restored step 4, the best the checkpoint knew (step 6 in the uninterrupted run). The
+    checkpoint now gets the state the step ended with."""
+    changes = {"metric_for_best_model": "loss", "early_stopping_threshold": 100.0, "load_best_model_at_end": True,
+               "early_stopping_patience": 1 if asked else 2} | ({"eval_steps": 4} if asked else {})
+
+    def hooks():
+        return [EvaluateAt(6)] if asked else []
+
+    run(tmp_path / "whole", Accuracy(), hooks=hooks(), **changes)
     monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:6")
     with pytest.raises(Preempted, match="stopped at step 6"):
-        run(tmp_path / "cut", Accuracy(), **changes)
+        run(tmp_path / "cut", Accuracy(), hooks=hooks(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
     saved = tmp_path / "cut" / "checkpoints" / checkpoint_name(6) / "train_state.json"
     assert json.loads(saved.read_text())["stopped"] is True and not (tmp_path / "cut" / "all_results.json").exists()
-    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    run(tmp_path / "cut", Accuracy(), resume=True, hooks=hooks(), **changes)
     whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole") and evaluations(tmp_path / "whole")[-1][
         0] == 6
+    finals = [[r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r.get("final")] for d in ("whole", "cut")]
+    assert finals[0] == finals[1]  # the best model restored (step 6), evaluated once
     done = [json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("whole", "cut")]
     assert done[0]["train_steps"] == done[1]["train_steps"] == 6 and done[0]["eval_loss"] == done[1]["eval_loss"]
     assert json.loads(saved.read_text())["stopped"] is False
-    assert json.loads((tmp_path / "cut" / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+    for d in ("whole", "cut"):
+        assert json.loads((tmp_path / d / "run_files.json").read_text())["finished"]["ended_by"] == "EarlyStopping"
+        with pytest.raises(RunFinished, match="stopped early by EarlyStopping"):
+            run(tmp_path / d, Accuracy(), hooks=hooks(), resume_from_checkpoint="auto", **changes)
 
 
 class CutInTheFinish:
@@ -312,22 +376,43 @@ def test_no_logging_still_measures_train_loss(tmp_path):
     assert not [r for r in read_jsonl(tmp_path / "none" / "metrics.jsonl") if "loss" in r]
 
 
-def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_logging_interval(tmp_path, monkeypatch):
+def poisoned(steps: set[int]):
+    """cross_entropy, NaN at the training steps in `steps`, counted from the run's start (a resumed run's first: 1)."""
+    calls = []
+
+    def loss(model, batch):
+        calls.append(model.training)  # the pre-flight's call is in eval mode
+        out = cross_entropy(model, batch)
+        return {**out, "loss": out["loss"] * (math.nan if model.training and sum(calls) in steps else 1.0)}
+
+    return loss
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["trained", "every_step_skipped"])
+def test_the_training_clock_carries_the_seconds_a_checkpoint_fell_inside_of_a_logging_interval(tmp_path, monkeypatch,
+                                                                                               skipped):
     """Logged every 4 steps, preempted at step 6: train_seconds (time to a quality) lost the seconds of steps 5-6,
     spent before the checkpoint but after the last log (every preemption at another step than a log's, every
     epoch-end checkpoint inside an interval). They are carried in the checkpoint's interval: on a clock that moves a
     second a reading, the resumed run ends with at least the uninterrupted run's seconds (and a few readings more:
-    its start)."""
+    its start). Also where steps 5 and 6 were both skipped (--on_nonfinite skip, a NaN loss): the interval had no
+    micro-batch left and the checkpoint kept none of it (5 s short before)."""
     Clock(monkeypatch)
-    run(tmp_path / "whole", Accuracy(), logging_steps=4, eval_strategy="no")
+    changes = {"logging_steps": 4, "eval_strategy": "no"} | ({"on_nonfinite": "skip"} if skipped else {})
+
+    def loss():  # a resumed run counts its steps from 1: its steps 7 and 8 are not poisoned
+        return poisoned({5, 6} if skipped else set())
+
+    run(tmp_path / "whole", Accuracy(), loss_fn=loss(), **changes)
     monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_after_step:5")
     with pytest.raises(Preempted, match="stopped at step 6"):
-        run(tmp_path / "cut", Accuracy(), logging_steps=4, eval_strategy="no")
+        run(tmp_path / "cut", Accuracy(), loss_fn=loss(), **changes)
     monkeypatch.delenv("ACCEL_TRAIN_FAULT")
-    run(tmp_path / "cut", Accuracy(), resume=True, logging_steps=4, eval_strategy="no")
-    whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
+    run(tmp_path / "cut", Accuracy(), resume=True, loss_fn=loss(), **changes)
+    whole, cut = ([r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
                   for d in ("whole", "cut"))
-    assert whole <= cut <= whole + 5, (whole, cut)
+    assert whole["train_seconds"] <= cut["train_seconds"] <= whole["train_seconds"] + 5, (whole, cut)
+    assert cut.get("nonfinite_skips") == whole.get("nonfinite_skips") == (2 if skipped else None)
 
 
 def test_a_resume_with_changed_settings_keeps_the_config_that_trained_the_steps_before(tmp_path):

@@ -175,6 +175,32 @@ def fill_deepspeed_config(plugin, config: TrainConfig, plan) -> dict[str, Any]:
     return filled
 
 
+# DeepSpeed's key that lets `accelerator.get_state_dict` gather the ZeRO-3 shards into the final model's weights.
+GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
+
+
+def gather_final_weights(ds: dict[str, Any]) -> bool:
+    """Under ZeRO-3 (or DeepSpeed's tensor parallelism) the final model is saved by gathering the shards, which
+    DeepSpeed does only where `zero_optimization.stage3_gather_16bit_weights_on_model_save` is true; its default is
+    false (so is `accelerate config`'s), and Accelerate fills neither a missing key nor "auto" with anything else.
+    The save would then fail after the whole run (Accelerate's "Cannot get 16bit model weights"), with no model
+    written. A missing or "auto" key is set true here, True returned (the start-up report says so); an explicit false
+    is refused before training: Accelerate has no other way to gather the weights into a model file."""
+    zero = ds.get("zero_optimization") or {}
+    sharded = zero.get("stage") == 3 or (ds.get("tensor_parallel") or {}).get("autotp_size", 0) > 1
+    if not sharded or zero.get(GATHER_KEY, "auto") is True:
+        return False
+    if zero.get(GATHER_KEY, "auto") == "auto":
+        ds.setdefault("zero_optimization", zero)[GATHER_KEY] = True
+        return True
+    raise ConfigError(
+        f"the DeepSpeed config sets \"zero_optimization.{GATHER_KEY}\": {json.dumps(zero[GATHER_KEY])} under ZeRO-3: "
+        "the final model is saved by gathering the sharded weights, which DeepSpeed then refuses, so the run would "
+        "fail after training with no model saved. Set it to true in the DeepSpeed JSON config (or leave it out: "
+        "accel_train fills true), or, with an Accelerate YAML without a JSON file, set "
+        "`zero3_save_16bit_model: true` under its deepspeed_config (`accelerate config`: save 16-bit weights, yes).")
+
+
 def engine_clipping(state) -> float | None:
     """The norm a DeepSpeed engine clips the gradients to (0: not at all): its config's "gradient_clipping", the JSON's
     explicit value or the one `fill_deepspeed_config` filled from --max_grad_norm; None for a run without DeepSpeed (the

@@ -161,8 +161,10 @@ def weight_average(accelerator, model: torch.nn.Module, config: TrainConfig) -> 
                           "ZeRO-1/2 keep them in half precision under bf16, where an average of small updates is "
                           "lost to rounding; train with FSDP2, DDP or one device to average weights, or drop "
                           "--ema_decay.")
-    return WeightAverage(accelerator.unwrap_model(model), config.ema_decay, config.ema_warmup,
-                         rank=accelerator.process_index)
+    # the bare module's names: torch.compile's wrapper holds the same tensors under `_orig_mod.` names, which would
+    # reach the checkpoint's average (loading into no bare model, refusing a resume that turns compile on or off)
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    return WeightAverage(bare, config.ema_decay, config.ema_warmup, rank=accelerator.process_index)
 
 
 def evaluate_with_average(accelerator, model, loader, loss_fn, metrics_fn, average: WeightAverage | None,

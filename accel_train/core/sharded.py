@@ -24,6 +24,10 @@ What `prepare_engine` adapts, and why:
   The JSON's optimizer is built in place of --optim's: an --optim that asks for another update is refused
   (`use_json_optimizer`), `adamw_torch_fused` sets its `fused`; with a scheduler in the JSON, a --lr_scheduler_type
   other than the default or --lr_scheduler_kwargs is refused (`use_json_scheduler`).
+* ZeRO-3 saves the final model by gathering its shards, which DeepSpeed does only where its JSON says
+  "stage3_gather_16bit_weights_on_model_save": true (its default and `accelerate config`'s: false), or the save fails
+  after the whole run: a missing or "auto" key is set true and said, an explicit false refused
+  (`gather_final_weights`, from `check_deepspeed_run`).
 * DeepSpeed's accumulation count must be the flag's (`check_accumulation_count`) and divide each epoch's micro-batches
   (`refuse_short_windows`); --auto_find_batch_size is refused under both engines (`refuse_sharded_probe`).
 
@@ -46,8 +50,10 @@ from ..config import TrainConfig
 from ..errors import ConfigError, LaunchError
 from .data import take_examples, take_real_tokens
 from .deepspeed_json import (
+    GATHER_KEY,
     check_explicit_values,
     fill_deepspeed_config,
+    gather_final_weights,
     refuse_unfilled_flags,
     use_json_optimizer,
     use_json_scheduler,
@@ -128,7 +134,8 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     """Under DeepSpeed, refuse an --optim or a schedule that its JSON config's optimizer or scheduler would replace
     (`use_json_optimizer`, `use_json_scheduler`; the optimizer's `fused` is passed on), a flag given for a param they
     leave out and that cannot be filled (`refuse_unfilled_flags`), --max_tokens_per_batch and
-    --on_spike skip (the engine has applied the update when the loop judges the step).
+    --on_spike skip (the engine has applied the update when the loop judges the step); under ZeRO-3 fill, or refuse
+    an explicit false, the key that lets the final model be gathered (`gather_final_weights`).
     They need only the config and the JSON: build_accelerator calls this, before a recipe loads its data or builds
     its model."""
     if accelerator.distributed_type.value != "DEEPSPEED":
@@ -153,6 +160,8 @@ def check_deepspeed_run(accelerator: Accelerator, config: TrainConfig) -> None:
     if "scheduler" in ds:
         use_json_scheduler(ds["scheduler"], config)
     refuse_unfilled_flags(ds, config)
+    if gather_final_weights(ds):
+        plugin.filled_gather = True  # engine_notes says it
 
 
 def check_accumulation_count(accelerator: Accelerator, config: TrainConfig) -> None:
@@ -274,6 +283,9 @@ def engine_notes(accelerator: Accelerator) -> list[str]:
         flags = ", ".join(f"--{flag}" for flag in getattr(plugin, "explicit_json_flags", []))
         notes.append(f"the DeepSpeed JSON config sets {values} explicitly: DeepSpeed runs them, not {flags} at their "
                      "defaults (set them to \"auto\" in the JSON to take the flags)")
+    if getattr(plugin, "filled_gather", False):  # check_deepspeed_run
+        notes.append(f"the DeepSpeed config leaves \"zero_optimization.{GATHER_KEY}\" unset (DeepSpeed's "
+                     "default: false): set true, so that the final model is gathered from the ZeRO-3 shards and saved")
     return notes
 
 

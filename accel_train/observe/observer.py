@@ -52,9 +52,11 @@ class ConfusionRecorder:
         self.average: ConfusionRecorder | None = None  # the weight average's evaluations (--ema_decay), kept apart
 
     def for_average(self) -> ConfusionRecorder:
-        """The recorder of the weight average's evaluations (core/ema.py asks for it)."""
+        """The recorder of the weight average's evaluations (core/ema.py asks for it), over the metrics function's
+        own twin where it has one (a function that keeps what it saw, such as ClassificationMetrics' confusion)."""
         if self.average is None:
-            self.average = ConfusionRecorder(self.metrics_fn)
+            twin = getattr(self.metrics_fn, "for_average", None)
+            self.average = ConfusionRecorder(twin() if twin is not None else self.metrics_fn)
         return self.average
 
     def __call__(self, outputs: dict[str, torch.Tensor]):

@@ -147,6 +147,50 @@ def test_the_confusion_matrix_is_of_the_weights_saved_as_the_final_model(tmp_pat
     assert saved["weights"] == final and accuracy == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("final", ["live", "weight average"])
+def test_the_classification_png_and_table_are_of_the_weights_saved_as_the_final_model(tmp_path, monkeypatch, capsys,
+                                                                                      final):
+    """ClassificationFinish plotted ClassificationMetrics' last confusion matrix, which the weight average's
+    evaluation (run after the live one's) had written, and printed the live weights' per-class numbers beside it:
+    the png was the average's while the live weights were saved. Both are now of the saved weights, as
+    report/confusion_matrix.json is (the plot captured: the png's drawing is matplotlib's)."""
+    from torch.utils.data import DataLoader
+
+    from accel_train import train
+    from accel_train.tasks.vision import classification
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 6, generator=g)
+    y = (x @ torch.randn(6, 6, generator=g)).argmax(-1)
+    rows = [{"x": a, "labels": b} for a, b in zip(x, y, strict=True)]
+    names = ["a", "b", "c", "d", "e", "f"]
+    metrics_fn = classification.ClassificationMetrics(names)
+    out = tmp_path / "run"
+    plotted = []
+    monkeypatch.setattr(classification, "save_confusion_matrix", lambda confusion, *_, **__: plotted.append(confusion))
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch["labels"]), "logits": logits}
+
+    config = TrainConfig(output_dir=str(out), report_to=["none"], disable_tqdm=True, run_report=False,
+                         per_device_train_batch_size=4, num_train_epochs=1, learning_rate=0.5, ema_decay=0.99,
+                         eval_strategy="epoch",
+                         save_strategy="no", save_ema_as_final=final == "weight average")
+    reset_accelerate()
+    torch.manual_seed(0)
+    result = train(torch.nn.Linear(6, 6), DataLoader(rows[:64], batch_size=4, shuffle=True), config=config,
+                   eval_loader=DataLoader(rows[64:], batch_size=8), loss_fn=loss_fn, metrics_fn=metrics_fn,
+                   hooks=[classification.ClassificationFinish("validation", False, metrics_fn, names, str(out))])
+    live, average = result.metrics["eval_accuracy"], result.metrics["eval_ema_accuracy"]
+    assert live != average, "pick a run where the two differ"
+    expected = average if final == "weight average" else live
+    saved = json.loads((out / "report" / "confusion_matrix.json").read_text())
+    assert saved["weights"] == final and plotted[-1].tolist() == saved["matrix"]
+    assert plotted[-1].trace() / plotted[-1].sum() == pytest.approx(expected, abs=1e-6)
+    assert f"eval top-1 accuracy {expected:.2%}" in capsys.readouterr().out
+
+
 def averaging(out, processes, *extra):
     """toy_train's flags: averaging, checkpointing every 4 steps, logging every step (so that --stop_at_step can cut
     at any step), the same global batch of 4 on 1 process and on 2."""

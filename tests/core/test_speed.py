@@ -384,3 +384,34 @@ def test_mfu_is_per_device_and_the_count_per_sample_under_accumulation_and_proce
     assert meter.flops.per_sample == 6 * 16 * 8
     assert record["model_tflops"] * 1e12 == pytest.approx(6 * 16 * 8 * record["samples_per_second"] / 2, rel=1e-9)
     assert record["mfu"] == pytest.approx(record["model_tflops"] * 1e12 / meter.flops.peak, rel=1e-9)
+
+
+def test_a_compiled_runs_weight_average_is_saved_by_the_bare_models_names_and_resumes_without_compile(tmp_path):
+    """The average was taken of the compiled module (unwrap_model keeps torch.compile), so the checkpoint's
+    weight_average_rank0.safetensors held `_orig_mod.` names: they load into no bare model, and a resume that turns
+    compile off (or on) was refused ("does not match this model"). The compiled module's parameters are the bare
+    module's tensors: the average is kept by the bare names, and a resume without --torch_compile continues it bitwise
+    as the compiled run's own resume does (the eager backend computes what eager does). Dynamo's caches are reset
+    before and after (process-wide: another test's compiles could leave this one eager)."""
+    import shutil
+
+    import torch
+    import torch._dynamo
+
+    common = ["--report_to", "none", "--disable_tqdm", "--max_steps", "8", "--save_strategy", "steps",
+              "--save_steps", "4", "--eval_strategy", "no", "--logging_steps", "1", "--ema_decay", "0.9"]
+    compiled = ["--torch_compile", "--torch_compile_backend", "eager"]
+    torch._dynamo.reset()
+    try:
+        toy_main([*common, *compiled, "--output_dir", str(tmp_path / "c"), "--stop_at_step", "4"])
+        shutil.copytree(tmp_path / "c", tmp_path / "e")
+        toy_main([*common, *compiled, "--output_dir", str(tmp_path / "c"), "--resume_from_checkpoint", "latest"])
+    finally:
+        torch._dynamo.reset()
+    toy_main([*common, "--output_dir", str(tmp_path / "e"), "--resume_from_checkpoint", "latest"])
+    for folder in list_checkpoints(tmp_path / "c"):
+        keys = list(load_file(folder / "weight_average_rank0.safetensors"))
+        assert keys and not any("_orig_mod" in key for key in keys), (folder, keys)
+    for name in ("model.safetensors", "checkpoints/step-00000008/weight_average_rank0.safetensors"):
+        c, e = load_file(tmp_path / "c" / name), load_file(tmp_path / "e" / name)
+        assert c.keys() == e.keys() and all(torch.equal(c[k], e[k]) for k in c), name

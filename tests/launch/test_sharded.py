@@ -557,6 +557,35 @@ def ds_optimizer(engine, config: TrainConfig):
     return wrapper
 
 
+def test_zero3_without_the_gather_key_is_filled_and_an_explicit_false_refused_before_training(tmp_path):
+    """ZeRO-3 saves the final model by gathering its shards, which DeepSpeed does only with
+    "stage3_gather_16bit_weights_on_model_save" true; its default (and `accelerate config`'s) is false, and
+    Accelerate fills nothing, so a JSON without the key trained the whole run and failed in the final save ("Cannot
+    get 16bit model weights"). Left out or "auto": set true before prepare and said in the start-up report; an
+    explicit false: refused when the accelerator is built, nothing written; ZeRO-2 (nothing to gather) is left as is."""
+    from accel_train import ConfigError
+    from accel_train.core.sharded import engine_notes
+
+    key = "stage3_gather_16bit_weights_on_model_save"
+    for value in (None, "auto"):
+        zero = {k: v for k, v in zero3_json()["zero_optimization"].items() if k != key}
+        zero = zero if value is None else {**zero, key: value}
+        engine = prepared_under_deepspeed(zero3_json(zero_optimization=zero))
+        assert engine.state.deepspeed_plugin.deepspeed_config["zero_optimization"][key] is True
+        assert any(f'"zero_optimization.{key}" unset' in note for note in engine_notes(engine))
+    assert not any(key in note for note in engine_notes(prepared_under_deepspeed(zero3_json())))  # set true: no note
+    zero2 = prepared_under_deepspeed(zero3_json(zero_optimization={"stage": 2})).state.deepspeed_plugin
+    assert key not in zero2.deepspeed_config["zero_optimization"]
+    refused = zero3_json(zero_optimization={**zero3_json()["zero_optimization"], key: False})
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf'"zero_optimization.{key}": false under ZeRO-3.*fail after training.*'
+                                          r"Set it to true.*zero3_save_16bit_model: true"):
+        built_as(out, refused)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="false under ZeRO-3"):
+        prepared_under_deepspeed(refused)
+
+
 def test_the_record_states_the_clipping_and_schedule_deepspeed_runs_where_its_json_sets_them():
     """A DeepSpeed engine clips at its config's "gradient_clipping" and steps from its JSON's rates: with a JSON that
     sets them explicitly beside flags at their defaults, what_ran (config.yaml) and the start-up report's clipping

@@ -6,6 +6,7 @@ Nothing here is image-specific; it lives beside the image recipe that first need
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ class ClassificationMetrics:
         self.accuracy = load_metric("accuracy")
         self.top_k_accuracy = load_metric("top_k_accuracy")
         self.last_confusion: np.ndarray | None = None
+        self.average: ClassificationMetrics | None = None  # the weight average's evaluations (--ema_decay)
         names = [_safe(c) for c in self.class_names]
         # a class name that cleans up to another's keeps its index, so no metric overwrites another
         self.keys = [f"accuracy_{n}" if names.count(n) == 1 else f"accuracy_{i}_{n}" for i, n in enumerate(names)]
@@ -36,6 +38,14 @@ class ClassificationMetrics:
     def metric_names(self) -> list[str]:
         """What a call returns: a --metric_for_best_model it never reports is refused before training."""
         return ["accuracy", f"top{self.top_k}_accuracy", *self.keys]
+
+    def for_average(self) -> ClassificationMetrics:
+        """The twin that evaluates the weight average (--ema_decay; core/ema.py asks for it): the same metrics with a
+        `last_confusion` of its own, evaluated after this one's, which would otherwise overwrite the live weights'."""
+        if self.average is None:
+            self.average = copy.copy(self)
+            self.average.last_confusion = None
+        return self.average
 
     def __call__(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         logits = outputs["logits"].float().cpu().numpy()
@@ -87,7 +97,8 @@ def _safe(name: str) -> str:
 
 class ClassificationFinish:
     """The finish seam: test_* entries when test was the evaluation split, the confusion matrix PNG of the last
-    evaluation (test if there is one) and a per-class accuracy table, on the main process."""
+    evaluation (test if there is one) and a per-class accuracy table, on the main process, both of the weights saved
+    as the final model: the weight average's evaluation with --save_ema_as_final, else the live weights'."""
 
     def __init__(self, eval_split, has_test: bool, metrics_fn: ClassificationMetrics, class_names, output_dir: str):
         self.eval_split, self.has_test, self.metrics_fn = eval_split, has_test, metrics_fn
@@ -96,15 +107,19 @@ class ClassificationFinish:
     def on_finish(self, session, metrics: dict) -> None:
         if self.has_test and self.eval_split == "test":
             metrics.update({"test" + k[len("eval"):]: v for k, v in metrics.items() if k.startswith("eval_")})
-        prefix = "test" if self.has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
-        confusion = self.metrics_fn.last_confusion
+        split = "test" if self.has_test else "eval"  # the split whose confusion matrix metrics_fn kept last
+        averaged = session.config.save_ema_as_final
+        prefix = f"{split}_ema" if averaged else split  # the saved weights' metrics (core/ema.py's prefix)
+        confusion = (self.metrics_fn.for_average() if averaged else self.metrics_fn).last_confusion
         if not session.accelerator.is_main_process or confusion is None:
             return
+        weights = " (weight average)" if averaged else ""
         save_confusion_matrix(confusion, self.class_names, self.out / CONFUSION_MATRIX_PLOT,
-                              title="test" if prefix == "test" else self.eval_split)
+                              title=("test" if split == "test" else self.eval_split) + weights)
         rows = [f"  {name:<16} {metrics[f'{prefix}_{key}']:.2%}"
                 for name, key in zip(self.class_names, self.metrics_fn.keys, strict=True)]
-        print(f"per-class {prefix} accuracy:\n" + "\n".join(rows), flush=True)
-        print(f"{prefix} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-5 "
-              f"{metrics[f'{prefix}_top5_accuracy']:.2%}; confusion matrix: {self.out / CONFUSION_MATRIX_PLOT}",
+        print(f"per-class {split} accuracy{weights}:\n" + "\n".join(rows), flush=True)
+        top_k = f"top{self.metrics_fn.top_k}_accuracy"
+        print(f"{split} top-1 accuracy {metrics[f'{prefix}_accuracy']:.2%}, top-{self.metrics_fn.top_k} "
+              f"{metrics[f'{prefix}_{top_k}']:.2%}{weights}; confusion matrix: {self.out / CONFUSION_MATRIX_PLOT}",
               flush=True)

@@ -693,3 +693,32 @@ def test_a_checkpoint_written_after_its_steps_evaluation_carries_no_evaluation_s
     whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
                   for d in ("whole", "cut"))
     assert whole <= cut <= whole + 10, (whole, cut)
+
+
+def sigterm_in_finish_on_rank_one(out: str, phase: str) -> None:
+    """Under --save_strategy no, the final evaluation computed (eval_steps 3): the run `whole`; `cut` by a SIGTERM on
+    rank 1 only as the final evaluation starts; or `resumed`."""
+    if phase != "cut":
+        run(Path(out), Accuracy(), resume=phase == "resumed", save_strategy="no", eval_steps=3)
+        return
+    if os.environ.get("RANK") == "1":
+        os.environ["ACCEL_TRAIN_FAULT"] = "sigterm_in_finish:evaluation"
+    try:
+        with pytest.raises(Preempted, match="stopped at step 8"):
+            run(Path(out), Accuracy(), save_strategy="no", eval_steps=3)
+    finally:
+        os.environ.pop("ACCEL_TRAIN_FAULT", None)
+
+
+def test_a_sigterm_in_the_finish_on_one_rank_preempts_every_rank(tmp_path, ranks):
+    """A SIGTERM that reaches one rank in the finish is agreed (one all-reduce at each finish boundary): every rank
+    saves step 8 and raises Preempted, none goes on alone into the final model's collectives; resumed on 2, the
+    weights and results are the uninterrupted 2-process run's."""
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "whole"), "whole")
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "cut"), "cut", timeout=180)
+    assert (tmp_path / "cut" / "checkpoints" / checkpoint_name(8)).is_dir()
+    assert not (tmp_path / "cut" / "all_results.json").exists()
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "cut"), "resumed", timeout=180)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert results(tmp_path / "cut") == results(tmp_path / "whole")

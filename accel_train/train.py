@@ -27,6 +27,7 @@ from .core.hooks import EarlyStopping, call_hooks
 from .core.loop import run_loop
 from .core.loss import evaluation_loss
 from .core.meter import StepMeter
+from .core.rescue import FinishGuard
 from .core.session import RunSpec, Session
 from .core.state import TrainResult
 from .deploy import RecordModelFactory, check_exportable, describe_model, export_formats_at_end
@@ -112,7 +113,8 @@ def train(
             # ACCEL_TRAIN_RECORD_GRADIENT=1: step 1's gradient, what verify's accumulation and world-size checks compare
             run_loop(session, state, meter, record_gradient(session, probe), stop)
         formats = session.config.export_formats
-        result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats)
+        with FinishGuard(session, state, meter) as guard:  # SIGTERM until the final model is written (core/rescue.py)
+            result = session.finish(state, meter, time.perf_counter() - started, end_training and not formats, guard)
     except Preempted:  # a checkpoint was saved on purpose: not a crash
         raise
     except BaseException as error:  # the cause stays in the run directory, for `accel-train report`

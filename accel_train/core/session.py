@@ -47,6 +47,7 @@ from .loss import check_loss, default_loss, evaluation_loss, loss_hooks
 from .meter import StepMeter
 from .objects import check_interval, loader_notes, report_lines, split_schedulers, take_schedules, what_ran
 from .optim import batches_per_process, build_optimizer, current_lr, make_plan, run_schedule, steps_on_evaluation
+from .rescue import FinishGuard
 from .restore import exclusions_after, fresh_state, load_saved_state, restore_in_place, resume, session_hyperparameters
 from .results import failure_message, final_evaluation, short, training_figures
 from .sharded import check_engine, engine_notes, prepare_engine, refuse_sum_loss
@@ -316,30 +317,37 @@ class Session:
         state.last_log_step = self.last_log_step
 
     # ---------------------------------------------------------------------------------------------- finish
-    def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True) -> TrainResult:
+    def finish(self, state: TrainState, meter: StepMeter, runtime: float, end_training: bool = True,
+               guard: FinishGuard | None = None) -> TrainResult:
         """The last log and checkpoint, the best checkpoint restored if asked, the final evaluation, and the final
         model written (weights, config, tokenizer); then the finish seam: every hook's on_finish(session, metrics)
         (a recipe's generation, predictions and test metrics), on_train_end (the report) and all_results.json,
         written once. The model is written before the seam, so that an error there loses nothing trained:
-        all_results.json then holds what was measured, and a FinishError says where everything is."""
+        all_results.json then holds what was measured, and a FinishError says where everything is. `guard`, entered
+        around the call: a SIGTERM until the final model is written saves the last step and stops (rescue.py)."""
         acc, cfg = self.accelerator, self.config
+        guard = guard or FinishGuard(self, state, meter)  # not entered: no handler, the agreements still collective
         if self.last_log_step != state.step:  # agreed: after a resume on another world size the main holds it all
             self.log_train(state, meter, write=cfg.logging_strategy != "no")
         if cfg.save_strategy != "no":
             self.keep_interval(state, meter)
             self.save(state)
         self.settle_writes(state)  # a background write a hook's request_save started (--save_strategy no too)
+        guard.agree()  # before the best restore and the final evaluation
         if cfg.load_best_model_at_end and state.best_checkpoint:
             best = checkpoints_dir(cfg.output_dir) / state.best_checkpoint
             load_saved_state(self, best)
             self.log.write(f"restored the best checkpoint {best} ({cfg.best_metric_name} = {state.best_metric:.6g})")
             state.last_eval = [-1, {}]
+        faults.finish_signal_point("evaluation")
         metrics, self.unlogged = final_evaluation(self, state)  # finish() logs what no evaluation logged yet
+        guard.agree()  # after it (and the test splits), before the final model is written
         metrics.update(training_figures(self, state, meter, runtime))
         if cfg.save_ema_as_final:  # the average is the final model, and the finish seam runs on it
             self.average.copy_into_model()
             self.log.write(f"--save_ema_as_final: the final model is the weight average (decay {cfg.ema_decay})")
         save_final_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
+        guard.model_written()
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)
         # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during

@@ -6,6 +6,8 @@ Named points (the value of ``ACCEL_TRAIN_FAULT``):
   step is logged or saved;
 * ``sigterm_after_step:<step>`` — send SIGTERM to this process (every rank) once optimizer step <step> is done, as
   a scheduler's preemption does: the loop saves at the next step boundary and stops;
+* ``sigterm_in_finish:<where>`` — send SIGTERM to this process in the finish: ``evaluation`` as the final evaluation
+  starts, ``seam`` once the final model is written (before the hooks' on_finish);
 * ``kill_during_save:<step>`` — SIGKILL the main process while checkpoint <step> is written: Accelerate's files are
   on disk, the manifest that completes the checkpoint is not;
 * ``slow_background_write:<seconds>`` — a background checkpoint write (--async_save) waits this long before it
@@ -42,6 +44,12 @@ def kill_point(name: str, step: int, main_process: bool) -> None:
 def signal_point(step: int) -> None:
     """SIGTERM this process if ``ACCEL_TRAIN_FAULT`` is ``sigterm_after_step:<step>``."""
     if os.environ.get(VARIABLE) == f"sigterm_after_step:{step}":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def finish_signal_point(where: str) -> None:
+    """SIGTERM this process if ``ACCEL_TRAIN_FAULT`` is ``sigterm_in_finish:<where>``."""
+    if os.environ.get(VARIABLE) == f"sigterm_in_finish:{where}":
         os.kill(os.getpid(), signal.SIGTERM)
 
 

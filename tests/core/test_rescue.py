@@ -231,6 +231,67 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
     assert finals == [[], []]
 
 
+def results(out) -> dict:
+    """all_results.json without the timings (runtime, samples and steps per second, peak memory, FLOP/s)."""
+    timing = ("runtime", "per_second", "seconds", "memory", "flops", "mfu")
+    return {k: v for k, v in json.loads((out / "all_results.json").read_text()).items()
+            if not any(t in k for t in timing)}
+
+
+@pytest.mark.parametrize("changes", [{"save_strategy": "no"}, {"save_strategy": "steps"},
+                                     {"load_best_model_at_end": True, "metric_for_best_model": "loss"},
+                                     {"early_stopping_patience": 1, "early_stopping_threshold": 100.0,
+                                      "metric_for_best_model": "loss"}],
+                         ids=["save_no", "save_steps", "best_model_restored", "stopped_early"])
+def test_a_sigterm_during_the_final_evaluation_saves_the_last_step_and_the_resumed_run_finishes(
+        tmp_path, monkeypatch, changes):
+    """A SIGTERM during the finish's final evaluation (step 8 is not evaluated in training: the finish evaluates)
+    killed the process with SIGTERM's default action: the loop's handler was gone, and under --save_strategy no
+    nothing kept the trained weights. It is agreed after the final evaluation, before the final model is written:
+    the last step is saved (under --save_strategy no too), Preempted; the resumed run finishes as the uninterrupted
+    one: with the best checkpoint restored for the final evaluation (the step's checkpoint, written before it, is
+    kept), and after early stopping at step 6 (the stop saved: the resumed run trains no step)."""
+    changes = {"eval_steps": 3} | changes
+    last = 6 if "early_stopping_patience" in changes else 8
+    run(tmp_path / "whole", Accuracy(), **changes)
+    monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_in_finish:evaluation")
+    with pytest.raises(Preempted, match=f"stopped at step {last}"):
+        run(tmp_path / "cut", Accuracy(), **changes)
+    monkeypatch.delenv("ACCEL_TRAIN_FAULT")
+    assert (tmp_path / "cut" / "checkpoints" / checkpoint_name(last)).is_dir()
+    assert not any((tmp_path / "cut" / name).exists() for name in ("all_results.json", "model.safetensors"))
+    run(tmp_path / "cut", Accuracy(), resume=True, **changes)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert results(tmp_path / "cut") == results(tmp_path / "whole") and "eval_accuracy" in results(tmp_path / "cut")
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "whole")
+    finals = [[{k: v for k, v in r.items() if k != "time"} for r in read_jsonl(tmp_path / d / "metrics.jsonl")
+               if r.get("final")] for d in ("whole", "cut")]
+    # the final evaluation logged once, by the resumed run (after early stopping at 6 it reuses step 6's)
+    assert finals[0] == finals[1] and len(finals[0]) == (last == 8)
+
+
+def test_a_sigterm_once_the_final_model_is_written_lets_the_finish_end(tmp_path, monkeypatch):
+    """After the final model is written a SIGTERM is held and the finish goes on (the seam, all_results.json): the
+    model is on disk, and no checkpoint could stand for weights that may be the average or the best. Neither the
+    default action (the test process would die) nor the process's previous handler (it raises) runs; that handler is
+    back once the finish ends."""
+    import signal
+
+    def before(signum, frame):
+        raise AssertionError("the previous handler ran")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        monkeypatch.setenv("ACCEL_TRAIN_FAULT", "sigterm_in_finish:seam")
+        run(tmp_path / "cut", Accuracy(), save_strategy="no")
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (tmp_path / "cut" / "all_results.json").exists() and (tmp_path / "cut" / "model.safetensors").exists()
+    assert not (tmp_path / "cut" / "checkpoints").exists() or not list((tmp_path / "cut" / "checkpoints").iterdir())
+
+
 @pytest.mark.parametrize("asked", [False, True], ids=["due", "asked_after_the_steps_checkpoint"])
 def test_a_sigterm_at_the_step_early_stopping_ends_saves_it_and_the_resumed_run_finishes(tmp_path, monkeypatch, asked):
     """Early stopping ends the run at step 6 (no evaluation improves by 100: patience 2 of the evaluations every 2
@@ -632,3 +693,32 @@ def test_a_checkpoint_written_after_its_steps_evaluation_carries_no_evaluation_s
     whole, cut = ([r["train_seconds"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train_seconds" in r][-1]
                   for d in ("whole", "cut"))
     assert whole <= cut <= whole + 10, (whole, cut)
+
+
+def sigterm_in_finish_on_rank_one(out: str, phase: str) -> None:
+    """Under --save_strategy no, the final evaluation computed (eval_steps 3): the run `whole`; `cut` by a SIGTERM on
+    rank 1 only as the final evaluation starts; or `resumed`."""
+    if phase != "cut":
+        run(Path(out), Accuracy(), resume=phase == "resumed", save_strategy="no", eval_steps=3)
+        return
+    if os.environ.get("RANK") == "1":
+        os.environ["ACCEL_TRAIN_FAULT"] = "sigterm_in_finish:evaluation"
+    try:
+        with pytest.raises(Preempted, match="stopped at step 8"):
+            run(Path(out), Accuracy(), save_strategy="no", eval_steps=3)
+    finally:
+        os.environ.pop("ACCEL_TRAIN_FAULT", None)
+
+
+def test_a_sigterm_in_the_finish_on_one_rank_preempts_every_rank(tmp_path, ranks):
+    """A SIGTERM that reaches one rank in the finish is agreed (one all-reduce at each finish boundary): every rank
+    saves step 8 and raises Preempted, none goes on alone into the final model's collectives; resumed on 2, the
+    weights and results are the uninterrupted 2-process run's."""
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "whole"), "whole")
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "cut"), "cut", timeout=180)
+    assert (tmp_path / "cut" / "checkpoints" / checkpoint_name(8)).is_dir()
+    assert not (tmp_path / "cut" / "all_results.json").exists()
+    ranks.run(sigterm_in_finish_on_rank_one, str(tmp_path / "cut"), "resumed", timeout=180)
+    whole, cut = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert results(tmp_path / "cut") == results(tmp_path / "whole")

@@ -25,7 +25,8 @@ from accelerate.utils import gather_object
 
 from ..config import TrainConfig
 from ..errors import ConfigError, DataError, MetricsError
-from .data import take_examples, take_real_tokens
+from .accelerator import precision_in_effect
+from .data import dataset_size, take_examples, take_real_tokens
 from .loss import as_loss_output, batch_size_of, tuple_target
 from .seeding import seeded_generator
 
@@ -91,6 +92,14 @@ def check_prepared(accelerator: Accelerator, loader) -> bool:
                           "torch.utils.data.DataLoader (train() prepares it), or accelerator.prepare(loader) to "
                           "evaluate_model.")
     return prepared
+
+
+def evaluation_setup(accelerator: Accelerator, loader) -> list:
+    """What tells one evaluation of the same weights from another: [processes, the evaluation batch of all processes,
+    the evaluation examples, the precision in effect]. Saved with a checkpoint's last evaluation: a run resumed at its
+    last step reuses that evaluation only where its own would be this one (core/results.py)."""
+    return [accelerator.num_processes, getattr(loader, "total_batch_size", None), dataset_size(loader),
+            precision_in_effect(accelerator)]
 
 
 def prepare_for_evaluation(accelerator: Accelerator, loader, seed: int = 0):

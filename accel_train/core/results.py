@@ -11,6 +11,7 @@ from ..errors import MetricsError
 from ..rundir.final_model import save_final_model
 from ..rundir.layout import RESULTS
 from .ema import evaluate_with_average
+from .evaluation import evaluation_setup
 from .meter import StepMeter, peak_memory
 from .state import TrainState
 
@@ -38,8 +39,10 @@ def _final_evaluation(session: Any, state: TrainState) -> tuple[dict[str, float]
     metrics: dict[str, float] = {}
     fresh: dict[str, float] = {}
     if session.eval_loader is not None:
-        step, metrics = state.last_eval
-        if step != state.step:
+        step, metrics, *setup = state.last_eval  # a checkpoint from before 2026-12-06 saved no setup: evaluated
+        # reused where this run's evaluation would be the one stored: a run resumed at its last step with another
+        # evaluation batch, set, precision or number of processes (verify's evaluation check) evaluates its own
+        if step != state.step or setup != [evaluation_setup(session.accelerator, session.eval_loader)]:
             metrics = evaluate_with_average(session.accelerator, session.model, session.eval_loader,
                                             session.eval_loss_fn, session.metrics_fn, session.average)
             fresh.update(metrics)

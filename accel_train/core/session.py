@@ -39,7 +39,7 @@ from .batch_size import enable_gradient_checkpointing, fit_micro_batch
 from .control import attach_hooks, settle
 from .data import dataset_size
 from .ema import evaluate_with_average, weight_average
-from .evaluation import MetricsFn, prepare_for_evaluation
+from .evaluation import MetricsFn, evaluation_setup, prepare_for_evaluation
 from .guard import Rollback, refuse_rollback_on_a_stream
 from .hooks import call_hooks, ended, hook_states
 from .hyperparameters import group_peaks
@@ -261,7 +261,7 @@ class Session:
             raise MetricsError(f"--metric_for_best_model {watched}: the evaluation returned only {sorted(metrics)} "
                                "(best model, early stopping and a plateau schedule watch it). Set "
                                "--metric_for_best_model to one of them, or return it from the metrics function.")
-        state.last_eval = [state.step, dict(metrics)]  # saved with the checkpoints: not what hooks add to it
+        state.last_eval = [state.step, dict(metrics), evaluation_setup(self.accelerator, self.eval_loader)]  # saved
         self.log.log({**metrics, "epoch": self.epoch_float(state)}, state.step)
         for schedule in plateau:
             schedule.step(metrics[self.config.monitored_metric])

@@ -36,8 +36,9 @@ class TrainState:
     # Saved True only by a SIGTERM at a step where the run stopped (a hook's stop: early stopping, a pause): a run
     # resumed from it trains no step and finishes there, as the run that was not cut did; its finish sets it back.
     stopped: bool = False
-    # [step, metrics] of the last evaluation during training: the final evaluation reuses it at that step, also in a
-    # run resumed from a checkpoint of the last step (its evaluation ran before the checkpoint: logged once, not twice)
+    # [step, metrics, setup] of the last evaluation during training: the final evaluation reuses it at that step, also
+    # in a run resumed from a checkpoint of the last step (its evaluation ran before the checkpoint: logged once, not
+    # twice) where the evaluation it would run is the same (evaluation.evaluation_setup: processes, batch, examples)
     last_eval: list = field(default_factory=lambda: [-1, {}])
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient (--on_nonfinite skip)

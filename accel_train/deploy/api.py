@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,27 +68,48 @@ def export_model_artifacts(model: nn.Module, fmt: str, output_dir: str | Path, s
     model.eval()
     results, records, inputs = [], [], {}
     generation = None
-    try:
-        plans = (seq2seq_plans(model, sample) if is_encoder_decoder(model)
-                 else [(target, *views(target.sample)) for target in export_targets(model, sample)])
-        for target, example, checks in plans:
-            path = output_dir / f"{target.name}{SUFFIX[fmt]}"
-            with torch.no_grad():
-                info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
-            verdict = verify_artifact(fmt, path, target, checks, tolerance)
-            result = ExportResult(fmt, target.name, path, path.stat().st_size, verdict["max_abs_diff"],
-                                  verdict["verified"])
-            results.append(result)
-            inputs[target.name] = target.input_names
-            records.append(_record(target, example, result, verdict, info))
-            print(f"accel-train export: {result.summary()}", flush=True)
-        if is_encoder_decoder(model):  # the artifacts together: their decoding loops against generate()
-            generation = verify_generation(fmt, {r.name: r.path for r in results}, inputs, model, sample)
-            print(f"accel-train export: {generation_summary(generation)}", flush=True)
-    finally:
-        model.train(training)
-    _write_metadata(output_dir, fmt, source, sample, tolerance, records, generation)
+    # written and verified in a folder beside output_dir, moved in only when every check passed: a failed export
+    # leaves the previous artifacts and their export.json as they were
+    with staged(output_dir) as staging:
+        try:
+            plans = (seq2seq_plans(model, sample) if is_encoder_decoder(model)
+                     else [(target, *views(target.sample)) for target in export_targets(model, sample)])
+            for target, example, checks in plans:
+                path = staging / f"{target.name}{SUFFIX[fmt]}"
+                with torch.no_grad():
+                    info = write_artifact(fmt, target, example, [c for _, c in checks], path, opset)
+                verdict = verify_artifact(fmt, path, target, checks, tolerance)
+                result = ExportResult(fmt, target.name, output_dir / path.name, path.stat().st_size,
+                                      verdict["max_abs_diff"], verdict["verified"])
+                results.append(result)
+                inputs[target.name] = target.input_names
+                records.append(_record(target, example, result, verdict, info))
+            if is_encoder_decoder(model):  # the artifacts together: their decoding loops against generate()
+                paths = {r.name: staging / r.path.name for r in results}
+                generation = verify_generation(fmt, paths, inputs, model, sample)
+        finally:
+            model.train(training)
+        _write_metadata(staging, fmt, source, sample, tolerance, records, generation)
+        output_dir.mkdir(exist_ok=True)
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "export.json"):  # export.json last
+            os.replace(path, output_dir / path.name)
+    for result in results:
+        print(f"accel-train export: {result.summary()}", flush=True)
+    if generation is not None:
+        print(f"accel-train export: {generation_summary(generation)}", flush=True)
     return results
+
+
+@contextmanager
+def staged(output_dir: Path) -> Iterator[Path]:
+    """A new folder beside `output_dir` (the same file system: os.replace moves its files in whole), removed with
+    whatever is left in it however the block ends."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.staging-", dir=output_dir.parent))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _record(target, example, result: ExportResult, verdict: dict, info: dict) -> dict[str, Any]:

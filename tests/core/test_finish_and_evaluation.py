@@ -202,6 +202,27 @@ def test_a_best_checkpoint_of_another_run_is_not_kept_when_resuming_from_it(tmp_
     assert "restored the best checkpoint " + str(tmp_path / "b" / "checkpoints") in out
 
 
+@pytest.mark.parametrize("change", [["--per_device_eval_batch_size", "5"], ["--eval_samples", "20"]],
+                         ids=["eval_batch", "eval_set"])
+def test_a_run_resumed_at_its_last_step_reuses_its_evaluation_only_where_its_own_would_be_the_same(tmp_path, change):
+    """Step 8 is evaluated before its checkpoint, which stores that evaluation; the run resumed from it has no step
+    left, and its final evaluation reused the stored numbers whatever it would evaluate now: with another evaluation
+    batch (verify's evaluation check: its world size never measured) or set, the old numbers were the results. Those
+    evaluate again (a final record logged); the same setup reuses (test_rescue: logged once)."""
+    out = tmp_path / "run"
+    flags = ["--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", "4", "--max_steps", "8",
+             "--save_steps", "8", "--per_device_eval_batch_size", "8"]
+    reset_accelerate()
+    toy_train.main(flags)
+    before = json.loads((out / "all_results.json").read_text())
+    reset_accelerate()
+    toy_train.main([*flags, "--resume_from_checkpoint", "latest", *change])
+    after = json.loads((out / "all_results.json").read_text())
+    finals = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("final")]
+    assert len(finals) == 1 and finals[0]["eval_samples"] == after["eval_samples"]
+    assert after["eval_samples"] == (20 if "--eval_samples" in change else before["eval_samples"])
+
+
 def test_a_metric_no_evaluation_reports_is_refused_before_training(tmp_path):
     train_loader, eval_loader = token_loaders()
     with pytest.raises(ConfigError, match=r"--metric_for_best_model rougeL: the evaluations of this run report only "

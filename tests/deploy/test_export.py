@@ -221,10 +221,15 @@ def test_data_dependent_control_flow_is_a_clear_error_naming_the_module(fmt, tmp
     assert not (tmp_path / "export.json").exists()
 
 
-def test_an_artifact_that_differs_from_the_model_is_refused(tmp_path, monkeypatch):
+def test_an_artifact_that_differs_from_the_model_is_refused_and_leaves_the_previous_export(tmp_path, monkeypatch):
+    """A refused artifact was written over the previous one first, beside that one's export.json (verified, its
+    figures): the folder said verified of an unverified model. The previous export stays as it was, nothing added."""
     import accel_train.deploy.verify as verify
 
     real = verify.load_artifact
+    sample = synthetic_sample(image_size=16)
+    export_model_artifacts(image_model("small_resnet"), "torchscript", tmp_path / "out", sample)
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
     def drifting(*args):
         run = real(*args)
@@ -232,7 +237,9 @@ def test_an_artifact_that_differs_from_the_model_is_refused(tmp_path, monkeypatc
 
     monkeypatch.setattr(verify, "load_artifact", drifting)
     with pytest.raises(ExportError, match=r"differs from the trained model by 0\.001 .* above the tolerance 0\.0001"):
-        export_model_artifacts(image_model("small_resnet"), "torchscript", tmp_path, synthetic_sample(image_size=16))
+        export_model_artifacts(image_model("vit"), "torchscript", tmp_path / "out", sample)
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_a_missing_optional_dependency_says_how_to_install_it(tmp_path, monkeypatch):

@@ -113,15 +113,16 @@ EVALUATION_BUGS = [
     ("ignores_mask", EVALUATION_BATCH, "batch_size", ("again",)),
     ("metric_before_gather", EVALUATION_GATHER, "world_size", ("again", "batch_size")),
 ]
+EVALUATED = ["--eval_strategy", "steps"]  # each step: the checkpoint resumed holds one (reused until 2026-12-06)
 
 
 @pytest.mark.slow
 def test_evaluation_seeded_bugs_each_flagged_by_their_comparison_and_the_twin_passes(tmp_path, ranks, capsys):
     """Each bug of eval_bugs.py in a verify of its own (the three would move each other's comparisons), the twin
-    with all three fixed in one: per verify, the reference (6 steps) and the evaluation-only variant here, the
-    2-process evaluation on the ranks."""
+    with all three fixed in one: per verify, the reference (6 steps, each evaluated: EVALUATED), the evaluation-only
+    variant here, the 2-process evaluation on the ranks."""
     for bug, cause, seen_by, agreeing in EVALUATION_BUGS:
-        code, certificate = verify_here(ranks, tmp_path / bug, EVAL_BUGS, "evaluation", "--bugs", bug)
+        code, certificate = verify_here(ranks, tmp_path / bug, EVAL_BUGS, "evaluation", "--bugs", bug, *EVALUATED)
         result = certificate["checks"]["evaluation"]
         assert (code, result["status"], result["cause"]) == (1, "failed", cause), bug
         measured = result["measured"]
@@ -134,7 +135,7 @@ def test_evaluation_seeded_bugs_each_flagged_by_their_comparison_and_the_twin_pa
     assert measured["world_size"]["differing"] == ["accuracy"]  # the loss is gathered: only the counted metric
     assert measured["eval_batch_size"] == [8, 4] and measured["metrics"]["samples"] == 44
 
-    fixed = ["--bugs", "metric_before_gather,dropout_in_eval,ignores_mask", "--fixed", "true"]
+    fixed = ["--bugs", "metric_before_gather,dropout_in_eval,ignores_mask", "--fixed", "true", *EVALUATED]
     code, certificate = verify_here(ranks, tmp_path / "twin", EVAL_BUGS, "evaluation", *fixed)
     result = certificate["checks"]["evaluation"]
     assert (code, result["status"], result["variants"]) == (0, "passed", ["reference", "evaluation", "evaluation-two"])

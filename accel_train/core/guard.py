@@ -69,6 +69,31 @@ class SpikeWatch:
         return spike, reference
 
 
+class SigtermFlag:
+    """SIGTERM as a flag while a `with` holds it: the handler only sets `raised` (one that printed or saved could
+    re-enter a write it interrupted), agreed across ranks where the caller chooses; the previous handler is back at
+    the exit. Off the main thread no handler can be set: no preemption handling there."""
+
+    def __init__(self):
+        self.raised = False
+        self.previous = None
+
+    def __enter__(self):
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self.handle)
+        except ValueError:  # not the main thread
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
+
+    def handle(self, signum, frame) -> None:
+        self.raised = True
+
+
 class StepGuard:
     """Non-finite detection, the loss-spike guard and SIGTERM agreement, one device sync per optimizer step."""
 
@@ -81,23 +106,18 @@ class StepGuard:
         self.spike = spike
         self.window: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []  # the window's micro-batch losses, for the spike guard
-        self.sigterm = False
-        self._previous_handler = None
+        self.term = SigtermFlag()
+
+    @property
+    def sigterm(self) -> bool:
+        return self.term.raised
 
     def __enter__(self):
-        try:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: no preemption handling
-            self._previous_handler = None
+        self.term.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-        return False
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.sigterm = True
+        return self.term.__exit__(*exc)
 
     def watch(self, objective: torch.Tensor, loss: torch.Tensor | None = None) -> None:
         """A micro-batch's objective (checked for non-finite values) and its displayed loss (the spike guard's)."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,8 +41,8 @@ from ..errors import MetricsError, Preempted
 from ..rundir import checkpoint as ckpt
 from ..rundir.layout import checkpoint_name, checkpoints_dir
 from ..rundir.run_files import end_attempt
-from ..testing import faults
 from .control import any_rank
+from .guard import SigtermFlag
 from .hooks import call_hooks, hook_states
 
 
@@ -121,44 +120,33 @@ class FinishGuard:
     """SIGTERM during Session.finish, which the loop's StepGuard no longer watches: a flag set by the handler and
     agreed at the finish's boundaries (`agree`: one all-reduce on every rank), where it preempts as at the last
     step. The final evaluation (its test splits too) can outlast a scheduler's grace period, and under
-    --save_strategy no nothing else keeps the trained weights. Once the final model is written (`model_written`), a
+    --save_strategy no nothing else keeps the trained weights. Once the final model is written, a
     SIGTERM is held (no agreement follows) and the finish goes on: the model is on disk, and the weights in memory
     may no longer be the last step's (the weight average, the best checkpoint's), so no checkpoint could stand for
     the run. The previous handler is back when the finish ends (the `with` around it, in train.py)."""
 
     def __init__(self, session, state, meter):
         self.session, self.state, self.meter = session, state, meter
-        self.sigterm = False
+        self.term = SigtermFlag()  # the loop's StepGuard holds one too
         self.random = random_states()  # at the last agreement: a save after the final evaluation puts them back
-        self.previous = None
 
     def __enter__(self):
-        with contextlib.suppress(ValueError):  # not the main thread: no preemption handling (as StepGuard)
-            self.previous = signal.signal(signal.SIGTERM, self.on_sigterm)
+        self.term.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-        return False
-
-    def on_sigterm(self, signum, frame) -> None:
-        self.sigterm = True  # only a flag: a handler that printed could re-enter a write it interrupted
+        return self.term.__exit__(*exc)
 
     def agree(self) -> None:
         """A finish boundary: a SIGTERM received on any rank saves the last step and raises Preempted. The random
         states are put back to the first boundary's (the final evaluation's loader draws a seed): where this saves
         after it, the resumed run's finish draws what the uninterrupted run's drew."""
         session, state = self.session, self.state
-        if not any_rank(session.accelerator, self.sigterm) or state.step == 0:  # step 0: nothing trained to keep
+        if not any_rank(session.accelerator, self.term.raised) or state.step == 0:  # step 0: nothing trained to keep
             self.random = random_states()
             return
         set_random_states(self.random)
         preempt(session, state, self.meter, stop=state.step < session.plan.total_steps)  # stopped early: kept
-
-    def model_written(self) -> None:
-        """The final model is on disk: a SIGTERM from here on is held (no agreement follows) until the finish ends."""
-        faults.finish_signal_point("seam")
 
 
 def pending_evaluation(session, state) -> bool:

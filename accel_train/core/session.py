@@ -347,7 +347,7 @@ class Session:
             self.average.copy_into_model()
             self.log.write(f"--save_ema_as_final: the final model is the weight average (decay {cfg.ema_decay})")
         save_final_model(acc, self.model, cfg.output_dir, self.processing_class)  # before the seam: never lost to it
-        guard.model_written()
+        faults.finish_signal_point("seam")  # from here a SIGTERM is held: no agreement follows
         before = dict(metrics)
         self.run_finish_seam(state, metrics, before)
         # metrics.jsonl and the trackers get the final evaluation too (marked "final"): what no evaluation during

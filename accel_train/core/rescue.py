@@ -104,11 +104,10 @@ def preempt(session, state, meter, stop: bool = False) -> None:
     stop = stop or "stop" in asked
     state.evaluation_pending |= "evaluate" in asked and state.last_eval[0] != state.step
     state.stopped = stop
-    session.save(state)  # nothing where this step's checkpoint was written already (it waited for a background one)
-    if written:
+    session.save(state)  # writes the state above; nothing where this step's checkpoint was written already
+    if written:  # (it waited for a background one): that one gets the state the step ended with
         state.hooks = hook_states(session.hooks)
-    ckpt.amend_train_state(session.accelerator, path, dataclasses.asdict(state) if written else
-                           {"evaluation_pending": state.evaluation_pending, "stopped": stop})
+        ckpt.amend_train_state(session.accelerator, path, dataclasses.asdict(state))
     if session.accelerator.is_main_process:
         end_attempt(session.config.output_dir)
     session.log.close()

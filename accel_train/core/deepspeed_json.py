@@ -201,13 +201,20 @@ def gather_final_weights(ds: dict[str, Any]) -> bool:
         "`zero3_save_16bit_model: true` under its deepspeed_config (`accelerate config`: save 16-bit weights, yes).")
 
 
+def _engine_config(state) -> dict[str, Any] | None:
+    """The DeepSpeed config a run under DeepSpeed prepared its engine with; None for a run without DeepSpeed.
+    `state`: Accelerate's AcceleratorState, or None."""
+    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
+        return None
+    return state.deepspeed_plugin.deepspeed_config
+
+
 def engine_clipping(state) -> float | None:
     """The norm a DeepSpeed engine clips the gradients to (0: not at all): its config's "gradient_clipping", the JSON's
     explicit value or the one `fill_deepspeed_config` filled from --max_grad_norm; None for a run without DeepSpeed (the
     loop clips at --max_grad_norm). `state`: Accelerate's AcceleratorState, or None."""
-    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
-        return None
-    return float(state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 1.0))  # DeepSpeed's default
+    ds = _engine_config(state)
+    return None if ds is None else float(ds.get("gradient_clipping", 1.0))  # DeepSpeed's default
 
 
 def engine_schedule(state, scheduler) -> dict[str, Any] | None:
@@ -216,9 +223,8 @@ def engine_schedule(state, scheduler) -> dict[str, Any] | None:
     as a torch scheduler's). DeepSpeed's WarmupLR, WarmupDecayLR and OneCycle keep theirs in `max_lrs`,
     WarmupCosineLR in `org_lrs`: built, they set every group's rate to the warmup's start (0 by default) and keep no
     `initial_lr`. `state`: Accelerate's AcceleratorState, or None; `scheduler`: the one inside the wrappers."""
-    if state is None or getattr(state.distributed_type, "value", None) != "DEEPSPEED":
-        return None
-    if "scheduler" not in state.deepspeed_plugin.deepspeed_config:
+    ds = _engine_config(state)
+    if ds is None or "scheduler" not in ds:
         return None
     peaks = getattr(scheduler, "max_lrs", None) or getattr(scheduler, "org_lrs", None)
     return {"given": "DeepSpeed's JSON config (\"scheduler\"; --lr_scheduler_type does not apply)",

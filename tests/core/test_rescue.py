@@ -233,7 +233,7 @@ def test_a_sigterm_after_the_last_steps_verdict_saves_and_the_resumed_run_finish
 
 def results(out) -> dict:
     """all_results.json without the timings (runtime, samples and steps per second, peak memory, FLOP/s)."""
-    timing = ("runtime", "per_second", "seconds", "memory", "flops", "mfu")
+    timing = ("runtime", "per_second", "seconds", "memory", "rss", "flops", "mfu")
     return {k: v for k, v in json.loads((out / "all_results.json").read_text()).items()
             if not any(t in k for t in timing)}
 
